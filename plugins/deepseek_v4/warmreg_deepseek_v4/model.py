@@ -1,0 +1,121 @@
+"""A typed view of the DeepSeek-V4 config values the kernels need (specs section 13).
+
+Every value is read through :meth:`warmreg.WarmConfig.get`, so a missing or invalid field names
+itself, this plugin and the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+
+import warmreg
+
+__all__ = ["PLUGIN", "DSV4", "compress_ratios"]
+
+PLUGIN = "warmreg-deepseek-v4"
+#: The DeepSeek-V4 sparse backends support only a KV-manager block size of 256 (specs section 2).
+SPARSE_BLOCK_SIZE = 256
+SWA_PAGE_SIZE = 64
+
+
+def _ratio(value: Any) -> str | None:
+    return None if isinstance(value, int) and value in (0, 1, 4, 128) else f"has ratio {value!r}; DeepSeek-V4 uses 0, 4 or 128"
+
+
+def compress_ratios(model: Mapping[str, Any]) -> tuple[int, ...]:
+    """Per-layer compress ratios, MTP layers included, with 0 read as 1 (SWA-only).
+
+    Reads the legacy ``compress_ratios`` list, or ``compress_rates`` mapped over ``layer_types``
+    (transformers' normalized form), as vLLM's ``get_compress_ratios`` does.
+    """
+    if "compress_ratios" in model:
+        raw = model["compress_ratios"]
+        if not isinstance(raw, Sequence) or isinstance(raw, str):
+            raise warmreg.ConfigError("model.compress_ratios", "must be a list of ints", plugin=PLUGIN)
+        for i, r in enumerate(raw):
+            problem = _ratio(r)
+            if problem:
+                raise warmreg.ConfigError(f"model.compress_ratios[{i}]", problem, plugin=PLUGIN, fix="use 0, 4 or 128")
+        ratios = [max(1, int(r)) for r in raw]
+    elif "layer_types" in model:
+        rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128, "sliding_attention": 1}
+        rates.update({k: int(v) for k, v in dict(model.get("compress_rates") or {}).items()})
+        try:
+            ratios = [rates[t] for t in model["layer_types"]]
+        except KeyError as exc:
+            raise warmreg.ConfigError("model.layer_types", f"has unknown layer type {exc}", plugin=PLUGIN) from exc
+        ratios += [1] * int(model.get("num_nextn_predict_layers", 0) or 0)
+    else:
+        raise warmreg.ConfigError(
+            "model.compress_ratios", "is missing", plugin=PLUGIN, fix="use the model's published config.json (it lists compress_ratios)"
+        )
+    return tuple(ratios)
+
+
+@attrs.frozen(kw_only=True)
+class DSV4:
+    """The DeepSeek-V4 values kernels read, validated once per config."""
+
+    hidden_size: int
+    head_dim: int
+    qk_rope_head_dim: int
+    q_lora_rank: int
+    num_attention_heads: int
+    o_groups: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    sliding_window: int
+    rms_norm_eps: float
+    hc_mult: int
+    num_nextn_predict_layers: int
+    ratios: tuple[int, ...]
+    vision_max_n_token: int
+    dtype: str
+
+    @classmethod
+    def from_config(cls, config: warmreg.WarmConfig) -> DSV4:
+        """Read and validate the model section.
+
+        :raises warmreg.ConfigError: naming the field.
+        """
+
+        def pos(field: str) -> int:
+            return config.get(f"model.{field}", int, plugin=PLUGIN, check=lambda v: None if v > 0 else f"must be > 0 (got {v})")
+
+        return cls(
+            hidden_size=pos("hidden_size"),
+            head_dim=pos("head_dim"),
+            qk_rope_head_dim=pos("qk_rope_head_dim"),
+            q_lora_rank=pos("q_lora_rank"),
+            num_attention_heads=pos("num_attention_heads"),
+            o_groups=pos("o_groups"),
+            index_n_heads=pos("index_n_heads"),
+            index_head_dim=pos("index_head_dim"),
+            index_topk=pos("index_topk"),
+            sliding_window=pos("sliding_window"),
+            rms_norm_eps=config.get("model.rms_norm_eps", float, plugin=PLUGIN),
+            hc_mult=config.get("model.hc_mult", int, plugin=PLUGIN, default=4),
+            num_nextn_predict_layers=config.get("model.num_nextn_predict_layers", int, plugin=PLUGIN, default=0),
+            ratios=compress_ratios(config.model),
+            vision_max_n_token=config.get("model.vision_max_n_token", int, plugin=PLUGIN, default=0),
+            dtype=config.get("serving.dtype", str, plugin=PLUGIN, default="bfloat16"),
+        )
+
+    @property
+    def has_c4(self) -> bool:
+        """Whether any layer compresses by 4 (CSA: indexer + top-k)."""
+        return 4 in self.ratios
+
+    @property
+    def has_c128(self) -> bool:
+        """Whether any layer compresses by 128 (HCA)."""
+        return 128 in self.ratios
+
+    @property
+    def nope_dim(self) -> int:
+        """The quantized NoPE part of a head (448 = 512 - 64)."""
+        return self.head_dim - self.qk_rope_head_dim

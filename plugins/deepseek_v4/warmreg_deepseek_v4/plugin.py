@@ -1,0 +1,26 @@
+"""Registration: which kernels a DeepSeek-V4 deployment launches on a platform."""
+
+from __future__ import annotations
+
+import warmreg
+from warmreg.ops import FusedQKVRMSNorm
+
+from .model import DSV4, PLUGIN
+
+__all__ = ["warmreg_register_kernels"]
+
+
+@warmreg.hookimpl
+def warmreg_register_kernels(registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the kernels of a DeepSeek-V4 deployment (see specs section 14 for the key space)."""
+    if config.model_type != "deepseek_v4":
+        return
+    m = DSV4.from_config(config)
+    # Q/KV RMSNorm (section 3): q = q_lora_rank, kv = head_dim, inputs are views of the fused
+    # [q_lora_rank + head_dim] projection. On ROCm with aiter DSv4 uses aiter's fused op instead.
+    registry.add(
+        FusedQKVRMSNorm(
+            q_size=m.q_lora_rank, kv_size=m.head_dim, proj_width=m.q_lora_rank + m.head_dim, dtype=m.dtype, plugin=PLUGIN
+        ),
+        when=~(warmreg.is_rocm & warmreg.has_feature("aiter")),
+    )

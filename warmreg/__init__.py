@@ -1,0 +1,80 @@
+"""warmreg: Triton kernels in LLM serving engines never compile while requests are served.
+
+The public API: everything a plugin or an engine needs is importable from here.
+"""
+
+from __future__ import annotations
+
+from .config import WarmConfig
+from .errors import (
+    CompileFailed,
+    CompileKeyError,
+    ConfigError,
+    KernelContractError,
+    PluginError,
+    TargetError,
+    WarmregError,
+)
+from .hookspecs import hookimpl
+from .kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
+from .key import CompileKey, FieldDiff, int_class, int_class_rep, is_aligned
+from .platform import (
+    Platform,
+    Predicate,
+    has_feature,
+    is_cuda,
+    is_fp8_fnuz,
+    is_rocm,
+    is_xpu,
+    rocm_arch_in,
+    sm_at_least,
+    sm_below,
+    supports_pdl,
+)
+from .registry import KernelPlan, Plan, Registry
+from .report import KeyResult, WarmReport
+from .space import enumerate_keys
+from .warm import plan, warm
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompileFailed",
+    "CompileKey",
+    "CompileKeyError",
+    "ConfigError",
+    "FieldDiff",
+    "KernelContractError",
+    "KernelPlan",
+    "KeyResult",
+    "LaunchSpec",
+    "Plan",
+    "Platform",
+    "PluginError",
+    "Predicate",
+    "Registry",
+    "TargetError",
+    "TritonKernel",
+    "WarmConfig",
+    "WarmReport",
+    "WarmregError",
+    "__version__",
+    "enumerate_keys",
+    "has_feature",
+    "hookimpl",
+    "int_class",
+    "int_class_rep",
+    "is_aligned",
+    "is_cuda",
+    "is_fp8_fnuz",
+    "is_rocm",
+    "is_xpu",
+    "kernel_launcher",
+    "meta",
+    "plan",
+    "rocm_arch_in",
+    "sm_at_least",
+    "sm_below",
+    "supports_pdl",
+    "warm",
+]

@@ -1,0 +1,9 @@
+"""``python -m warmreg`` (also under ``torchrun``)."""
+
+from __future__ import annotations
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

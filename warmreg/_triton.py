@@ -1,0 +1,266 @@
+"""Everything warmreg knows about Triton's internals, in one place.
+
+Each rule names the Triton release it was checked against (3.6.0). ``tests/test_triton_adapter.py``
+tests each internal this module relies on, so a Triton upgrade that moves one fails there first,
+and :func:`check_version` refuses an unsupported release with one readable line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from contextvars import ContextVar
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.driver import DriverBase
+from triton.runtime.driver import driver as _driver
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction, compute_cache_key
+
+from .errors import TargetError, WarmregError
+from .platform import Platform
+
+__all__ = [
+    "SUPPORTED_TRITON",
+    "check_version",
+    "cross_target",
+    "gpu_target",
+    "interpreted",
+    "specialization_key",
+]
+
+#: Triton releases whose internals this module was checked against.
+SUPPORTED_TRITON = ("3.6",)
+
+
+class UnsupportedTriton(WarmregError):
+    """The installed Triton release is not one warmreg's adapter was checked against."""
+
+
+def check_version(version: str = triton.__version__) -> None:
+    """Refuse a Triton release the adapter does not support, in one line.
+
+    :raises UnsupportedTriton: naming the installed and the supported releases.
+    """
+    if not any(version == s or version.startswith(s + ".") for s in SUPPORTED_TRITON):
+        raise UnsupportedTriton(
+            f"Triton {version} is not supported by this warmreg (supported: {', '.join(SUPPORTED_TRITON)})",
+            fix="pip install 'triton==3.6.0' or a warmreg release that supports this Triton",
+        )
+
+
+def gpu_target(platform: Platform) -> GPUTarget:
+    """Triton's ``GPUTarget`` for a platform (3.6.0: backend ``cuda``/``hip``, warp 32/64).
+
+    :raises TargetError: for XPU, which the PyPI Triton wheel cannot compile for.
+    """
+    if platform.is_cuda:
+        return GPUTarget("cuda", platform.sm, 32)
+    if platform.is_rocm:
+        return GPUTarget("hip", str(platform.arch), 64)
+    raise TargetError(platform.target, "cannot be cross-compiled with this Triton", fix="warm on the XPU host itself")
+
+
+# Triton keeps one binder and backend per device id (JITFunction.device_caches): every cross target
+# needs its own id, or a second target reuses the first one's backend. Ids start far above real GPUs.
+_device_ids: dict[str, int] = {}
+_ids_lock = threading.Lock()
+
+
+def _device_id(platform: Platform) -> int:
+    with _ids_lock:
+        return _device_ids.setdefault(platform.target, 10_000 + len(_device_ids))
+
+
+class _CrossTargetDriver(DriverBase):
+    """A stand-in driver that reports a named target, so ``JITFunction.warmup`` compiles for it."""
+
+    def __init__(self, platform: Platform) -> None:
+        self.platform = platform
+        self.target = gpu_target(platform)
+        self.device = _device_id(platform)
+
+    @classmethod
+    def is_active(cls) -> bool:
+        return False
+
+    def map_python_to_cpp_type(self, ty: str) -> str:
+        return ty
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("meta")
+
+    def get_benchmarker(self) -> Any:
+        raise TargetError(self.platform.target, "cannot run benchmarks (cross target)", fix="autotune on the GPU host")
+
+    def get_current_device(self) -> int:
+        return self.device
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+
+_cross_lock = threading.RLock()
+
+
+@contextlib.contextmanager
+def cross_target(platform: Platform) -> Iterator[None]:
+    """Make Triton compile for ``platform`` while the block runs (a no-op for the local GPU).
+
+    Triton's driver is process-global (``triton.runtime.driver.driver``), so cross-target blocks are
+    serialized with a lock, and the previous driver is restored exactly on exit.
+    """
+    if platform.local:
+        yield
+        return
+    with _cross_lock:
+        previous = _driver._active  # 3.6.0: DriverConfig keeps the active driver here
+        _driver.set_active(_CrossTargetDriver(platform))
+        try:
+            yield
+        finally:
+            _driver._active = previous
+
+
+def current_device() -> int:
+    """The device id Triton's ``JITFunction.run`` uses right now."""
+    return int(_driver.active.get_current_device())
+
+
+def set_device(device: int) -> None:
+    """Make ``device`` current on this thread (Triton loads modules onto the current device)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(device)
+
+
+def specialization_key(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> str:
+    """Triton's in-memory cache key for a launch (``JITFunction.run``'s ``key``, Triton 3.6.0).
+
+    It is the string Triton's JIT hooks receive as ``key``, so warmed launches and runtime
+    compiles can be matched exactly.
+    """
+    full = dict(kwargs)
+    full.update(options)
+    full["debug"] = full.get("debug", jit.debug) or triton.knobs.runtime.debug
+    full["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
+    _, key_cache, _, _, binder = jit.device_caches[current_device()]
+    _, specialization, opts = binder(**full)
+    return str(compute_cache_key(key_cache, specialization, opts))
+
+
+def warmup(jit: JITFunction, grid: tuple[int, ...], kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
+    """Compile without launching (``JITFunction.warmup``); returns a CompiledKernel or FutureKernel."""
+    return jit.warmup(grid=grid, **kwargs, **options)
+
+
+def finish_load(compiled: Any) -> None:
+    """Do at warm what Triton 3.6.0 otherwise leaves to the first launch: build the C launcher and
+    load the binary onto the device (``CompiledKernel._init_handles``)."""
+    compiled._init_handles()
+
+
+def _interpreted(jit: JITFunction) -> InterpretedFunction[Any]:
+    # Cached on the object: hashing a JITFunction computes its cache_key, which must not happen
+    # while the interpreter has patched triton.language.
+    cached = jit.__dict__.get("_warmreg_interpreted")
+    if cached is None:
+        cached = InterpretedFunction(
+            jit.fn,
+            do_not_specialize=jit.do_not_specialize,
+            do_not_specialize_on_alignment=jit.do_not_specialize_on_alignment,
+        )
+        jit.__dict__["_warmreg_interpreted"] = cached
+    return cached
+
+
+class _InterpretedLaunch:
+    """``fn[grid](...)`` through Triton's interpreter, with nested ``@triton.jit`` helpers interpreted too."""
+
+    def __init__(self, jit: Any) -> None:
+        self.jit = jit
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        def launch(*args: Any, **kwargs: Any) -> Any:
+            token = _INTERPRETING.set(True)
+            saved = _snapshot_lang()
+            try:
+                return self.jit[grid](*args, **kwargs)
+            finally:
+                _restore_lang(saved)
+                _INTERPRETING.reset(token)
+
+        return launch
+
+
+def interpreted(jit: Any) -> _InterpretedLaunch:
+    """The same kernel run by Triton's interpreter (for CPU tensors), as ``TRITON_INTERPRET=1`` would.
+
+    Under ``TRITON_INTERPRET=1`` the jit function already is interpreted. Otherwise a nested
+    ``@triton.jit`` helper is a compiled ``JITFunction`` that refuses to be called from Python; while
+    an interpreted launch runs, :func:`_jit_call` sends such calls to the interpreter instead
+    (Triton 3.6.0: ``JITFunction.__call__`` only raises).
+    """
+    return _InterpretedLaunch(jit if isinstance(jit, InterpretedFunction) else _interpreted(jit))
+
+
+def _lang_namespaces() -> list[Any]:
+    import triton.language as tl
+
+    return [tl, tl.core, tl.math, tl.core.tensor, tl.core.tensor_descriptor_base]
+
+
+def _snapshot_lang() -> list[tuple[Any, dict[str, Any]]]:
+    return [(ns, dict(vars(ns))) for ns in _lang_namespaces()]
+
+
+def _restore_lang(saved: list[tuple[Any, dict[str, Any]]]) -> None:
+    """Undo every patch the interpreter left on triton.language.
+
+    Triton 3.6.0's interpreter patches ``triton.language`` for a nested ``@triton.jit`` call and never
+    restores it; later compiles in the same process would then fail deep in the code generator.
+    """
+    for ns, before in saved:
+        now = dict(vars(ns))
+        for name, value in now.items():
+            if name.startswith("__"):
+                continue
+            if name not in before:
+                delattr(ns, name)
+            elif before[name] is not value:
+                setattr(ns, name, before[name])
+
+
+_INTERPRETING: ContextVar[bool] = ContextVar("warmreg_interpreting", default=False)
+_original_jit_call = JITFunction.__call__
+
+
+def _jit_call(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
+    if _INTERPRETING.get():
+        return _interpreted(self)(*args, **kwargs)
+    return _original_jit_call(self, *args, **kwargs)
+
+
+JITFunction.__call__ = _jit_call  # type: ignore[method-assign]
+
+
+def is_jit(obj: Any) -> bool:
+    """Whether ``obj`` is a ``@triton.jit`` function (compiled or, under TRITON_INTERPRET=1, interpreted)."""
+    return isinstance(obj, (JITFunction, InterpretedFunction))
+
+
+def full_name(jit: Any) -> str:
+    """Triton's full name of a jit function (``module.qualname``), as its hooks report it."""
+    fn = jit.fn
+    return f"{fn.__module__}.{fn.__qualname__}"
+
+
+def source_hash(jit: JITFunction) -> str:
+    """Triton's hash of a kernel's source and its dependencies (``JITCallable.cache_key``)."""
+    return str(jit.cache_key)

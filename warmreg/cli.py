@@ -1,0 +1,128 @@
+"""The ``warmreg`` command line: ``plugins``, ``plan``, ``warm`` (and more from later modules).
+
+Errors warmreg raises on purpose print as one line on stderr with exit code 2, no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .errors import CompileFailed, WarmregError
+
+__all__ = ["main"]
+
+_out = Console()
+_err = Console(stderr=True)
+Command = Callable[[argparse.Namespace], int]
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="config.json of the model, or a warmreg config {model, serving}")
+    p.add_argument("--target", default=None, help="cross-compile target, e.g. cuda:90, cuda:100, rocm:gfx942 (default: local GPU)")
+    p.add_argument("--skip-broken-plugins", action="store_true", help="skip a plugin that fails instead of stopping")
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from .plugins import load_plugins
+
+    loaded = load_plugins(on_plugin_error="skip")
+    table = Table("plugin", title="warmreg plugins (entry-point group 'warmreg')")
+    for name in loaded.names:
+        table.add_row(name)
+    _out.print(table)
+    for problem in loaded.problems:
+        _err.print(f"[yellow]skipped[/] {problem}")
+    return 0
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .warm import plan
+
+    p = plan(args.config, target=args.target, on_plugin_error="skip" if args.skip_broken_plugins else "raise")
+    if args.json:
+        print(json.dumps(p.to_json(), indent=2))
+        return 0
+    table = Table("kernel", "keys", "registered by", title=f"plan for {p.config.model_type} on {p.platform}")
+    for k in p.kernels:
+        table.add_row(k.name, str(len(k.keys)), ", ".join(k.plugins))
+    _out.print(table)
+    _out.print(f"{p.num_keys} keys over {len(p.kernels)} kernels")
+    for s in p.skipped:
+        _out.print(f"[dim]not registered: {s.kernel} ({s.plugin}): {s.reason}[/]")
+    for problem in p.plugin_problems:
+        _err.print(f"[yellow]plugin skipped[/] {problem}")
+    return 0
+
+
+def cmd_warm(args: argparse.Namespace) -> int:
+    from .warm import warm
+
+    try:
+        report = warm(
+            args.config,
+            target=args.target,
+            workers=args.workers,
+            on_error="continue",
+            on_plugin_error="skip" if args.skip_broken_plugins else "raise",
+            progress=not args.quiet,
+        )
+    except CompileFailed as exc:  # pragma: no cover - on_error="continue" returns instead
+        report = exc.report  # type: ignore[attr-defined]
+    table = Table("kernel", "keys", "compiled", "cached", "failed", "seconds", title=report.summary())
+    for name, row in sorted(report.per_kernel().items()):
+        table.add_row(name, str(row["keys"]), str(row["compiled"]), str(row["cached"]), str(row["failed"]), f"{row['seconds']:.2f}")
+    _out.print(table)
+    for r in report.failed:
+        _err.print(f"[red]failed[/] {r.kernel} {r.key}: {r.error}")
+    if args.json:
+        Path(args.json).write_text(report.dumps())
+        _out.print(f"report written to {args.json}")
+    return 1 if report.failed else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="warmreg", description="Warm Triton kernels before serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("plugins", help="list installed plugins").set_defaults(func=cmd_plugins)
+    p = sub.add_parser("plan", help="list kernels and keys a config needs (no compiling)")
+    _add_common(p)
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(func=cmd_plan)
+    w = sub.add_parser("warm", help="compile every key a config needs")
+    _add_common(w)
+    w.add_argument("--workers", type=int, default=None, help="compile threads (default: all CPUs)")
+    w.add_argument("--json", metavar="FILE", default=None, help="write the WarmReport as JSON")
+    w.add_argument("--quiet", action="store_true", help="no progress bar")
+    w.set_defaults(func=cmd_warm)
+    for extend in _EXTENSIONS:
+        extend(sub)
+    return parser
+
+
+#: Sub-command installers registered by other modules (monitor, pack), to keep this module small.
+_EXTENSIONS: list[Callable[[Any], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``warmreg`` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except WarmregError as exc:
+        _err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        return 2
+    except KeyboardInterrupt:
+        _err.print("[red]interrupted[/]")
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

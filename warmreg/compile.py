@@ -1,0 +1,264 @@
+"""Compiling a plan's keys: in parallel on a bounded pool, each key isolated, each timed.
+
+Keys are bound and specialized on the calling thread through the kernel's own launch code (the
+warm session turns the launch into ``JITFunction.warmup``); the compiles themselves run on a
+thread pool through Triton's async compile mode (``triton.runtime._async_compile``). Triton's
+compilation listener says whether each binary came from its disk cache.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from contextvars import ContextVar
+from typing import Any, Literal
+
+from triton import knobs
+from triton.runtime._async_compile import AsyncCompileMode
+
+from . import _triton
+from .errors import KernelContractError, WarmregError
+from .kernel import WARM_SESSION, LaunchSpec, TritonKernel, check_no_option_kwargs
+from .key import CompileKey
+from .platform import Platform
+from .registry import KernelPlan
+from .report import KeyResult
+
+__all__ = ["OnError", "compile_keys"]
+
+OnError = Literal["raise", "continue", "stop"]
+_tls = threading.local()
+
+
+class _Task:
+    """Mutable record of one key while it warms."""
+
+    def __init__(self, kp: KernelPlan, key: CompileKey) -> None:
+        self.kp, self.key = kp, key
+        self.status = "memory"
+        self.seconds = 0.0
+        self.load_seconds = 0.0
+        self.error: str | None = None
+        self.triton_key: str | None = None
+        self.binary_hash: str | None = None
+        self.jit_name: str | None = None
+        self.compiled: Any = None
+
+    def result(self) -> KeyResult:
+        return KeyResult(
+            kernel=self.kp.name,
+            key=self.key,
+            status=self.status,  # type: ignore[arg-type]
+            seconds=self.seconds,
+            load_seconds=self.load_seconds,
+            error=self.error,
+            triton_key=self.triton_key,
+            binary_hash=self.binary_hash,
+            jit_name=self.jit_name,
+        )
+
+
+_CURRENT: ContextVar[_Task | None] = ContextVar("warmreg_current_task", default=None)
+#: Set while warmreg itself compiles on this thread; the monitor reads it to tell warmup from runtime.
+IN_WARMUP: ContextVar[bool] = ContextVar("warmreg_in_warmup", default=False)
+
+
+class _Session:
+    """The warm session: receives the launch code's :class:`LaunchSpec` and compiles it."""
+
+    def capture(self, kernel: TritonKernel[Any], spec: LaunchSpec[Any]) -> Any:
+        task = _CURRENT.get()
+        if task is None:  # a launch from inside launch code; warm it as its own key
+            raise KernelContractError(kernel.name, "launched outside the key being warmed")
+        if spec.key != task.key:
+            diff = ", ".join(str(d) for d in task.key.diff(spec.key))
+            raise KernelContractError(
+                kernel.name,
+                f"warmup_inputs({task.key}) led the launch code to key {spec.key} ({diff})",
+                fix="make warmup_inputs build inputs whose dispatch gives back the same key",
+            )
+        check_no_option_kwargs(kernel, spec)
+        jit = kernel.jit_for(spec.key)
+        options = spec.key.launch_options()
+        task.jit_name = _triton.full_name(jit)
+        task.triton_key = _triton.specialization_key(jit, spec.kwargs, options)
+        cache = jit.device_caches[_triton.current_device()][0]
+        # Status before the compile starts: async compiles report through the listener at any time.
+        task.status = "memory" if task.triton_key in cache else "pending"
+        _tls.task = task
+        start = time.perf_counter()
+        try:
+            task.compiled = _triton.warmup(jit, spec.grid or (1,), spec.kwargs, options)
+        finally:
+            _tls.task = None
+        task.seconds += time.perf_counter() - start
+        return spec.outputs
+
+
+class _TimedExecutor(Executor):
+    """Wraps a pool so each compile knows its task (for the listener) and is timed in its worker."""
+
+    def __init__(self, inner: Executor, on_done: Callable[[_Task], None] | None) -> None:
+        self.inner = inner
+        self.on_done = on_done
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        task = _tls.task
+
+        def run() -> Any:
+            _tls.task = task
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            except BaseException as exc:
+                if task is not None:
+                    task.status, task.error = "failed", _describe(exc)
+                raise
+            finally:
+                if task is not None:
+                    task.seconds += time.perf_counter() - start
+                    if self.on_done is not None:
+                        self.on_done(task)
+                _tls.task = None
+
+        return self.inner.submit(run)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self.inner.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+
+def _listener(previous: Any) -> Callable[..., None]:
+    def listener(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
+        task = getattr(_tls, "task", None)
+        if task is not None:
+            task.status = "disk_cache" if cache_hit else "compiled"
+            task.binary_hash = metadata.get("hash") if isinstance(metadata, dict) else None
+        if previous is not None:
+            previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+    return listener
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    head = text[-1] if text else ""
+    return f"{type(exc).__name__}: {head}"[:2000]
+
+
+def compile_keys(
+    items: Iterable[tuple[KernelPlan, CompileKey]],
+    *,
+    platform: Platform,
+    workers: int,
+    on_error: OnError = "raise",
+    advance: Callable[[KeyResult], None] | None = None,
+) -> list[KeyResult]:
+    """Compile every ``(kernel, key)``; one failure never stops the others unless ``on_error="stop"``.
+
+    :param items: the plan's pairs.
+    :param platform: the target; a cross target swaps in Triton's stand-in driver for the duration.
+    :param workers: compile threads (1 compiles inline).
+    :param advance: called with each key's result as it completes (progress display).
+    :returns: one :class:`KeyResult` per item, in order.
+    """
+    tasks = [_Task(kp, key) for kp, key in items]
+    on_done = (lambda task: advance(task.result())) if advance is not None else None
+    session = _Session()
+    previous_listener = knobs.compilation.listener
+    knobs.compilation.listener = _listener(previous_listener)
+    session_token = WARM_SESSION.set(session)
+    warm_token = IN_WARMUP.set(True)
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="warmreg-compile") if workers > 1 else None
+    try:
+        with _triton.cross_target(platform):
+            if pool is None:
+                _run_serial(tasks, on_error, advance)
+            else:
+                _run_async(tasks, _TimedExecutor(pool, on_done), on_error, on_done)
+        if platform.local:
+            _finish_loads(tasks, workers)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        IN_WARMUP.reset(warm_token)
+        WARM_SESSION.reset(session_token)
+        knobs.compilation.listener = previous_listener
+    return [t.result() for t in tasks]
+
+
+def _bind(task: _Task) -> None:
+    token = _CURRENT.set(task)
+    try:
+        task.kp.kernel.launch_for_warm(task.key)
+    except Exception as exc:
+        task.status, task.error = "failed", _describe(exc)
+    finally:
+        _CURRENT.reset(token)
+
+
+def _run_serial(tasks: list[_Task], on_error: OnError, advance: Callable[[KeyResult], None] | None) -> None:
+    for task in tasks:
+        _bind(task)
+        if task.status == "pending":
+            task.status = "compiled"
+        if advance is not None:
+            advance(task.result())
+        if task.status == "failed" and on_error == "stop":
+            _cancel_rest(tasks, task)
+            return
+
+
+def _run_async(
+    tasks: list[_Task], executor: Executor, on_error: OnError, on_done: Callable[[_Task], None] | None
+) -> None:
+    with AsyncCompileMode(executor, ignore_errors=True):
+        for task in tasks:
+            _bind(task)
+            if on_done is not None and task.status in ("memory", "failed"):  # nothing was submitted
+                on_done(task)
+            if task.status == "failed" and on_error == "stop":
+                _cancel_rest(tasks, task)
+                break
+    for task in tasks:
+        compiled = task.compiled
+        if hasattr(compiled, "result"):  # FutureKernel: resolved (or failed) when the mode exited
+            try:
+                task.compiled = compiled.result()
+            except Exception as exc:
+                task.status, task.error, task.compiled = "failed", task.error or _describe(exc), None
+        if task.status == "pending":
+            task.status = "compiled"
+
+
+def _cancel_rest(tasks: list[_Task], failed: _Task) -> None:
+    for task in tasks:
+        if task.status == "memory" and task.compiled is None and task is not failed and task.triton_key is None:
+            task.status, task.error = "failed", f"not attempted: stopped after {failed.kp.name} failed"
+
+
+def _finish_loads(tasks: list[_Task], workers: int) -> None:
+    """Build launchers and load modules now rather than at the first launch (local GPU only)."""
+
+    device = _triton.current_device()
+
+    def load(task: _Task) -> None:
+        _triton.set_device(device)  # the CUDA current device is per thread
+        start = time.perf_counter()
+        try:
+            _triton.finish_load(task.compiled)
+        except Exception as exc:
+            task.status, task.error = "failed", _describe(exc)
+        task.load_seconds = time.perf_counter() - start
+
+    pending = [t for t in tasks if t.compiled is not None and t.status != "failed"]
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="warmreg-load") as pool:
+        list(pool.map(load, pending))
+
+
+def check_on_error(value: str) -> OnError:
+    """Validate an ``on_error`` argument."""
+    if value not in ("raise", "continue", "stop"):
+        raise WarmregError(f"on_error={value!r} is not one of 'raise', 'continue', 'stop'", fix="pick one of them")
+    return value  # type: ignore[return-value]

@@ -1,0 +1,259 @@
+"""``WarmConfig``: an engine-agnostic, read-only view of what kernel plugins need to know.
+
+It holds the model's Hugging Face config values (``model``) and the deployment's serving
+settings (``serving``). Build it from a dict, a ``config.json`` path, a Hugging Face config object
+or an engine config object (vLLM- or SGLang-shaped) with :meth:`WarmConfig.load`. Plugins read
+fields with :meth:`WarmConfig.get`, which names the field, the plugin and the fix when a value is
+missing or invalid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, TypeVar
+
+import attrs
+
+from .errors import ConfigError
+
+__all__ = ["SERVING_FIELDS", "WarmConfig"]
+
+_T = TypeVar("_T")
+
+
+def _positive_int(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"must be an int (got {type(value).__name__} {value!r})"
+    return None if value > 0 else f"must be > 0 (got {value})"
+
+
+def _non_negative_int(value: Any) -> str | None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"must be an int (got {type(value).__name__} {value!r})"
+    return None if value >= 0 else f"must be >= 0 (got {value})"
+
+
+def _string(value: Any) -> str | None:
+    return None if isinstance(value, str) and value else f"must be a non-empty string (got {value!r})"
+
+
+#: Serving settings understood by the core, each with its validator and meaning.
+SERVING_FIELDS: Mapping[str, tuple[Callable[[Any], str | None], str]] = MappingProxyType(
+    {
+        "max_num_batched_tokens": (_positive_int, "tokens in one engine step (prefill chunk budget)"),
+        "max_num_seqs": (_positive_int, "requests in one engine step"),
+        "max_model_len": (_positive_int, "longest sequence, prompt plus output"),
+        "block_size": (_positive_int, "KV-cache block size in tokens (the KV manager's page)"),
+        "kv_cache_dtype": (_string, "KV-cache storage format, e.g. fp8_ds_mla or auto"),
+        "dtype": (_string, "model activation dtype, e.g. bfloat16"),
+        "attention_backend": (_string, "attention backend name, e.g. FLASHMLA_SPARSE_DSV4"),
+        "tensor_parallel_size": (_positive_int, "tensor-parallel ranks"),
+        "num_speculative_tokens": (_non_negative_int, "draft tokens per decode step (0 = no speculation)"),
+        "decode_context_parallel_size": (_positive_int, "decode context-parallel ranks (1 = off)"),
+        "cp_kv_cache_interleave_size": (_positive_int, "tokens dealt to one DCP rank at a time"),
+    }
+)
+
+_ENGINE_FIELDS: dict[str, tuple[str, ...]] = {
+    # vLLM-shaped objects: VllmConfig.<part>.<field>
+    "max_num_batched_tokens": ("scheduler_config.max_num_batched_tokens", "chunked_prefill_size"),
+    "max_num_seqs": ("scheduler_config.max_num_seqs", "max_running_requests"),
+    "max_model_len": ("model_config.max_model_len", "context_length"),
+    "block_size": ("cache_config.block_size", "page_size"),
+    "kv_cache_dtype": ("cache_config.cache_dtype", "kv_cache_dtype"),
+    "dtype": ("model_config.dtype", "dtype"),
+    "attention_backend": ("attention_config.backend", "attention_backend"),
+    "tensor_parallel_size": ("parallel_config.tensor_parallel_size", "tp_size"),
+    "num_speculative_tokens": ("speculative_config.num_speculative_tokens", "speculative_num_draft_tokens"),
+    "decode_context_parallel_size": ("parallel_config.decode_context_parallel_size",),
+    "cp_kv_cache_interleave_size": ("parallel_config.cp_kv_cache_interleave_size",),
+}
+
+
+def _freeze(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return MappingProxyType({str(k): _freeze(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _thaw(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _thaw(v) for k, v in value.items()}
+    if isinstance(value, tuple):
+        return [_thaw(v) for v in value]
+    return value
+
+
+def _dotted(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+@attrs.frozen(eq=False)
+class WarmConfig:
+    """Read-only view of a model config plus serving settings.
+
+    :param model: the Hugging Face ``config.json`` values (a multimodal config keeps its
+        ``text_config``; :attr:`text` reads through it).
+    :param serving: serving settings (:data:`SERVING_FIELDS`).
+    :param source: where the config came from, quoted in errors.
+    """
+
+    model: Mapping[str, Any] = attrs.field(converter=_freeze)
+    serving: Mapping[str, Any] = attrs.field(converter=_freeze, factory=dict)
+    source: str = "<dict>"
+
+    def __attrs_post_init__(self) -> None:
+        for name, value in self.serving.items():
+            if name not in SERVING_FIELDS:
+                raise ConfigError(
+                    f"serving.{name}", "is not a serving setting", fix=f"use one of {', '.join(SERVING_FIELDS)}"
+                )
+            problem = SERVING_FIELDS[name][0](value)
+            if problem:
+                raise ConfigError(f"serving.{name}", problem, fix=f"set {SERVING_FIELDS[name][1]} in {self.source}")
+        if not isinstance(self.model.get("model_type"), str):
+            raise ConfigError(
+                "model.model_type", "is missing", fix=f"{self.source} must hold a Hugging Face config with model_type"
+            )
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def load(cls, obj: Any, *, serving: Mapping[str, Any] | None = None) -> WarmConfig:
+        """Build a config from any supported source.
+
+        :param obj: a ``WarmConfig``; a dict ``{"model": {...}, "serving": {...}}``; a plain Hugging Face
+            config dict; a path to a JSON file of either shape; a Hugging Face ``PretrainedConfig``; or an
+            engine config object (vLLM ``VllmConfig``-shaped or SGLang ``ServerArgs``-shaped).
+        :param serving: serving settings that override those found in ``obj``.
+        :raises ConfigError: naming the file or field that is wrong, and the fix.
+        """
+        overrides = dict(serving or {})
+        if isinstance(obj, WarmConfig):
+            return attrs.evolve(obj, serving={**obj.serving, **overrides}) if overrides else obj
+        if isinstance(obj, (str, os.PathLike)):
+            return cls._from_file(Path(obj), overrides)
+        if isinstance(obj, Mapping):
+            return cls._from_dict(obj, overrides, "<dict>")
+        if hasattr(obj, "to_dict") and hasattr(obj, "model_type"):  # transformers.PretrainedConfig
+            return cls(model=obj.to_dict(), serving=overrides, source=type(obj).__name__)
+        return cls._from_engine(obj, overrides)
+
+    @classmethod
+    def _from_file(cls, path: Path, overrides: dict[str, Any]) -> WarmConfig:
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError(str(path), "does not exist", fix="pass the path of a config.json or a warmreg config") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(str(path), f"is not valid JSON ({exc})", fix="fix the file's syntax") from exc
+        if not isinstance(data, Mapping):
+            raise ConfigError(str(path), "must hold a JSON object", fix="write {\"model\": {...}, \"serving\": {...}}")
+        return cls._from_dict(data, overrides, str(path))
+
+    @classmethod
+    def _from_dict(cls, data: Mapping[str, Any], overrides: dict[str, Any], source: str) -> WarmConfig:
+        if "model" in data:
+            extra = set(data) - {"model", "serving", "description"}
+            if extra:
+                raise ConfigError(
+                    sorted(extra)[0], "is not a top-level key", fix="use only 'model', 'serving' and 'description'"
+                )
+            model, serving = data["model"], data.get("serving", {})
+            if not isinstance(model, Mapping):
+                raise ConfigError("model", "must be an object", fix=f"put the Hugging Face config under 'model' in {source}")
+            if not isinstance(serving, Mapping):
+                raise ConfigError("serving", "must be an object", fix=f"write 'serving': {{...}} in {source}")
+            return cls(model=model, serving={**serving, **overrides}, source=source)
+        return cls(model=data, serving=overrides, source=source)
+
+    @classmethod
+    def _from_engine(cls, obj: Any, overrides: dict[str, Any]) -> WarmConfig:
+        hf = _dotted(obj, "model_config.hf_config") or getattr(obj, "hf_config", None)
+        if hf is None:
+            raise ConfigError(
+                type(obj).__name__,
+                "is not a config warmreg can read",
+                fix="pass a dict, a config.json path, a Hugging Face config, or an object with model_config.hf_config",
+            )
+        serving: dict[str, Any] = {}
+        for name, paths in _ENGINE_FIELDS.items():
+            for path in paths:
+                value = _dotted(obj, path)
+                if value is not None:
+                    serving[name] = value if not hasattr(value, "is_floating_point") else str(value).split(".")[-1]
+                    break
+        if not isinstance(serving.get("dtype", ""), str):
+            serving["dtype"] = str(serving["dtype"]).split(".")[-1]
+        model = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
+        return cls(model=model, serving={**serving, **overrides}, source=type(obj).__name__)
+
+    # -- reading ------------------------------------------------------------------------------
+    @property
+    def model_type(self) -> str:
+        """The model's ``model_type`` (top level, e.g. ``deepseek_v4`` or ``kimi_k3``)."""
+        return str(self.model["model_type"])
+
+    @property
+    def text(self) -> Mapping[str, Any]:
+        """The text model's config: ``model.text_config`` if present, else ``model``."""
+        text = self.model.get("text_config")
+        return text if isinstance(text, Mapping) else self.model
+
+    def get(
+        self,
+        field: str,
+        kind: type[_T],
+        *,
+        plugin: str,
+        check: Callable[[Any], str | None] | None = None,
+        default: Any = attrs.NOTHING,
+        fix: str | None = None,
+    ) -> _T:
+        """Read one field, validated.
+
+        :param field: ``serving.<name>``, ``model.<name>`` or ``text.<name>`` (the text config).
+        :param kind: the expected Python type (``int`` rejects ``bool``).
+        :param plugin: who needs the field; quoted in the error.
+        :param check: extra validation returning a problem string or ``None``.
+        :param default: value when missing; without it a missing field is an error.
+        :raises ConfigError: naming the field, the plugin and the fix.
+        """
+        section, _, name = field.partition(".")
+        source = {"serving": self.serving, "model": self.model, "text": self.text}.get(section)
+        if source is None or not name:
+            raise ConfigError(field, "is not a field path", plugin=plugin, fix="write serving.<name>, model.<name> or text.<name>")
+        if name not in source or source[name] is None:
+            if default is not attrs.NOTHING:
+                return default  # type: ignore[no-any-return]
+            where = "the 'serving' section" if section == "serving" else "the model's config.json"
+            what = SERVING_FIELDS[name][1] if section == "serving" and name in SERVING_FIELDS else name
+            raise ConfigError(field, "is missing", plugin=plugin, fix=fix or f"set {what} in {where} of {self.source}")
+        value = source[name]
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value, ok = float(value), True
+        if not ok:
+            raise ConfigError(
+                field,
+                f"must be {kind.__name__} (got {type(value).__name__} {value!r})",
+                plugin=plugin,
+                fix=fix or f"correct it in {self.source}",
+            )
+        problem = check(value) if check else None
+        if problem:
+            raise ConfigError(field, problem, plugin=plugin, fix=fix or f"correct it in {self.source}")
+        return value  # type: ignore[no-any-return]
+
+    def to_json(self) -> dict[str, Any]:
+        """The config as ``{"model": ..., "serving": ...}`` (loadable by :meth:`load`)."""
+        return {"model": _thaw(self.model), "serving": _thaw(self.serving)}

@@ -1,0 +1,92 @@
+"""Errors raised by warmreg.
+
+Every error derives from :class:`WarmregError`, carries the offending object (``.field``,
+``.kernel``, ``.key``, ``.pack``, ``.plugin``) and says what to do about it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class WarmregError(Exception):
+    """Base class of every error warmreg raises on purpose.
+
+    :param message: what went wrong, naming the offender.
+    :param fix: what the caller can do about it; appended to the message.
+    """
+
+    def __init__(self, message: str, *, fix: str | None = None) -> None:
+        self.message = message
+        self.fix = fix
+        super().__init__(f"{message}; fix: {fix}" if fix else message)
+
+
+class ConfigError(WarmregError, ValueError):
+    """A configuration field is missing or invalid.
+
+    :param field: dotted name of the field (``serving.max_num_seqs``).
+    :param plugin: the plugin or kernel that needs the field, if any.
+    """
+
+    def __init__(self, field: str, problem: str, *, plugin: str | None = None, fix: str | None = None) -> None:
+        self.field = field
+        self.plugin = plugin
+        needed = f" (needed by {plugin})" if plugin else ""
+        super().__init__(f"config field '{field}' {problem}{needed}", fix=fix)
+
+
+class TargetError(WarmregError, ValueError):
+    """A target string such as ``cuda:90`` does not parse or cannot be compiled for here."""
+
+    def __init__(self, target: str, problem: str, *, fix: str | None = None) -> None:
+        self.target = target
+        super().__init__(f"target {target!r}: {problem}", fix=fix)
+
+
+class PluginError(WarmregError):
+    """A plugin failed to load or its hook raised."""
+
+    def __init__(self, plugin: str, problem: str, *, fix: str | None = None) -> None:
+        self.plugin = plugin
+        super().__init__(f"plugin {plugin!r}: {problem}", fix=fix)
+
+
+class KernelContractError(WarmregError, TypeError):
+    """A kernel class breaks the :class:`~warmreg.TritonKernel` contract."""
+
+    def __init__(self, kernel: str, problem: str, *, fix: str | None = None) -> None:
+        self.kernel = kernel
+        super().__init__(f"kernel {kernel!r}: {problem}", fix=fix)
+
+
+class CompileKeyError(WarmregError, ValueError):
+    """A compile key cannot be built or read back (bad field value, unknown key type)."""
+
+    def __init__(self, key: str, problem: str, *, fix: str | None = None) -> None:
+        self.key = key
+        super().__init__(f"compile key {key}: {problem}", fix=fix)
+
+
+class CompileFailed(WarmregError):
+    """One or more keys failed to compile during :func:`warmreg.warm` with ``on_error="raise"``.
+
+    :param failures: ``(kernel name, key, error text)`` for each failed key.
+    """
+
+    def __init__(self, failures: list[tuple[str, Any, str]]) -> None:
+        self.failures = failures
+        first = failures[0]
+        more = f" and {len(failures) - 1} more" if len(failures) > 1 else ""
+        super().__init__(
+            f"{len(failures)} key(s) failed to compile; first: kernel {first[0]!r} key {first[1]}: {first[2]}{more}",
+            fix="read report.failed for every error, or pass on_error='continue' to warm the rest",
+        )
+
+
+class LaunchError(WarmregError, ValueError):
+    """Runtime inputs a kernel's launch code cannot accept (wrong shape, dtype or layout)."""
+
+    def __init__(self, kernel: str, problem: str, *, fix: str | None = None) -> None:
+        self.kernel = kernel
+        super().__init__(f"kernel {kernel!r}: {problem}", fix=fix)

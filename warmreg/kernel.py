@@ -1,0 +1,210 @@
+"""The kernel contract: one launch path for runtime and warmup.
+
+A plugin subclasses :class:`TritonKernel` and writes its launch code once, as a method decorated
+with :func:`kernel_launcher` that returns a :class:`LaunchSpec`. At runtime the decorator launches
+the ``@triton.jit`` function (through Triton's interpreter when the tensors live on the CPU); while
+:func:`warmreg.warm` runs, the same code path ends in Triton's compile-only ``warmup`` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from contextvars import ContextVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+
+import attrs
+import torch
+
+from . import _triton
+from .errors import KernelContractError
+from .key import LAUNCH_OPTIONS, CompileKey
+
+if TYPE_CHECKING:
+    from .config import WarmConfig
+    from .platform import Platform
+
+__all__ = ["LaunchSpec", "TritonKernel", "kernel_launcher", "meta"]
+
+K = TypeVar("K", bound=CompileKey)
+
+
+def meta(
+    shape: Iterable[int],
+    dtype: torch.dtype,
+    *,
+    stride: Iterable[int] | None = None,
+    offset: int = 0,
+) -> torch.Tensor:
+    """A meta tensor (no memory) shaped like a runtime input, for domains and warmup inputs.
+
+    :param shape: the tensor's shape.
+    :param dtype: its dtype.
+    :param stride: strides in elements (contiguous if omitted), e.g. a view of a fused projection.
+    :param offset: storage offset in elements; a non-zero offset makes ``data_ptr()`` reflect it, so
+        Triton sees the misalignment of an offset view.
+    """
+    shape = tuple(int(s) for s in shape)
+    if stride is None:
+        strides, acc = [], 1
+        for size in reversed(shape):
+            strides.append(acc)
+            acc *= max(size, 1)
+        stride = tuple(reversed(strides))
+    stride = tuple(int(s) for s in stride)
+    extent = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0) if all(shape) else offset
+    base = torch.empty(max(extent, 1), dtype=dtype, device="meta")
+    return base.as_strided(shape, stride, offset)
+
+
+@attrs.frozen
+class LaunchSpec(Generic[K]):
+    """What launch code returns: the key, the grid, the kernel's arguments and the outputs.
+
+    :param key: the compile key of this launch; its launch options (``num_warps``...) are passed to
+        Triton, so warmup and runtime cannot disagree.
+    :param grid: the launch grid, or ``None`` for an empty batch (no launch; outputs still returned).
+    :param kwargs: the ``@triton.jit`` function's arguments by name.
+    :param outputs: what the launcher returns to its caller.
+    """
+
+    key: K
+    grid: tuple[int, ...] | None
+    kwargs: Mapping[str, Any]
+    outputs: Any = None
+
+
+class _WarmSession(Protocol):
+    def capture(self, kernel: TritonKernel[Any], spec: LaunchSpec[Any]) -> Any: ...
+
+
+#: The warm in progress on this thread/context, if any: launches become compile-only captures.
+WARM_SESSION: ContextVar[_WarmSession | None] = ContextVar("warmreg_warm_session", default=None)
+
+
+def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
+    """Turn launch code returning a :class:`LaunchSpec` into a launch (runtime) or a compile (warm).
+
+    The decorated method validates its inputs, computes the key with ``dispatch``, allocates outputs
+    and returns ``LaunchSpec(key, grid, kwargs, outputs)``; the decorator does the rest and returns
+    ``outputs``.
+    """
+
+    @functools.wraps(fn)
+    def launch(self: TritonKernel[K], *args: Any, **kwargs: Any) -> Any:
+        spec = fn(self, *args, **kwargs)
+        if not isinstance(spec, LaunchSpec):
+            raise KernelContractError(self.name, f"launch code returned {type(spec).__name__}", fix="return a LaunchSpec")
+        session = WARM_SESSION.get()
+        if session is not None:
+            return session.capture(self, spec)
+        if spec.grid is None:
+            return spec.outputs
+        options = spec.key.launch_options()
+        jit = self.jit_for(spec.key)
+        if _on_cpu(spec.kwargs):
+            jit = _triton.interpreted(jit)
+        jit[spec.grid](**spec.kwargs, **options)
+        return spec.outputs
+
+    launch.__warmreg_launcher__ = True  # type: ignore[attr-defined]
+    return launch
+
+
+def _on_cpu(kwargs: Mapping[str, Any]) -> bool:
+    for value in kwargs.values():
+        if isinstance(value, torch.Tensor):
+            return value.device.type == "cpu"
+    return False
+
+
+class TritonKernel(Generic[K]):
+    """Base class of a warmreg kernel. Subclass contract:
+
+    - ``name``: a stable, unique name (default ``module.QualName``); two registrations with the same
+      name are the same kernel and their keys are merged.
+    - ``key_type``: the :class:`CompileKey` subclass.
+    - ``jit``: the ``@triton.jit`` function, or override :meth:`jit_for` when the key selects one of
+      several (FP8 / MXFP4); :meth:`jits` must then list them all.
+    - :meth:`dispatch`: pure function of runtime inputs to the key; called at runtime and at warm.
+    - :meth:`domains`: how the inputs ``dispatch`` reads vary in a deployment (config + platform).
+    - :meth:`when`: optional filter over a domain point (may read inputs ``dispatch`` does not).
+    - :meth:`warmup_inputs`: meta-tensor arguments of the launcher that reproduce a key; it may depend
+      on the key only.
+    - ``__call__`` (or any method) decorated with :func:`kernel_launcher`: the launch code.
+
+    :meth:`dispatch`, :meth:`domains` and :meth:`warmup_inputs` may raise
+    :class:`~warmreg.ConfigError` for a config they cannot serve; anything else they raise is a bug
+    in the kernel and is reported against it.
+    """
+
+    name: ClassVar[str] = ""
+    key_type: ClassVar[type[CompileKey]]
+    jit: ClassVar[Any] = None
+    #: Name of the launcher method that warm calls with :meth:`warmup_inputs`.
+    launcher: ClassVar[str] = "__call__"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not cls.__dict__.get("name"):
+            cls.name = f"{cls.__module__}.{cls.__qualname__}"
+
+    def jit_for(self, key: K) -> Any:
+        """The ``@triton.jit`` function that serves ``key`` (default: ``jit``)."""
+        if self.jit is None:
+            raise KernelContractError(self.name, "has no jit function", fix="set the class attribute jit or override jit_for")
+        return self.jit
+
+    def jits(self) -> tuple[Any, ...]:
+        """Every ``@triton.jit`` function this kernel may launch."""
+        return (self.jit,) if self.jit is not None else ()
+
+    def dispatch(self, **runtime: Any) -> K:
+        """The compile key for these runtime inputs. Pure; no tensors are read."""
+        raise KernelContractError(self.name, "does not implement dispatch")
+
+    def domains(self, config: WarmConfig, platform: Platform) -> Mapping[str, Iterable[Any]]:
+        """The values each runtime input of :meth:`dispatch` (and :meth:`when`) takes in this deployment."""
+        raise KernelContractError(self.name, "does not implement domains")
+
+    def when(self, **point: Any) -> bool:
+        """Whether a combination of domain values can occur at runtime (default: always)."""
+        return True
+
+    def warmup_inputs(self, key: K) -> Mapping[str, Any]:
+        """Keyword arguments of the launcher (meta tensors, ints) whose launch has exactly ``key``."""
+        raise KernelContractError(self.name, "does not implement warmup_inputs")
+
+    def launch_for_warm(self, key: K) -> Any:
+        """Run the launch code with :meth:`warmup_inputs` (inside a warm session: a compile)."""
+        method = getattr(self, self.launcher)
+        if not getattr(method, "__warmreg_launcher__", False):
+            raise KernelContractError(
+                self.name, f"method {self.launcher!r} is not decorated with @kernel_launcher", fix="decorate the launch code"
+            )
+        return method(**self.warmup_inputs(key))
+
+    def dispatch_params(self) -> tuple[str, ...]:
+        """Names of the runtime inputs :meth:`dispatch` takes."""
+        return _dispatch_params(type(self))
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+
+@functools.cache
+def _dispatch_params(cls: type[TritonKernel[Any]]) -> tuple[str, ...]:
+    params = inspect.signature(cls.dispatch).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        raise KernelContractError(cls.name, "dispatch takes **kwargs", fix="name each runtime input dispatch reads")
+    return tuple(p.name for p in params if p.name != "self")
+
+
+def check_no_option_kwargs(kernel: TritonKernel[Any], spec: LaunchSpec[Any]) -> None:
+    """Launch options must come from the key, never from the kwargs (they would drift)."""
+    clash = sorted(set(spec.kwargs) & set(LAUNCH_OPTIONS))
+    if clash:
+        raise KernelContractError(
+            kernel.name, f"launch kwargs set the launch option(s) {clash}", fix="make them fields of the compile key"
+        )

@@ -1,0 +1,218 @@
+"""Fused Q/KV RMSNorm: two RMSNorms in one launch (DeepSeek-V4, Kimi-K3 and other MLA models).
+
+Math, per token ``t`` and task ``X`` in ``{Q, KV}``, entirely in fp32 with one cast at the store::
+
+    x = float32(in_X[t, :SIZE_X]);  w = float32(w_X[:SIZE_X])
+    out_X[t, :] = cast(x * rsqrt(sum(x * x) / SIZE_X + eps) * w, out dtype)
+
+Inputs are usually strided views of one fused projection (last dim contiguous); outputs are fresh
+and contiguous. Grid ``(T, 2)``: tokens on axis 0 (no 65535 limit), the task on axis 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import cuda as tl_cuda
+
+from ..config import WarmConfig
+from ..domains import next_pow2, runtime_platform, token_counts
+from ..errors import LaunchError
+from ..kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
+from ..key import CompileKey, IntClass, int_class, int_class_rep, is_aligned
+from ..platform import Platform
+
+__all__ = ["FusedQKVRMSNorm", "QKVRMSNormKey", "fused_qkv_rmsnorm_reference"]
+
+
+@triton.jit
+def _rms_row(in_ptr, w_ptr, out_ptr, eps, SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, USE_PDL: tl.constexpr):
+    offs = tl.arange(0, BLOCK_SIZE)
+    mask = offs < SIZE
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if USE_PDL:  # weights are ours; the activations come from the previous kernel
+        tl_cuda.gdc_wait()
+        tl_cuda.gdc_launch_dependents()
+    x = tl.load(in_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / SIZE + eps)
+    tl.store(out_ptr + offs, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fused_qkv_rmsnorm_kernel(
+    q_in_ptr,
+    kv_in_ptr,
+    q_w_ptr,
+    kv_w_ptr,
+    q_out_ptr,
+    kv_out_ptr,
+    q_in_stride,
+    kv_in_stride,
+    eps,
+    Q_SIZE: tl.constexpr,  # q row length: a model constant
+    KV_SIZE: tl.constexpr,  # kv row length: a model constant
+    BLOCK_SIZE: tl.constexpr,  # next_pow2(max(Q_SIZE, KV_SIZE)): one tile covers a row
+    USE_PDL: tl.constexpr,  # gate the PDL intrinsics; the launch option launch_pdl matches it
+):
+    t = tl.program_id(0).to(tl.int64)  # in_stride * T can exceed 2**31
+    if tl.program_id(1) == 0:
+        _rms_row(q_in_ptr + t * q_in_stride, q_w_ptr, q_out_ptr + t * Q_SIZE, eps, Q_SIZE, BLOCK_SIZE, USE_PDL)
+    else:
+        _rms_row(kv_in_ptr + t * kv_in_stride, kv_w_ptr, kv_out_ptr + t * KV_SIZE, eps, KV_SIZE, BLOCK_SIZE, USE_PDL)
+
+
+@attrs.frozen(kw_only=True)
+class QKVRMSNormKey(CompileKey):
+    """What changes the binary of the fused Q/KV RMSNorm."""
+
+    dtype: str  # activation (and output) dtype
+    weight_dtype: str
+    q_size: int
+    kv_size: int
+    block_size: int
+    q_in_stride: IntClass
+    kv_in_stride: IntClass
+    q_in_aligned: bool  # the inputs are views into a fused projection: 16-byte alignment varies
+    kv_in_aligned: bool
+    weights_aligned: bool
+    num_warps: int
+    launch_pdl: bool
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
+    """The fused Q/KV RMSNorm, configured with one model's projection layout.
+
+    :param q_size: q row length (``q_lora_rank``).
+    :param kv_size: kv row length (DeepSeek-V4 ``head_dim``; Kimi-K3 ``kv_lora_rank``).
+    :param proj_width: row length of the fused projection the inputs are views of (the row stride).
+    :param kv_offset: column where kv starts in the projection (``q_size`` unless something sits between).
+    :param dtype: activation dtype name (``bfloat16``).
+    :param plugin: the registering plugin, named in config errors.
+    """
+
+    name = "warmreg.ops.fused_qkv_rmsnorm"
+    key_type = QKVRMSNormKey
+    jit = _fused_qkv_rmsnorm_kernel
+
+    def __init__(
+        self,
+        *,
+        q_size: int,
+        kv_size: int,
+        proj_width: int,
+        kv_offset: int | None = None,
+        dtype: str = "bfloat16",
+        weight_dtype: str | None = None,
+        plugin: str = "warmreg",
+    ) -> None:
+        self.q_size, self.kv_size, self.proj_width = q_size, kv_size, proj_width
+        self.kv_offset = q_size if kv_offset is None else kv_offset
+        self.dtype = getattr(torch, dtype)
+        self.weight_dtype = getattr(torch, weight_dtype or dtype)
+        self.plugin = plugin
+
+    def dispatch(
+        self, *, qr: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor, launch_pdl: bool
+    ) -> QKVRMSNormKey:
+        q_size, kv_size = qr.shape[-1], kv.shape[-1]
+        block = next_pow2(max(q_size, kv_size))
+        return QKVRMSNormKey(
+            dtype=_dtype_name(qr.dtype),
+            weight_dtype=_dtype_name(q_weight.dtype),
+            q_size=q_size,
+            kv_size=kv_size,
+            block_size=block,
+            q_in_stride=int_class(qr.stride(0)),
+            kv_in_stride=int_class(kv.stride(0)),
+            q_in_aligned=is_aligned(qr),
+            kv_in_aligned=is_aligned(kv),
+            weights_aligned=is_aligned(q_weight) and is_aligned(kv_weight),
+            num_warps=8 if block >= 2048 else 4,
+            launch_pdl=launch_pdl,
+        )
+
+    def _views(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        proj = meta((tokens, self.proj_width), self.dtype)
+        return proj[:, : self.q_size], proj[:, self.kv_offset : self.kv_offset + self.kv_size]
+
+    def domains(self, config: WarmConfig, platform: Platform) -> Mapping[str, Iterable[Any]]:
+        views = [self._views(t) for t in token_counts(config, plugin=self.plugin)]
+        return {
+            "qr": [q for q, _ in views],
+            "kv": [kv for _, kv in views],
+            "q_weight": [meta((self.q_size,), self.weight_dtype)],
+            "kv_weight": [meta((self.kv_size,), self.weight_dtype)],
+            "launch_pdl": [platform.supports_pdl],
+        }
+
+    def when(self, *, qr: torch.Tensor, kv: torch.Tensor, **_: Any) -> bool:
+        return qr.shape[0] == kv.shape[0]  # both are views of one projection
+
+    def warmup_inputs(self, key: QKVRMSNormKey) -> Mapping[str, Any]:
+        dtype, wdtype = getattr(torch, key.dtype), getattr(torch, key.weight_dtype)
+        return {
+            "qr": meta((1, key.q_size), dtype, stride=(int_class_rep(key.q_in_stride), 1), offset=0 if key.q_in_aligned else 1),
+            "kv": meta((1, key.kv_size), dtype, stride=(int_class_rep(key.kv_in_stride), 1), offset=0 if key.kv_in_aligned else 1),
+            "q_weight": meta((key.q_size,), wdtype, offset=0 if key.weights_aligned else 1),
+            "kv_weight": meta((key.kv_size,), wdtype),
+            "eps": 1e-6,
+            "launch_pdl": key.launch_pdl,
+        }
+
+    @kernel_launcher
+    def __call__(
+        self,
+        qr: torch.Tensor,
+        kv: torch.Tensor,
+        q_weight: torch.Tensor,
+        kv_weight: torch.Tensor,
+        eps: float,
+        launch_pdl: bool | None = None,
+    ) -> LaunchSpec[QKVRMSNormKey]:
+        """Normalize ``qr`` and ``kv``; returns fresh ``(q_out, kv_out)``.
+
+        :param launch_pdl: use programmatic dependent launch (default: the local GPU supports it).
+        :raises LaunchError: for inputs that are not 2-D with a contiguous last dim, mismatched token
+            counts or weight lengths.
+        """
+        if qr.ndim != 2 or kv.ndim != 2 or qr.shape[0] != kv.shape[0]:
+            raise LaunchError(self.name, f"qr {tuple(qr.shape)} and kv {tuple(kv.shape)} must be [T, size] with one T")
+        if qr.stride(-1) != 1 or kv.stride(-1) != 1:
+            raise LaunchError(self.name, "qr and kv need a contiguous last dim", fix="pass views of the projection rows")
+        if q_weight.shape != (qr.shape[1],) or kv_weight.shape != (kv.shape[1],):
+            raise LaunchError(self.name, "weights must match the row lengths of qr and kv")
+        if launch_pdl is None:
+            local = runtime_platform()
+            launch_pdl = bool(local and local.supports_pdl)
+        key = self.dispatch(qr=qr, kv=kv, q_weight=q_weight, kv_weight=kv_weight, launch_pdl=launch_pdl)
+        q_out = torch.empty(qr.shape, dtype=qr.dtype, device=qr.device)
+        kv_out = torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+        kwargs = dict(
+            q_in_ptr=qr, kv_in_ptr=kv, q_w_ptr=q_weight, kv_w_ptr=kv_weight, q_out_ptr=q_out, kv_out_ptr=kv_out,
+            q_in_stride=qr.stride(0), kv_in_stride=kv.stride(0), eps=eps,
+            Q_SIZE=key.q_size, KV_SIZE=key.kv_size, BLOCK_SIZE=key.block_size, USE_PDL=key.launch_pdl,
+        )  # fmt: skip
+        grid = (qr.shape[0], 2) if qr.shape[0] else None
+        return LaunchSpec(key, grid, kwargs, (q_out, kv_out))
+
+
+def fused_qkv_rmsnorm_reference(
+    qr: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference: fp32 RMSNorm of each input, one cast to the input dtype at the end."""
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps) * w.float()
+        return y.to(x.dtype)
+
+    return norm(qr, q_weight), norm(kv, kv_weight)

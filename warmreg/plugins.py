@@ -1,0 +1,118 @@
+"""Plugin discovery through the ``warmreg`` entry-point group, with pluggy.
+
+Policy (documented in the README): a plugin whose import fails with ``ImportError`` (a missing
+optional dependency) is skipped, and the reason is logged and listed in the plan; any other error
+while importing a plugin or running its hook raises :class:`~warmreg.PluginError` naming the plugin,
+unless the caller passes ``on_plugin_error="skip"``, which skips that plugin with its reason and lets
+the others warm.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import attrs
+import pluggy
+
+from . import hookspecs
+from .errors import PluginError, WarmregError
+
+__all__ = ["PluginSet", "load_plugins"]
+
+log = logging.getLogger("warmreg")
+OnPluginError = Literal["raise", "skip"]
+
+
+@attrs.frozen
+class PluginSet:
+    """Loaded plugins and the ones skipped, with reasons."""
+
+    manager: pluggy.PluginManager = attrs.field(eq=False, repr=False)
+    names: tuple[str, ...]
+    problems: tuple[str, ...]
+
+
+def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"{dist.name}:{ep.name}" if dist is not None else ep.name
+
+
+def load_plugins(
+    extra: Iterable[Any] = (), *, entry_points: bool = True, on_plugin_error: OnPluginError = "raise"
+) -> PluginSet:
+    """Load the installed plugins (entry-point group ``warmreg``) and any ``extra`` plugin objects.
+
+    :param extra: plugin modules or objects to register in addition (engines, tests).
+    :param entry_points: whether to load installed distributions' entry points.
+    :param on_plugin_error: ``"raise"`` or ``"skip"`` a plugin whose import raises something other
+        than ``ImportError``.
+    :raises PluginError: naming the plugin, under ``on_plugin_error="raise"``.
+    """
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    problems: list[str] = []
+    if entry_points:
+        seen: set[str] = set()
+        for ep in sorted(importlib.metadata.entry_points(group=hookspecs.PROJECT), key=lambda e: e.name):
+            name = _dist_name(ep)
+            if ep.name in seen:
+                continue
+            seen.add(ep.name)
+            try:
+                plugin = ep.load()
+            except ImportError as exc:
+                problems.append(f"{name}: skipped, import failed: {exc}")
+                log.warning("warmreg plugin %s skipped: %s", name, exc)
+                continue
+            except Exception as exc:
+                if on_plugin_error == "raise":
+                    raise PluginError(name, f"import raised {exc!r}", fix="fix or uninstall the plugin") from exc
+                problems.append(f"{name}: skipped, import raised {exc!r}")
+                log.warning("warmreg plugin %s skipped: %r", name, exc)
+                continue
+            _register(pm, plugin, ep.name)
+    for i, plugin in enumerate(extra):
+        _register(pm, plugin, getattr(plugin, "__name__", f"extra-{i}"))
+    names = tuple(name for name, _ in pm.list_name_plugin())
+    return PluginSet(manager=pm, names=names, problems=tuple(problems))
+
+
+def _register(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    try:
+        pm.register(plugin, name=name)
+    except pluggy.PluginValidationError as exc:
+        raise PluginError(name, f"hook signature does not match the spec: {exc}", fix="see warmreg.hookspecs") from exc
+    except ValueError as exc:
+        raise PluginError(name, f"cannot be registered: {exc}") from exc
+
+
+def call_register_hooks(
+    plugins: PluginSet, registry: Any, config: Any, platform: Any, on_plugin_error: OnPluginError
+) -> list[str]:
+    """Call every plugin's ``warmreg_register_kernels`` separately, so one failure is attributed.
+
+    :returns: problems of plugins skipped under ``on_plugin_error="skip"``.
+    """
+    kwargs = {"registry": registry, "config": config, "platform": platform}
+    problems: list[str] = []
+    for impl in plugins.manager.hook.warmreg_register_kernels.get_hookimpls():
+        registry._current_plugin = impl.plugin_name
+        mark = registry._mark()
+        try:
+            impl.function(**{a: kwargs[a] for a in impl.argnames})
+        except WarmregError:
+            raise
+        except Exception as exc:
+            if on_plugin_error == "raise":
+                raise PluginError(
+                    impl.plugin_name, f"warmreg_register_kernels raised {exc!r}", fix="fix the plugin or pass on_plugin_error='skip'"
+                ) from exc
+            registry._rollback(mark)  # a skipped plugin registers nothing, not half its kernels
+            problems.append(f"{impl.plugin_name}: skipped, warmreg_register_kernels raised {exc!r}")
+            log.warning("warmreg plugin %s skipped: %r", impl.plugin_name, exc)
+        finally:
+            registry._current_plugin = "<direct>"
+    return problems

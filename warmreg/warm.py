@@ -1,0 +1,151 @@
+"""``plan`` and ``warm``: the two calls an engine makes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import triton
+
+from . import _triton
+from .compile import OnError, check_on_error, compile_keys
+from .config import WarmConfig
+from .errors import CompileFailed, WarmregError
+from .platform import Platform
+from .plugins import OnPluginError, call_register_hooks, load_plugins
+from .registry import Plan, Registry
+from .report import KeyResult, WarmReport
+
+__all__ = ["default_workers", "plan", "resolve_platform", "warm"]
+
+
+def resolve_platform(target: str | Platform | None) -> Platform:
+    """``None``: the local GPU; a string such as ``"cuda:90"``: that cross target.
+
+    :raises TargetError: if the string does not parse or no GPU is visible for ``None``.
+    """
+    if isinstance(target, Platform):
+        return target
+    if target is None:
+        return Platform.detect()
+    return Platform.parse(target)
+
+
+def default_workers() -> int:
+    """Compile threads by default: the CPUs this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def plan(
+    config: Any,
+    *,
+    target: str | Platform | None = None,
+    plugins: Iterable[Any] = (),
+    entry_points: bool = True,
+    on_plugin_error: OnPluginError = "raise",
+) -> Plan:
+    """The kernels and keys a deployment needs, without compiling anything.
+
+    :param config: anything :meth:`WarmConfig.load` accepts.
+    :param target: ``None`` for the local GPU, or a target such as ``"cuda:90"``.
+    :param plugins: extra plugin modules/objects besides the installed entry points.
+    :param entry_points: load installed plugins (group ``warmreg``).
+    :param on_plugin_error: ``"raise"`` or ``"skip"`` a plugin that fails (see :mod:`warmreg.plugins`).
+    :raises ConfigError: for a missing or invalid field, naming it, the plugin and the fix.
+    :raises PluginError: for a broken plugin under ``on_plugin_error="raise"``.
+    """
+    _triton.check_version()
+    cfg = WarmConfig.load(config)
+    platform = resolve_platform(target)
+    loaded = load_plugins(plugins, entry_points=entry_points, on_plugin_error=on_plugin_error)
+    registry = Registry(cfg, platform)
+    problems = call_register_hooks(loaded, registry, cfg, platform, on_plugin_error)
+    result = registry.plan()
+    names = tuple(n for n in loaded.names if n not in {p.split(":")[0] for p in problems})
+    return Plan(
+        config=cfg,
+        platform=platform,
+        kernels=result.kernels,
+        skipped=result.skipped,
+        plugins=names,
+        plugin_problems=loaded.problems + tuple(problems),
+    )
+
+
+def warm(
+    config: Any,
+    *,
+    target: str | Platform | None = None,
+    workers: int | None = None,
+    on_error: OnError = "raise",
+    plugins: Iterable[Any] = (),
+    entry_points: bool = True,
+    on_plugin_error: OnPluginError = "raise",
+    progress: bool | None = None,
+) -> WarmReport:
+    """Compile (or load from cache) every key the deployment needs, before it serves.
+
+    On the local GPU it also builds each kernel's launcher and loads its module, so the first real
+    launch pays nothing. With ``target`` it cross-compiles on any machine, GPU or not.
+
+    :param config: anything :meth:`WarmConfig.load` accepts (dict, path, HF config, engine config).
+    :param target: ``None`` for the local GPU, or e.g. ``"cuda:90"``, ``"rocm:gfx942"``.
+    :param workers: compile threads (default: the CPUs available).
+    :param on_error: ``"raise"`` (warm everything, then raise :class:`CompileFailed` if a key failed),
+        ``"continue"`` (return the report with the failures) or ``"stop"`` (stop at the first failure).
+    :param progress: show a progress bar (default: when stderr is a terminal).
+    :returns: the :class:`WarmReport`.
+    :raises CompileFailed: under ``on_error`` ``"raise"`` or ``"stop"`` if any key failed; its
+        ``report`` attribute holds the full report.
+    """
+    start = time.perf_counter()
+    on_error = check_on_error(on_error)
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
+        raise WarmregError(f"workers={workers!r} must be an int >= 1", fix="pass e.g. workers=8, or None for all CPUs")
+    the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points, on_plugin_error=on_plugin_error)
+    plan_seconds = time.perf_counter() - start
+    n_workers = workers or default_workers()
+    show = sys.stderr.isatty() if progress is None else progress
+    if show:
+        results = _compile_with_progress(the_plan, n_workers, on_error)
+    else:
+        results = compile_keys(the_plan.items(), platform=the_plan.platform, workers=n_workers, on_error=on_error)
+    report = WarmReport(
+        platform=the_plan.platform.target,
+        model_type=the_plan.config.model_type,
+        triton_version=triton.__version__,
+        workers=n_workers,
+        seconds=time.perf_counter() - start,
+        plan_seconds=plan_seconds,
+        results=results,
+        plugins=the_plan.plugins,
+        skipped=tuple(f"{s.kernel} ({s.plugin}): {s.reason}" for s in the_plan.skipped),
+        plugin_problems=the_plan.plugin_problems,
+    )
+    if report.failed and on_error != "continue":
+        error = CompileFailed([(r.kernel, r.key, r.error or "") for r in report.failed])
+        error.report = report  # type: ignore[attr-defined]
+        raise error
+    return report
+
+
+def _compile_with_progress(the_plan: Plan, workers: int, on_error: OnError) -> list[KeyResult]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    columns = (TextColumn("[bold]warm[/] {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(f"{the_plan.platform} ({workers} workers)", total=the_plan.num_keys)
+        return compile_keys(
+            the_plan.items(),
+            platform=the_plan.platform,
+            workers=workers,
+            on_error=on_error,
+            advance=lambda _r: bar.advance(task),
+        )
