@@ -11,10 +11,12 @@ from .errors import (
     CompileKeyError,
     ConfigError,
     KernelContractError,
+    LaunchError,
     PluginError,
     TargetError,
     WarmregError,
 )
+from .domains import next_pow2, powers_of_two, runtime_platform, token_counts
 from .hookspecs import hookimpl
 from .kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
 from .key import CompileKey, FieldDiff, int_class, int_class_rep, is_aligned
@@ -47,6 +49,7 @@ __all__ = [
     "KernelContractError",
     "KernelPlan",
     "KeyResult",
+    "LaunchError",
     "LaunchSpec",
     "Plan",
     "Platform",
@@ -71,10 +74,14 @@ __all__ = [
     "is_xpu",
     "kernel_launcher",
     "meta",
+    "next_pow2",
     "plan",
+    "powers_of_two",
     "rocm_arch_in",
+    "runtime_platform",
     "sm_at_least",
     "sm_below",
     "supports_pdl",
+    "token_counts",
     "warm",
 ]
