@@ -20,6 +20,7 @@ from .domains import next_pow2, powers_of_two, runtime_platform, token_counts
 from .hookspecs import hookimpl
 from .kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
 from .key import CompileKey, FieldDiff, int_class, int_class_rep, is_aligned
+from .monitor import JitMissError, Miss, Monitor, arm, disarm, monitor
 from .platform import (
     Platform,
     Predicate,
@@ -46,11 +47,14 @@ __all__ = [
     "CompileKeyError",
     "ConfigError",
     "FieldDiff",
+    "JitMissError",
     "KernelContractError",
     "KernelPlan",
     "KeyResult",
     "LaunchError",
     "LaunchSpec",
+    "Miss",
+    "Monitor",
     "Plan",
     "Platform",
     "PluginError",
@@ -62,6 +66,8 @@ __all__ = [
     "WarmReport",
     "WarmregError",
     "__version__",
+    "arm",
+    "disarm",
     "enumerate_keys",
     "has_feature",
     "hookimpl",
@@ -74,6 +80,7 @@ __all__ = [
     "is_xpu",
     "kernel_launcher",
     "meta",
+    "monitor",
     "next_pow2",
     "plan",
     "powers_of_two",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from contextvars import ContextVar
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -155,9 +156,20 @@ def specialization_key(jit: JITFunction, kwargs: Mapping[str, Any], options: Map
     return str(compute_cache_key(key_cache, specialization, opts))
 
 
+_touched: weakref.WeakSet[JITFunction] = weakref.WeakSet()
+
+
 def warmup(jit: JITFunction, grid: tuple[int, ...], kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
     """Compile without launching (``JITFunction.warmup``); returns a CompiledKernel or FutureKernel."""
+    _touched.add(jit)
     return jit.warmup(grid=grid, **kwargs, **options)
+
+
+def forget_compiled() -> None:
+    """Drop the in-memory kernels of every jit function warmreg warmed (Triton keeps them per
+    device id in ``JITFunction.device_caches``), so the next warm reads the disk cache again."""
+    for jit in list(_touched):
+        jit.device_caches.clear()
 
 
 def finish_load(compiled: Any) -> None:
@@ -264,3 +276,104 @@ def full_name(jit: Any) -> str:
 def source_hash(jit: JITFunction) -> str:
     """Triton's hash of a kernel's source and its dependencies (``JITCallable.cache_key``)."""
     return str(jit.cache_key)
+
+
+# -- hooks (monitor) ----------------------------------------------------------------------------
+
+
+def get_jit_cache_hook() -> Any:
+    """Triton's single pre-compile hook slot (``knobs.runtime.jit_cache_hook``, 3.6.0)."""
+    return triton.knobs.runtime.jit_cache_hook
+
+
+def set_jit_cache_hook(hook: Any) -> None:
+    triton.knobs.runtime.jit_cache_hook = hook
+
+
+def add_load_hook(hook: Any) -> None:
+    """Add to Triton's kernel-load-start chain (called before a module is loaded onto the device)."""
+    triton.knobs.runtime.kernel_load_start_hook.add(hook)
+
+
+def remove_load_hook(hook: Any) -> None:
+    triton.knobs.runtime.kernel_load_start_hook.remove(hook)
+
+
+def load_hooks() -> tuple[Any, ...]:
+    return tuple(triton.knobs.runtime.kernel_load_start_hook.calls)
+
+
+_AUTOTUNER_BENCH = None
+
+
+def wrap_autotuner_bench(before: Any) -> None:
+    """Call ``before(autotuner)`` before every benchmark the autotuner runs (``Autotuner._bench``)."""
+    global _AUTOTUNER_BENCH
+    from triton.runtime.autotuner import Autotuner
+
+    if _AUTOTUNER_BENCH is not None:
+        return
+    original = Autotuner._bench
+    _AUTOTUNER_BENCH = original
+
+    def _bench(self: Any, *args: Any, **kwargs: Any) -> Any:
+        before(self)
+        return original(self, *args, **kwargs)
+
+    Autotuner._bench = _bench  # type: ignore[method-assign]
+
+
+def unwrap_autotuner_bench() -> None:
+    global _AUTOTUNER_BENCH
+    from triton.runtime.autotuner import Autotuner
+
+    if _AUTOTUNER_BENCH is not None:
+        Autotuner._bench = _AUTOTUNER_BENCH  # type: ignore[method-assign]
+        _AUTOTUNER_BENCH = None
+
+
+def parse_specialization_key(key: str) -> tuple[list[Any], dict[str, Any]] | None:
+    """Split Triton's in-memory key ``str(specialization) + str(options)`` back into its parts.
+
+    :returns: ``None`` when a value is not a Python literal (e.g. a dtype constexpr).
+    """
+    import ast
+
+    cut = key.rfind("]{")
+    if cut < 0:
+        return None
+    try:
+        return list(ast.literal_eval(key[: cut + 1])), dict(ast.literal_eval(key[cut + 1 :]))
+    except (ValueError, SyntaxError):
+        return None
+
+
+def param_names(jit: Any) -> list[str]:
+    """Names of a jit function's parameters, in order (``JITFunction.arg_names``)."""
+    return list(jit.arg_names)
+
+
+def replay(fn_name: str, specialization_data: str, platform: Platform) -> Any:
+    """Compile one recorded specialization with Triton's own ``JITFunction.preload``.
+
+    :raises WarmregError: if the function cannot be imported.
+    """
+    import importlib
+
+    module_name, _, qual = fn_name.rpartition(".")
+    obj: Any = None
+    while module_name:
+        try:
+            obj = importlib.import_module(module_name)
+            break
+        except ImportError:
+            module_name, _, head = module_name.rpartition(".")
+            qual = f"{head}.{qual}"
+    if obj is None:
+        raise WarmregError(f"cannot import the module of {fn_name!r}", fix="install the package that defines the kernel")
+    for part in qual.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            raise WarmregError(f"{fn_name!r} not found", fix="the kernel was renamed or removed; re-record")
+    with cross_target(platform):
+        return obj.preload(specialization_data)

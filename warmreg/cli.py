@@ -113,6 +113,8 @@ _EXTENSIONS: list[Callable[[Any], None]] = []
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``warmreg`` console script."""
+    from . import cli_monitor, cli_pack  # noqa: F401 - they register their sub-commands
+
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))

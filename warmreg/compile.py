@@ -8,6 +8,7 @@ compilation listener says whether each binary came from its disk cache.
 
 from __future__ import annotations
 
+import contextvars
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -106,6 +107,7 @@ class _TimedExecutor(Executor):
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         task = _tls.task
+        context = contextvars.copy_context()  # the compile keeps the warm's scope (IN_WARMUP)
 
         def run() -> Any:
             _tls.task = task
@@ -123,7 +125,7 @@ class _TimedExecutor(Executor):
                         self.on_done(task)
                 _tls.task = None
 
-        return self.inner.submit(run)
+        return self.inner.submit(context.run, run)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self.inner.shutdown(wait=wait, cancel_futures=cancel_futures)
@@ -254,7 +256,9 @@ def _finish_loads(tasks: list[_Task], workers: int) -> None:
 
     pending = [t for t in tasks if t.compiled is not None and t.status != "failed"]
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="warmreg-load") as pool:
-        list(pool.map(load, pending))
+        futures = [pool.submit(contextvars.copy_context().run, load, t) for t in pending]
+        for future in futures:
+            future.result()
 
 
 def check_on_error(value: str) -> OnError:

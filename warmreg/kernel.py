@@ -81,6 +81,10 @@ class _WarmSession(Protocol):
 
 #: The warm in progress on this thread/context, if any: launches become compile-only captures.
 WARM_SESSION: ContextVar[_WarmSession | None] = ContextVar("warmreg_warm_session", default=None)
+#: The warmreg kernel name and key of the launch in progress (set only while a monitor is armed).
+LAUNCH: ContextVar[tuple[str, CompileKey] | None] = ContextVar("warmreg_launch", default=None)
+#: Set by the monitor while armed: called with (kernel name, key) for every runtime launch.
+ON_LAUNCH: list[Callable[[str, CompileKey], None]] = []
 
 
 def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
@@ -105,7 +109,16 @@ def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
         jit = self.jit_for(spec.key)
         if _on_cpu(spec.kwargs):
             jit = _triton.interpreted(jit)
-        jit[spec.grid](**spec.kwargs, **options)
+        if not ON_LAUNCH:
+            jit[spec.grid](**spec.kwargs, **options)
+            return spec.outputs
+        for listener in ON_LAUNCH:
+            listener(self.name, spec.key)
+        token = LAUNCH.set((self.name, spec.key))
+        try:
+            jit[spec.grid](**spec.kwargs, **options)
+        finally:
+            LAUNCH.reset(token)
         return spec.outputs
 
     launch.__warmreg_launcher__ = True  # type: ignore[attr-defined]

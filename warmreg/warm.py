@@ -88,6 +88,8 @@ def warm(
     entry_points: bool = True,
     on_plugin_error: OnPluginError = "raise",
     progress: bool | None = None,
+    monitor: str | None = None,
+    record: str | os.PathLike[str] | None = None,
 ) -> WarmReport:
     """Compile (or load from cache) every key the deployment needs, before it serves.
 
@@ -100,6 +102,9 @@ def warm(
     :param on_error: ``"raise"`` (warm everything, then raise :class:`CompileFailed` if a key failed),
         ``"continue"`` (return the report with the failures) or ``"stop"`` (stop at the first failure).
     :param progress: show a progress bar (default: when stderr is a terminal).
+    :param monitor: arm the JIT monitor in this mode (``warn``, ``error``, ``record``) once warm
+        has finished; disarm it with :func:`warmreg.disarm`.
+    :param record: with ``monitor="record"``, the JSON-lines file misses are appended to.
     :returns: the :class:`WarmReport`.
     :raises CompileFailed: under ``on_error`` ``"raise"`` or ``"stop"`` if any key failed; its
         ``report`` attribute holds the full report.
@@ -128,10 +133,16 @@ def warm(
         skipped=tuple(f"{s.kernel} ({s.plugin}): {s.reason}" for s in the_plan.skipped),
         plugin_problems=the_plan.plugin_problems,
     )
+    from .monitor import KNOWLEDGE, arm
+
+    owners = {_triton.full_name(j): kp.name for kp in the_plan.kernels for j in kp.kernel.jits() if j is not None}
+    KNOWLEDGE.learn(report, owners)
     if report.failed and on_error != "continue":
         error = CompileFailed([(r.kernel, r.key, r.error or "") for r in report.failed])
         error.report = report  # type: ignore[attr-defined]
         raise error
+    if monitor is not None and monitor != "off":
+        arm(monitor, record=record)  # type: ignore[arg-type]
     return report
 
 

@@ -1,0 +1,119 @@
+"""Small kernels and plugins used by the core tests (real Triton kernels, tiny shapes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+import warmreg
+
+
+@triton.jit
+def _scale_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask).to(tl.float32)
+    tl.store(out_ptr + offs, (x * scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@attrs.frozen(kw_only=True)
+class ScaleKey(warmreg.CompileKey):
+    dtype: str
+    block: int
+    n_class: warmreg.key.IntClass
+    aligned: bool
+    num_warps: int
+
+
+class Scale(warmreg.TritonKernel[ScaleKey]):
+    """out = x * scale, one program per BLOCK elements; n is a specialized int."""
+
+    name = "tests.scale"
+    key_type = ScaleKey
+    jit = _scale_kernel
+
+    def __init__(self, *, sizes: Iterable[int] = (1, 16, 17), block: int = 64) -> None:
+        self.sizes = tuple(sizes)
+        self.block = block
+
+    def dispatch(self, *, x: torch.Tensor, block: int) -> ScaleKey:
+        return ScaleKey(
+            dtype=str(x.dtype).removeprefix("torch."),
+            block=block,
+            n_class=warmreg.int_class(x.numel()),
+            aligned=warmreg.is_aligned(x),
+            num_warps=4 if block >= 128 else 2,
+        )
+
+    def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
+        return {
+            "x": [warmreg.meta((n,), torch.float16) for n in self.sizes],
+            "block": [self.block],
+            "only_for_when": [0, 1],  # read by when() only: must never reach the key
+        }
+
+    def when(self, *, only_for_when: int, **_: Any) -> bool:
+        return only_for_when == 0
+
+    def warmup_inputs(self, key: ScaleKey) -> Mapping[str, Any]:
+        n = warmreg.int_class_rep(key.n_class)
+        return {"x": warmreg.meta((n,), getattr(torch, key.dtype), offset=0 if key.aligned else 1), "scale": 2.0, "block": key.block}
+
+    @warmreg.kernel_launcher
+    def __call__(self, x: torch.Tensor, scale: float, block: int = 64) -> warmreg.LaunchSpec[ScaleKey]:
+        key = self.dispatch(x=x, block=block)
+        out = torch.empty_like(x)
+        grid = (triton.cdiv(x.numel(), block),) if x.numel() else None
+        return warmreg.LaunchSpec(key, grid, dict(x_ptr=x, out_ptr=out, n=x.numel(), scale=scale, BLOCK=block), out)
+
+
+@triton.jit
+def _broken_kernel(x_ptr, BLOCK: tl.constexpr):
+    tl.store(x_ptr + tl.arange(0, BLOCK), undefined_name)  # noqa: F821 - fails to compile on purpose
+
+
+@attrs.frozen
+class BrokenKey(warmreg.CompileKey):
+    block: int
+
+
+class Broken(warmreg.TritonKernel[BrokenKey]):
+    """A kernel whose compile fails (an undefined name), to test isolation of failures."""
+
+    name = "tests.broken"
+    key_type = BrokenKey
+    jit = _broken_kernel
+
+    def dispatch(self, *, block: int) -> BrokenKey:
+        return BrokenKey(block)
+
+    def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
+        return {"block": [32]}
+
+    def warmup_inputs(self, key: BrokenKey) -> Mapping[str, Any]:
+        return {"x": warmreg.meta((key.block,), torch.float32), "block": key.block}
+
+    @warmreg.kernel_launcher
+    def __call__(self, x: torch.Tensor, block: int) -> warmreg.LaunchSpec[BrokenKey]:
+        return warmreg.LaunchSpec(self.dispatch(block=block), (1,), dict(x_ptr=x, BLOCK=block))
+
+
+class Plugin:
+    """A plugin object registering the given kernels (with optional predicates)."""
+
+    def __init__(self, *entries: Any) -> None:
+        self.entries = entries
+
+    @warmreg.hookimpl
+    def warmreg_register_kernels(self, registry: warmreg.Registry) -> None:
+        for entry in self.entries:
+            kernel, when = entry if isinstance(entry, tuple) else (entry, True)
+            registry.add(kernel, when=when)
+
+
+CONFIG = {"model": {"model_type": "test"}, "serving": {"max_num_batched_tokens": 64}}

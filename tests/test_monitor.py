@@ -1,0 +1,176 @@
+"""The JIT monitor with real Triton compile events (cross-compiling for cuda:90 on the CPU)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import triton
+
+import warmreg
+from tests.helpers import CONFIG, Plugin, Scale
+from warmreg import _triton
+from warmreg.platform import Platform
+
+H100 = Platform.parse("cuda:90")
+
+
+def _warm(*sizes: int) -> Scale:
+    kernel = Scale(sizes=sizes)
+    warmreg.warm(CONFIG, target=H100, plugins=[Plugin(kernel)], entry_points=False, workers=1)
+    return kernel
+
+
+def _runtime_launch(kernel: Scale, x: torch.Tensor) -> Any:
+    """A launch through the kernel's own launch code, as a server would do it, on the cross target.
+
+    With meta tensors Triton binds, specializes and (if needed) compiles exactly as on a GPU; the
+    stand-in driver cannot run the binary, so a launch that got past the compile fails after it.
+    """
+    with _triton.cross_target(H100):
+        return kernel(x, 2.0)
+
+
+def test_compile_inside_warmup_is_allowed_outside_is_refused_before_compiling(triton_cache: Path) -> None:
+    with warmreg.monitor("error") as mon:
+        kernel = _warm(16)  # compiles inside warm: allowed
+        assert mon.misses == []
+        before = sorted(p.name for p in triton_cache.iterdir())
+        with pytest.raises(warmreg.JitMissError) as info:
+            _runtime_launch(kernel, warmreg.meta((17,), torch.float16))  # n=17: the "other" class, never warmed
+        assert sorted(p.name for p in triton_cache.iterdir()) == before  # refused before compiling: nothing written
+    miss = info.value.miss
+    assert miss.kernel == "tests.scale" and miss.kind == "compile"
+    assert "n_class: 'div16' != 'other'" in miss.diff
+    assert any(d.startswith("n: warmed ('i32', 'D') != runtime ('i32', '')") for d in miss.triton_diff)
+    assert "tests.scale" in str(info.value) and "fix:" in str(info.value)
+
+
+def test_warmed_shapes_do_not_miss() -> None:
+    kernel = _warm(16, 17, 1)
+    with warmreg.monitor("error") as mon:
+        for n in (16, 32, 4096, 17, 33, 1):
+            with pytest.raises(Exception) as info:  # the compile is found in memory; only the launch fails
+                _runtime_launch(kernel, warmreg.meta((n,), torch.float16))
+            assert not isinstance(info.value, warmreg.JitMissError)
+    assert mon.misses == [] and mon.counters()["tests.scale"]["launches"] == 6
+    assert mon.used_keys("tests.scale") and len(mon.used_keys("tests.scale")) == 3
+
+
+def test_miss_explanations_name_the_differing_field() -> None:
+    kernel = _warm(16)
+    with warmreg.monitor("record") as mon:
+        for x in (warmreg.meta((1,), torch.float16), warmreg.meta((32,), torch.float16, offset=1)):
+            with pytest.raises(Exception):
+                _runtime_launch(kernel, x)
+    one, unaligned = mon.misses
+    assert "n_class: 'div16' != 'one'" in one.diff  # the int class of T=1
+    assert one.diff and any("constexpr" in d for d in one.triton_diff)
+    assert unaligned.diff == ("aligned: True != False",)  # alignment of an offset view
+    assert mon.counters()["tests.scale"]["misses"] == 2
+
+
+def test_unregistered_kernel_is_reported_as_such() -> None:
+    from tests.helpers import _scale_kernel
+
+    with warmreg.monitor("record") as mon, _triton.cross_target(H100):
+        x = warmreg.meta((64,), torch.bfloat16)
+        _scale_kernel.warmup(x, x, 64, 1.0, BLOCK=64, grid=(1,))
+    (miss,) = mon.misses
+    assert miss.kernel is None and "unregistered" in miss.explain() and "register this kernel" in miss.explain()
+
+
+def test_record_then_replay_round_trip(tmp_path: Path, triton_cache: Path) -> None:
+    kernel = _warm(16)
+    record = tmp_path / "misses.jsonl"
+    with warmreg.monitor("record", record=record):
+        with pytest.raises(Exception):
+            _runtime_launch(kernel, warmreg.meta((17,), torch.float16))
+    lines = [json.loads(line) for line in record.read_text().splitlines()]
+    assert len(lines) == 1 and lines[0]["kernel"] == "tests.scale" and lines[0]["specialization_data"]
+    _triton.forget_compiled()
+    for p in triton_cache.iterdir():  # an empty cache: replay must really compile
+        __import__("shutil").rmtree(p)
+    from warmreg.replay import replay
+
+    results = replay(record)
+    assert [r.ok for r in results] == [True]
+    assert list(triton_cache.rglob("*.cubin"))
+
+
+def test_hooks_installed_by_someone_else_survive_arm_and_disarm() -> None:
+    calls: list[str] = []
+
+    def theirs(**kwargs: Any) -> None:
+        calls.append(kwargs["key"])
+
+    def their_load(*args: Any) -> None:
+        pass
+
+    triton.knobs.runtime.jit_cache_hook = theirs
+    triton.knobs.runtime.kernel_load_start_hook.add(their_load)
+    try:
+        kernel = _warm(16)
+        with warmreg.monitor("warn"), pytest.warns(RuntimeWarning, match="tests.scale"):
+            with pytest.raises(Exception):
+                _runtime_launch(kernel, warmreg.meta((17,), torch.float16))
+        assert calls  # chained: their hook still ran
+        assert triton.knobs.runtime.jit_cache_hook is theirs
+        assert triton.knobs.runtime.kernel_load_start_hook.calls == [their_load]
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+        triton.knobs.runtime.kernel_load_start_hook.remove(their_load)
+
+
+def test_nested_contexts_and_exceptions_restore_everything() -> None:
+    assert triton.knobs.runtime.jit_cache_hook is None
+    with pytest.raises(ZeroDivisionError):
+        with warmreg.monitor("record") as outer:
+            with warmreg.monitor("error") as inner:
+                assert warmreg.monitor.__module__ and _current() is inner
+            assert _current() is outer
+            1 / 0
+    assert _current() is None and triton.knobs.runtime.jit_cache_hook is None
+
+
+def _current() -> Any:
+    from warmreg.monitor import current
+
+    return current()
+
+
+def test_warm_scope_is_per_thread() -> None:
+    """A thread warming while another serves: only the serving thread's compile is a miss."""
+    kernel = _warm(16)
+    errors: list[BaseException] = []
+    with warmreg.monitor("record") as mon:
+
+        def serve() -> None:
+            try:
+                _runtime_launch(kernel, warmreg.meta((17,), torch.float16))
+            except BaseException as exc:  # the stand-in driver cannot launch
+                errors.append(exc)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        warmreg.warm(CONFIG, target=H100, plugins=[Plugin(Scale(sizes=(1,)))], entry_points=False, workers=2)
+        t.join()
+    assert [m.runtime_key.n_class for m in mon.misses] == ["other"]  # type: ignore[union-attr]
+
+
+def test_warm_arms_the_monitor_when_asked() -> None:
+    try:
+        warmreg.warm(CONFIG, target=H100, plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False, monitor="error")
+        assert _current() is not None and _current().mode == "error"
+    finally:
+        warmreg.disarm()
+    assert _current() is None
+
+
+def test_bad_mode() -> None:
+    with pytest.raises(warmreg.WarmregError, match="mode"):
+        warmreg.arm("loud")  # type: ignore[arg-type]

@@ -1,0 +1,102 @@
+"""warm(): cross-compiling real binaries on a CPU-only machine, isolation of failures, reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import warmreg
+from tests.helpers import CONFIG, Broken, Plugin, Scale
+
+
+def _cubins(cache: Path) -> list[Path]:
+    return sorted(cache.rglob("*.cubin"))
+
+
+def test_cross_compile_for_cuda90_writes_real_cubins(triton_cache: Path) -> None:
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2)
+    assert report.ok and report.declared == 3 and report.compiled == 3
+    cubins = _cubins(triton_cache)
+    assert len(cubins) == 3
+    assert all(c.read_bytes()[:4] == b"\x7fELF" for c in cubins)  # CUDA binaries are ELF files
+    meta = json.loads(next(triton_cache.rglob("_scale_kernel.json")).read_text())
+    assert meta["target"]["arch"] == 90 and meta["target"]["backend"] == "cuda"
+
+
+def test_second_warm_comes_from_cache(triton_cache: Path) -> None:
+    plugin = Plugin(Scale())
+    warmreg.warm(CONFIG, target="cuda:90", plugins=[plugin], entry_points=False, workers=1)
+    again = warmreg.warm(CONFIG, target="cuda:90", plugins=[plugin], entry_points=False, workers=1)
+    assert again.compiled == 0 and again.from_cache == 3
+
+
+def test_rocm_target_gets_amd_code(triton_cache: Path) -> None:
+    report = warmreg.warm(CONFIG, target="rocm:gfx942", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False)
+    assert report.ok
+    assert list(triton_cache.rglob("*.hsaco")) and not _cubins(triton_cache)
+
+
+def test_two_targets_in_one_process_do_not_share_a_backend(triton_cache: Path) -> None:
+    plugin = Plugin(Scale(sizes=(16,)))
+    warmreg.warm(CONFIG, target="cuda:90", plugins=[plugin], entry_points=False)
+    warmreg.warm(CONFIG, target="cuda:100", plugins=[plugin], entry_points=False)
+    archs = sorted(json.loads(p.read_text())["target"]["arch"] for p in triton_cache.rglob("_scale_kernel.json"))
+    assert archs == [90, 100]
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_one_failing_key_does_not_stop_the_others(workers: int) -> None:
+    plugins = [Plugin(Scale(), Broken())]
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=plugins, entry_points=False, workers=workers, on_error="continue")
+    assert report.compiled == 3 and len(report.failed) == 1
+    assert report.failed[0].kernel == "tests.broken" and "undefined_name" in (report.failed[0].error or "")
+    with pytest.raises(warmreg.CompileFailed) as info:
+        warmreg.warm(CONFIG, target="cuda:90", plugins=plugins, entry_points=False, workers=workers)
+    assert info.value.report.from_cache == 3  # type: ignore[attr-defined]
+
+
+def test_stop_on_first_failure() -> None:
+    with pytest.raises(warmreg.CompileFailed) as info:
+        warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Broken(), Scale())], entry_points=False, workers=1, on_error="stop")
+    statuses = {r.kernel: r.status for r in info.value.report.results}  # type: ignore[attr-defined]
+    assert statuses["tests.broken"] == "failed"
+
+
+def test_report_is_json_serializable_and_readable_back() -> None:
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False)
+    back = warmreg.WarmReport.from_json(json.loads(report.dumps()))
+    assert back.results == report.results
+    assert "3 keys over 1 kernels for cuda:90" in report.summary()
+    per = report.per_kernel()["tests.scale"]
+    assert per["keys"] == 3 and per["seconds"] > 0
+
+
+def test_each_warmed_key_records_its_triton_specialization() -> None:
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False)
+    by_class = {r.key.n_class: r.triton_key for r in report.results}  # type: ignore[attr-defined]
+    assert "('constexpr', 1)" in by_class["one"]  # Triton folds n == 1 into a constexpr
+    assert "('i32', 'D')" in by_class["div16"] and "('i32', '')" in by_class["other"]
+
+
+def test_warmup_inputs_that_do_not_reproduce_the_key_fail_that_key() -> None:
+    class Liar(Scale):
+        def warmup_inputs(self, key):  # type: ignore[no-untyped-def]
+            inputs = dict(super().warmup_inputs(key))
+            inputs["x"] = warmreg.meta((17,), torch.float16)  # always the "other" class
+            return inputs
+
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Liar())], entry_points=False, on_error="continue")
+    failed = {r.key.n_class: r.error for r in report.failed}  # type: ignore[attr-defined]
+    assert set(failed) == {"one", "div16"} and "n_class" in failed["one"]
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(warmreg.WarmregError, match="workers"):
+        warmreg.warm(CONFIG, target="cuda:90", entry_points=False, workers=0)
+    with pytest.raises(warmreg.WarmregError, match="on_error"):
+        warmreg.warm(CONFIG, target="cuda:90", entry_points=False, on_error="ignore")  # type: ignore[arg-type]
+    with pytest.raises(warmreg.TargetError):
+        warmreg.warm(CONFIG, target="cuda:sm90", entry_points=False)

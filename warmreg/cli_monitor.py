@@ -1,0 +1,70 @@
+"""CLI sub-commands of the monitor: ``warmreg replay FILE`` and ``warmreg report FILE``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .cli import _EXTENSIONS
+
+__all__: list[str] = []
+
+_out = Console()
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from .replay import replay
+
+    results = replay(args.file, target=args.target)
+    for r in results:
+        _out.print(f"{'[green]ok[/]' if r.ok else '[red]failed[/]'} {r.jit_name} for {r.target}{'' if r.ok else ': ' + str(r.error)}")
+    _out.print(f"{sum(r.ok for r in results)} of {len(results)} recorded specializations compiled")
+    return 0 if all(r.ok for r in results) else 1
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from .coverage import coverage, load_observations
+    from .report import WarmReport
+
+    used: dict[str, Any] = {}
+    misses: list[Any] = []
+    for path in args.files:
+        u, m = load_observations(path)
+        for k, v in u.items():
+            used.setdefault(k, set()).update(v)
+        misses.extend(m)
+    warm_report = WarmReport.from_json(json.loads(Path(args.warm_report).read_text())) if args.warm_report else None
+    cov = coverage(warm_report, used, misses)
+    if args.json:
+        print(json.dumps(cov.to_json(), indent=2))
+    else:
+        table = Table("kernel", "declared", "compiled", "hit", "missed", "unused", title="warmreg coverage")
+        for k in cov.kernels:
+            table.add_row(k.kernel, str(k.declared), str(k.compiled), str(k.hit), f"[red]{k.missed}[/]" if k.missed else "0", str(k.unused))
+        _out.print(table)
+        for miss in cov.misses:
+            _out.print(miss.explain(), highlight=False)
+    if args.require_complete and not cov.complete:
+        return 1
+    return 0
+
+
+def _install(sub: Any) -> None:
+    r = sub.add_parser("replay", help="compile the specializations in a record file")
+    r.add_argument("file", help="JSON lines written by the monitor in record mode")
+    r.add_argument("--target", default=None, help="compile for this target instead of the recorded one")
+    r.set_defaults(func=cmd_replay)
+    p = sub.add_parser("report", help="coverage: declared / compiled / hit / missed / unused per kernel")
+    p.add_argument("files", nargs="+", help="monitor snapshots (Monitor.save) or record files")
+    p.add_argument("--warm-report", default=None, help="the WarmReport JSON of the warm (warmreg warm --json)")
+    p.add_argument("--json", action="store_true", help="print the coverage as JSON")
+    p.add_argument("--require-complete", action="store_true", help="exit 1 if anything missed (for CI)")
+    p.set_defaults(func=cmd_report)
+
+
+_EXTENSIONS.append(_install)
