@@ -358,6 +358,73 @@ def replay(fn_name: str, specialization_data: str, platform: Platform) -> Any:
 
     :raises WarmregError: if the function cannot be imported.
     """
+    jit = import_jit(fn_name)
+    with cross_target(platform):
+        return jit.preload(specialization_data)
+
+
+# -- cache (packs) ------------------------------------------------------------------------------
+
+
+def cache_dir() -> str:
+    """Triton's cache directory now (``knobs.cache.dir``, from TRITON_CACHE_DIR or ~/.triton/cache)."""
+    path = triton.knobs.cache.dir
+    if not path:
+        raise WarmregError("Triton has no cache directory", fix="set TRITON_CACHE_DIR")
+    return str(path)
+
+
+def cache_subdir(binary_hash: str) -> str:
+    """Directory name of one cache entry: base32 of the hash (``triton.runtime.cache._base32``)."""
+    from triton.runtime.cache import _base32
+
+    return str(_base32(binary_hash))
+
+
+def ptxas_version(platform: Platform) -> str | None:
+    """The ptxas release Triton uses for this CUDA target (None for ROCm), first line only."""
+    if not platform.is_cuda:
+        return None
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    return str(get_ptxas_version(platform.sm)).strip().splitlines()[-1]
+
+
+def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform) -> str:
+    """The cache hash the *local* Triton gives a recorded specialization for ``platform``.
+
+    Mirrors ``JITFunction.preload`` up to ``compile``'s ``get_cache_key`` (Triton 3.6.0): the hash
+    includes ``triton_key()``, a digest of the Triton installation, so it differs between Python
+    builds of one release and must be recomputed where a pack is installed.
+    """
+    import hashlib
+    import json
+
+    import triton.language as tl
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.compiler.compiler import ASTSource, make_backend
+    from triton.runtime.cache import get_cache_key
+    from triton.runtime.jit import convert_to_tuple_if_list
+
+    data = json.loads(specialization_data)
+    constexprs = {
+        tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+        for k, v in zip(data["constant_keys"], data["constant_vals"])
+    }
+    attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"]))
+    signature = {k: convert_to_tuple_if_list(v) for k, v in data["signature"].items()}
+    backend = make_backend(gpu_target(platform))
+    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
+    src = ASTSource(jit, signature, constexprs, attrs)
+    key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def import_jit(fn_name: str) -> JITFunction:
+    """Import a jit function by its full name (``package.module.function``).
+
+    :raises WarmregError: if it cannot be imported or is not a jit function.
+    """
     import importlib
 
     module_name, _, qual = fn_name.rpartition(".")
@@ -369,11 +436,8 @@ def replay(fn_name: str, specialization_data: str, platform: Platform) -> Any:
         except ImportError:
             module_name, _, head = module_name.rpartition(".")
             qual = f"{head}.{qual}"
-    if obj is None:
-        raise WarmregError(f"cannot import the module of {fn_name!r}", fix="install the package that defines the kernel")
-    for part in qual.split("."):
+    for part in qual.split(".") if obj is not None else ():
         obj = getattr(obj, part, None)
-        if obj is None:
-            raise WarmregError(f"{fn_name!r} not found", fix="the kernel was renamed or removed; re-record")
-    with cross_target(platform):
-        return obj.preload(specialization_data)
+    if not isinstance(obj, JITFunction):
+        raise WarmregError(f"cannot import the Triton function {fn_name!r}", fix="install the plugin that defines it")
+    return obj

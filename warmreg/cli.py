@@ -73,6 +73,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
             on_error="continue",
             on_plugin_error="skip" if args.skip_broken_plugins else "raise",
             progress=not args.quiet,
+            pack=args.pack,
         )
     except CompileFailed as exc:  # pragma: no cover - on_error="continue" returns instead
         report = exc.report  # type: ignore[attr-defined]
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--workers", type=int, default=None, help="compile threads (default: all CPUs)")
     w.add_argument("--json", metavar="FILE", default=None, help="write the WarmReport as JSON")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
+    w.add_argument("--pack", default=None, help="install this pack first (its keys become cache hits)")
     w.set_defaults(func=cmd_warm)
     for extend in _EXTENSIONS:
         extend(sub)

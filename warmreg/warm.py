@@ -90,6 +90,7 @@ def warm(
     progress: bool | None = None,
     monitor: str | None = None,
     record: str | os.PathLike[str] | None = None,
+    pack: str | os.PathLike[str] | None = None,
 ) -> WarmReport:
     """Compile (or load from cache) every key the deployment needs, before it serves.
 
@@ -105,6 +106,8 @@ def warm(
     :param monitor: arm the JIT monitor in this mode (``warn``, ``error``, ``record``) once warm
         has finished; disarm it with :func:`warmreg.disarm`.
     :param record: with ``monitor="record"``, the JSON-lines file misses are appended to.
+    :param pack: install this pack into Triton's cache first (see :mod:`warmreg.pack`), so every
+        key it holds is a cache hit; refused entries are compiled as usual.
     :returns: the :class:`WarmReport`.
     :raises CompileFailed: under ``on_error`` ``"raise"`` or ``"stop"`` if any key failed; its
         ``report`` attribute holds the full report.
@@ -114,6 +117,11 @@ def warm(
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise WarmregError(f"workers={workers!r} must be an int >= 1", fix="pass e.g. workers=8, or None for all CPUs")
     the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points, on_plugin_error=on_plugin_error)
+    if pack is not None:
+        from .pack import install
+
+        installed = install(pack, target=the_plan.platform)
+        pack_note = f"{pack}: {installed.installed} installed, {installed.present} present, {len(installed.refused)} refused"
     plan_seconds = time.perf_counter() - start
     n_workers = workers or default_workers()
     show = sys.stderr.isatty() if progress is None else progress
@@ -132,6 +140,7 @@ def warm(
         plugins=the_plan.plugins,
         skipped=tuple(f"{s.kernel} ({s.plugin}): {s.reason}" for s in the_plan.skipped),
         plugin_problems=the_plan.plugin_problems,
+        pack=pack_note if pack is not None else None,
     )
     from .monitor import KNOWLEDGE, arm
 

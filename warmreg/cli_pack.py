@@ -1,0 +1,86 @@
+"""CLI sub-commands of packs: ``warmreg build`` and ``warmreg pack inspect|verify|install``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from .cli import _EXTENSIONS
+
+__all__: list[str] = []
+
+_out = Console()
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from .pack import build
+
+    manifest = build(args.config, args.output, target=args.target, workers=args.workers, force=args.force)
+    kernels = {e.kernel for e in manifest.entries}
+    _out.print(f"wrote {args.output}: {len(manifest.entries)} keys over {len(kernels)} kernels for {manifest.target} (Triton {manifest.triton_version})")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .pack import inspect_pack
+
+    m = inspect_pack(args.pack)
+    _out.print(f"pack {args.pack}: format {m.format}, warmreg {m.warmreg_version}, Triton {m.triton_version}, target {m.target}, ptxas {m.ptxas_version}, built on Python {m.python}, model {m.model_type}")
+    table = Table("kernel", "keys", "bytes")
+    rows: dict[str, list[int]] = {}
+    for e in m.entries:
+        row = rows.setdefault(e.kernel, [0, 0])
+        row[0] += 1
+        row[1] += sum(f.size for f in e.files)
+    for name, (n, size) in sorted(rows.items()):
+        table.add_row(name, str(n), str(size))
+    _out.print(table)
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .pack import verify
+
+    m = verify(args.pack, target=args.target)
+    _out.print(f"[green]ok[/] {args.pack}: {len(m.entries)} entries, every file matches its sha256; fits Triton {m.triton_version} and {m.target}")
+    return 0
+
+
+def cmd_install(args: argparse.Namespace) -> int:
+    from .pack import install
+
+    r = install(args.pack, target=args.target, all_or_nothing=args.all_or_nothing)
+    _out.print(f"{args.pack}: {r.installed} installed, {r.present} already present, {len(r.refused)} refused in {r.seconds:.2f} s")
+    for what, why in r.refused:
+        _out.print(f"[yellow]refused[/] {what}: {why}", highlight=False)
+    return 1 if r.refused else 0
+
+
+def _install(sub: Any) -> None:
+    b = sub.add_parser("build", help="compile a config's keys into a pack (no GPU needed with --target)")
+    b.add_argument("config")
+    b.add_argument("--target", default=None, help="e.g. cuda:90 (default: local GPU)")
+    b.add_argument("-o", "--output", required=True, help="a directory, or a .tar / .tar.gz / .zip file")
+    b.add_argument("--workers", type=int, default=None)
+    b.add_argument("--force", action="store_true", help="replace an existing output")
+    b.set_defaults(func=cmd_build)
+    p = sub.add_parser("pack", help="inspect, verify or install a pack")
+    psub = p.add_subparsers(dest="pack_command", required=True)
+    i = psub.add_parser("inspect", help="show a pack's manifest")
+    i.add_argument("pack")
+    i.set_defaults(func=cmd_inspect)
+    v = psub.add_parser("verify", help="check every file and the fit to this machine")
+    v.add_argument("pack")
+    v.add_argument("--target", default=None)
+    v.set_defaults(func=cmd_verify)
+    n = psub.add_parser("install", help="install into Triton's cache under local keys")
+    n.add_argument("pack")
+    n.add_argument("--target", default=None)
+    n.add_argument("--all-or-nothing", action="store_true")
+    n.set_defaults(func=cmd_install)
+
+
+_EXTENSIONS.append(_install)

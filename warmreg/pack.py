@@ -1,0 +1,484 @@
+"""Packs: warm caches built ahead of time (on any machine), verified, and installed into Triton's cache.
+
+A pack is a directory or a single ``.tar`` / ``.tar.gz`` / ``.zip`` file holding ``manifest.json`` and
+``files/<builder hash>/<kernel>.{json,cubin|hsaco}``. The manifest names the warmreg, Triton and
+ptxas versions, the target, each entry's kernel, key, source hash and Triton specialization, and
+each file's size and sha256; it carries a digest of itself, so an edited manifest is refused. No
+pickle anywhere: JSON and raw binaries only.
+
+Install does not copy directories: Triton's cache key hashes its own installation, which differs
+between Python builds of one release, so each entry is written under the hash the *local* Triton
+computes. Every file is verified before anything is written. Each entry is written as uniquely named
+files, then published by atomically replacing Triton's group file (``__grp__<name>.json``), which is
+how Triton finds a cache entry: readers see a whole entry or none, and a crash leaves only unused
+files behind. Packs are installed into the writable cache (not layered in front of it), so Triton's
+ordinary JIT path finds every binary with no hook.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+import uuid
+import zipfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import attrs
+import triton
+
+from . import _triton
+from .compile import compile_keys
+from .errors import WarmregError
+from .key import CompileKey
+from .platform import Platform
+from .warm import default_workers, plan, resolve_platform
+
+__all__ = ["FORMAT", "InstallReport", "Manifest", "PackError", "build", "install", "verify"]
+
+FORMAT = 1
+_ARCHIVES = (".tar", ".tar.gz", ".tgz", ".zip")
+_MAX_MEMBER = 256 * 1024 * 1024
+
+
+class PackError(WarmregError):
+    """A pack is malformed, corrupt, or does not fit this machine; nothing was written to the cache."""
+
+    def __init__(self, pack: str, problem: str, *, fix: str | None = None) -> None:
+        self.pack = pack
+        super().__init__(f"pack {pack}: {problem}", fix=fix)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@attrs.frozen
+class PackFile:
+    """One binary or metadata file of an entry."""
+
+    name: str
+    size: int
+    sha256: str
+
+
+@attrs.frozen(kw_only=True)
+class PackEntry:
+    """One compiled key: what it is, where it came from, and its files."""
+
+    kernel: str
+    key: dict[str, Any] = attrs.field(eq=False)
+    jit_name: str
+    source_hash: str
+    specialization_data: str
+    binary_hash: str
+    files: tuple[PackFile, ...] = attrs.field(converter=tuple)
+
+    def member(self, file: PackFile) -> str:
+        return f"files/{self.binary_hash}/{file.name}"
+
+
+@attrs.frozen(kw_only=True)
+class Manifest:
+    """The manifest of a pack."""
+
+    format: int
+    warmreg_version: str
+    triton_version: str
+    ptxas_version: str | None
+    target: str
+    python: str
+    created: float
+    model_type: str
+    entries: tuple[PackEntry, ...] = attrs.field(converter=tuple)
+    complete: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        body = attrs.asdict(self)
+        body["entries"] = [attrs.asdict(e) for e in self.entries]
+        return {"body": body, "sha256": _sha256(_canonical(body))}
+
+    @classmethod
+    def from_json(cls, data: Any, pack: str) -> Manifest:
+        if not isinstance(data, dict) or "body" not in data or "sha256" not in data:
+            raise PackError(pack, "manifest.json is not a warmreg manifest", fix="rebuild the pack with warmreg build")
+        body = data["body"]
+        if _sha256(_canonical(body)) != data["sha256"]:
+            raise PackError(pack, "manifest.json was edited (its digest does not match)", fix="rebuild the pack")
+        if not isinstance(body.get("format"), int) or body["format"] > FORMAT:
+            raise PackError(
+                pack, f"was written by a newer warmreg (format {body.get('format')}, this warmreg reads {FORMAT})", fix="upgrade warmreg"
+            )
+        if body.get("complete") is not True:
+            raise PackError(pack, "is incomplete (no completion marker)", fix="rebuild the pack")
+        try:
+            entries = [
+                PackEntry(**{**e, "files": [PackFile(**f) for f in e["files"]]}) for e in body["entries"]
+            ]
+            return cls(**{**body, "entries": entries})
+        except (TypeError, KeyError) as exc:
+            raise PackError(pack, f"manifest.json has a malformed entry ({exc})", fix="rebuild the pack") from exc
+
+
+def _canonical(body: Any) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+class _Reader:
+    """Read-only access to a pack's members, from a directory or an archive, with safe names only."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.name = str(path)
+        self._members: dict[str, bytes] = {}
+        if not path.exists():
+            raise PackError(self.name, "does not exist", fix="pass the path written by warmreg build")
+        if path.is_dir():
+            self._dir = path
+            return
+        self._dir = None
+        try:
+            if path.suffix == ".zip":
+                self._read_zip()
+            else:
+                self._read_tar()
+        except (tarfile.TarError, zipfile.BadZipFile, EOFError, OSError) as exc:
+            raise PackError(self.name, f"is not a readable archive ({exc})", fix="download or rebuild it; it may be truncated") from exc
+
+    def _safe(self, name: str) -> str:
+        pure = PurePosixPath(name)
+        if not name or pure.is_absolute() or ".." in pure.parts or "\\" in name:
+            raise PackError(self.name, f"member {name!r} has an unsafe path", fix="do not use this pack; it may be malicious")
+        return str(pure)
+
+    def _check_name(self, name: str) -> str:
+        safe = self._safe(name)
+        if safe in self._members:
+            raise PackError(self.name, f"member {name!r} appears twice", fix="rebuild the pack")
+        return safe
+
+    def _read_tar(self) -> None:
+        with tarfile.open(self.path, "r:*") as tar:
+            for member in tar.getmembers():
+                if member.isdir():
+                    continue
+                name = self._check_name(member.name)
+                if not member.isfile():
+                    raise PackError(self.name, f"member {name!r} is a link or special file", fix="do not use this pack")
+                if member.size > _MAX_MEMBER:
+                    raise PackError(self.name, f"member {name!r} is too large ({member.size} bytes)")
+                handle = tar.extractfile(member)
+                self._members[name] = handle.read() if handle else b""
+
+    def _read_zip(self) -> None:
+        with zipfile.ZipFile(self.path) as zf:
+            for info in zf.infolist():
+                if info.is_dir():
+                    continue
+                name = self._check_name(info.filename)
+                if info.file_size > _MAX_MEMBER:
+                    raise PackError(self.name, f"member {name!r} is too large")
+                self._members[name] = zf.read(info)
+
+    def read(self, name: str) -> bytes | None:
+        name = self._safe(name)
+        if self._dir is None:
+            return self._members.get(name)
+        target = (self._dir / name).resolve()
+        if not target.is_relative_to(self._dir.resolve()) or target.is_symlink() or not target.is_file():
+            return None
+        return target.read_bytes()
+
+    def manifest(self) -> Manifest:
+        raw = self.read("manifest.json")
+        if raw is None:
+            raise PackError(self.name, "has no manifest.json", fix="rebuild the pack with warmreg build")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise PackError(self.name, f"manifest.json is not JSON ({exc})", fix="rebuild the pack") from exc
+        manifest = Manifest.from_json(data, self.name)
+        seen: set[str] = set()
+        for entry in manifest.entries:
+            for f in entry.files:
+                member = entry.member(f)
+                if member in seen:
+                    raise PackError(self.name, f"lists {member} twice (duplicate entries)", fix="rebuild the pack")
+                seen.add(member)
+                self._safe(member)
+        return manifest
+
+
+def _check_file(reader: _Reader, entry: PackEntry, f: PackFile) -> bytes:
+    data = reader.read(entry.member(f))
+    if data is None:
+        raise PackError(reader.name, f"lists {entry.member(f)}, which is missing", fix="rebuild the pack")
+    if len(data) != f.size:
+        raise PackError(reader.name, f"{entry.member(f)} has {len(data)} bytes, the manifest says {f.size}", fix="rebuild the pack")
+    if _sha256(data) != f.sha256:
+        raise PackError(reader.name, f"{entry.member(f)} does not match its sha256 (corrupt)", fix="rebuild the pack")
+    return data
+
+
+def _check_machine(reader: _Reader, manifest: Manifest, platform: Platform | None) -> None:
+    if manifest.triton_version != triton.__version__:
+        raise PackError(
+            reader.name,
+            f"was built with Triton {manifest.triton_version}, this machine has {triton.__version__}",
+            fix=f"install triton=={manifest.triton_version} or rebuild the pack here",
+        )
+    if platform is not None and Platform.parse(manifest.target).target.split("+")[0] != platform.target.split("+")[0]:
+        raise PackError(reader.name, f"targets {manifest.target}, this warm targets {platform.target}", fix="build a pack for this target")
+    if manifest.ptxas_version is not None:
+        local = _triton.ptxas_version(Platform.parse(manifest.target))
+        if local != manifest.ptxas_version:
+            raise PackError(
+                reader.name, f"was built with ptxas {manifest.ptxas_version!r}, this Triton uses {local!r}", fix="rebuild the pack here"
+            )
+
+
+def verify(path: str | Path, *, target: str | Platform | None = None) -> Manifest:
+    """Check a pack completely: manifest digest, every file's size and sha256, Triton/ptxas/target.
+
+    :returns: the manifest.
+    :raises PackError: on the first problem, saying which and why.
+    """
+    reader = _Reader(Path(path))
+    manifest = reader.manifest()
+    _check_machine(reader, manifest, resolve_platform(target) if target is not None else None)
+    for entry in manifest.entries:
+        for f in entry.files:
+            _check_file(reader, entry, f)
+    return manifest
+
+
+def inspect_pack(path: str | Path) -> Manifest:
+    """Read a pack's manifest (digest checked; files not verified)."""
+    return _Reader(Path(path)).manifest()
+
+
+# -- installing ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class InstallReport:
+    """What an install did: entries written, already present, and refused with reasons."""
+
+    pack: str
+    installed: int
+    present: int
+    refused: tuple[tuple[str, str], ...]
+    seconds: float
+
+
+def install(path: str | Path, *, target: str | Platform | None = None, all_or_nothing: bool = False) -> InstallReport:
+    """Install a pack into Triton's cache directory (``TRITON_CACHE_DIR``), under local cache keys.
+
+    :param target: the platform this machine warms for (default: the pack's target).
+    :param all_or_nothing: refuse the whole pack if any entry is refused.
+    :raises PackError: for a pack that does not fit this machine at all, or under ``all_or_nothing``.
+    """
+    start = time.perf_counter()
+    reader = _Reader(Path(path))
+    manifest = reader.manifest()
+    platform = resolve_platform(target) if target is not None else Platform.parse(manifest.target)
+    _check_machine(reader, manifest, platform)
+    ready: list[tuple[PackEntry, dict[str, bytes], str]] = []
+    refused: list[tuple[str, str]] = []
+    for entry in manifest.entries:
+        try:
+            blobs = {f.name: _check_file(reader, entry, f) for f in entry.files}
+            jit = _triton.import_jit(entry.jit_name)
+            if _triton.source_hash(jit) != entry.source_hash:
+                raise PackError(reader.name, f"kernel {entry.jit_name} changed since the pack was built (source hash differs)", fix="rebuild the pack")
+            ready.append((entry, blobs, _triton.local_cache_hash(jit, entry.specialization_data, platform)))
+        except WarmregError as exc:
+            refused.append((f"{entry.kernel} {entry.key.get('fields')}", str(exc)))
+    if refused and all_or_nothing:
+        raise PackError(reader.name, f"{len(refused)} entries refused (all-or-nothing): {refused[0][1]}", fix="rebuild the pack")
+    cache = Path(_triton.cache_dir())
+    installed = present = 0
+    for entry, blobs, local_hash in ready:
+        if _publish(cache, entry, blobs, local_hash):
+            installed += 1
+        else:
+            present += 1
+    return InstallReport(reader.name, installed, present, tuple(refused), time.perf_counter() - start)
+
+
+def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash: str) -> bool:
+    """Write one entry's files under unique names, then atomically publish its group file."""
+    directory = cache / _triton.cache_subdir(local_hash)
+    meta_name = next(n for n in blobs if n.endswith(".json"))
+    group = directory / f"__grp__{meta_name}"
+    if group.exists():
+        try:
+            children = json.loads(group.read_text())["child_paths"]
+            if all(Path(p).is_file() for p in children.values()):
+                return False  # already installed (by us, another installer, or Triton itself)
+        except (ValueError, KeyError, TypeError):
+            pass  # a damaged group file is replaced below
+    directory.mkdir(parents=True, exist_ok=True)
+    writer = uuid.uuid4().hex[:12]
+    children: dict[str, str] = {}
+    for name, data in blobs.items():
+        if name == meta_name:
+            meta = json.loads(data)
+            meta["hash"] = local_hash  # the entry now lives under the local key
+            data = json.dumps(meta).encode()
+        stem, dot, ext = name.rpartition(".")
+        final = directory / f"{stem}.{writer}.{ext}"
+        _atomic_write(final, data)
+        children[name] = str(final)
+    _atomic_write(group, json.dumps({"child_paths": children}).encode())
+    return True
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.tmp.{uuid.uuid4().hex}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# -- building -----------------------------------------------------------------------------------
+
+
+@contextmanager
+def _cache_at(directory: str) -> Iterator[None]:
+    previous = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = directory
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = previous
+
+
+@contextmanager
+def _recording_specializations() -> Iterator[dict[str, str]]:
+    seen: dict[str, str] = {}
+    previous = _triton.get_jit_cache_hook()
+
+    def hook(**kwargs: Any) -> Any:
+        seen[kwargs["key"]] = kwargs["compile"]["specialization_data"]
+        return previous(**kwargs) if previous is not None else None
+
+    _triton.set_jit_cache_hook(hook)
+    try:
+        yield seen
+    finally:
+        if _triton.get_jit_cache_hook() is hook:
+            _triton.set_jit_cache_hook(previous)
+
+
+def build(
+    config: Any,
+    output: str | Path,
+    *,
+    target: str | Platform | None = None,
+    workers: int | None = None,
+    plugins: Iterable[Any] = (),
+    entry_points: bool = True,
+    force: bool = False,
+) -> Manifest:
+    """Compile every key of ``config`` for ``target`` and write a pack (no GPU needed for a cross target).
+
+    :param output: a directory, or a file ending in ``.tar``, ``.tar.gz`` or ``.zip``.
+    :param force: replace an existing output.
+    :raises PackError: if a key failed to compile (no pack is written) or the output exists.
+    """
+    out = Path(output)
+    if out.exists() and not force:
+        raise PackError(str(out), "already exists", fix="pass force=True (--force) or another path")
+    the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points)
+    platform = the_plan.platform
+    jits = {kp.name: kp.kernel for kp in the_plan.kernels}
+    with tempfile.TemporaryDirectory(prefix="warmreg-build-") as tmp:
+        with _cache_at(os.path.join(tmp, "cache")), _recording_specializations() as specs:
+            _triton.forget_compiled()  # compile into the empty cache, even keys this process has loaded
+            results = compile_keys(the_plan.items(), platform=platform, workers=workers or default_workers(), on_error="continue")
+        failed = [r for r in results if r.status == "failed"]
+        if failed:
+            raise PackError(str(out), f"{len(failed)} key(s) failed to compile; first: {failed[0].kernel}: {failed[0].error}", fix="fix the kernel")
+        entries = []
+        staged = Path(tmp) / "pack"
+        for r in results:
+            if r.binary_hash is None or r.triton_key not in specs or r.jit_name is None:
+                raise PackError(str(out), f"no binary was recorded for {r.kernel} {r.key}", fix="report this as a warmreg bug")
+            src_dir = Path(tmp, "cache", _triton.cache_subdir(r.binary_hash))
+            files = []
+            for path in sorted(src_dir.iterdir()):
+                if path.suffix in (".json", ".cubin", ".hsaco") and not path.name.startswith("__grp__"):
+                    data = path.read_bytes()
+                    dest = staged / "files" / r.binary_hash / path.name
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    dest.write_bytes(data)
+                    files.append(PackFile(path.name, len(data), _sha256(data)))
+            jit = jits[r.kernel].jit_for(r.key)
+            entries.append(
+                PackEntry(
+                    kernel=r.kernel, key=r.key.to_json(), jit_name=r.jit_name, source_hash=_triton.source_hash(jit),
+                    specialization_data=specs[r.triton_key], binary_hash=r.binary_hash, files=files,
+                )  # fmt: skip
+            )
+        from . import __version__
+
+        manifest = Manifest(
+            format=FORMAT, warmreg_version=__version__, triton_version=triton.__version__, ptxas_version=_triton.ptxas_version(platform),
+            target=platform.target, python=sys.version.split()[0], created=time.time(), model_type=the_plan.config.model_type,
+            entries=entries,
+        )  # fmt: skip
+        (staged / "manifest.json").write_text(json.dumps(manifest.to_json(), indent=1))
+        _publish_pack(staged, out)
+    return manifest
+
+
+def _publish_pack(staged: Path, out: Path) -> None:
+    """Stage, then rename: readers never see a half-written pack."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    if out.name.endswith(_ARCHIVES):
+        if out.name.endswith(".zip"):
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
+                for p in sorted(staged.rglob("*")):
+                    if p.is_file():
+                        zf.write(p, p.relative_to(staged).as_posix())
+        else:
+            mode = "w:gz" if out.name.endswith(("gz", "tgz")) else "w"
+            with tarfile.open(tmp, mode) as tar:
+                for p in sorted(staged.rglob("*")):
+                    if p.is_file():
+                        tar.add(p, p.relative_to(staged).as_posix(), recursive=False)
+    else:
+        shutil.copytree(staged, tmp)
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    os.replace(tmp, out)
+
+
+def entry_keys(manifest: Manifest) -> list[CompileKey | None]:
+    """The compile keys of a manifest's entries (``None`` where the key type is not importable)."""
+    keys: list[CompileKey | None] = []
+    for e in manifest.entries:
+        try:
+            keys.append(CompileKey.from_json(e.key))
+        except WarmregError:
+            keys.append(None)
+    return keys
+
