@@ -64,7 +64,7 @@ def test_file_errors_name_the_file(tmp_path: Path) -> None:
         WarmConfig.load(tmp_path / "nope.json")
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
-    with pytest.raises(ConfigError, match="bad.json"):
+    with pytest.raises(ConfigError, match=r"bad\.json"):
         WarmConfig.load(bad)
     with pytest.raises(ConfigError, match="model_type"):
         WarmConfig.load({"model": {}})

@@ -46,7 +46,7 @@ def test_launch_options_come_from_named_fields() -> None:
 def test_non_json_value_is_refused_with_the_field_name() -> None:
     import torch
 
-    with pytest.raises(warmreg.CompileKeyError, match="K.dtype"):
+    with pytest.raises(warmreg.CompileKeyError, match=r"K\.dtype"):
         K(block=1, dtype=torch.bfloat16)  # type: ignore[arg-type]
 
 

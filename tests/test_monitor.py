@@ -25,6 +25,11 @@ def _warm(*sizes: int) -> Scale:
     return kernel
 
 
+#: What a launch on the cross target ends in once it got past binding and compiling: the stand-in
+#: driver has no launcher to run the binary.
+NO_LAUNCHER = AttributeError
+
+
 def _runtime_launch(kernel: Scale, x: torch.Tensor) -> Any:
     """A launch through the kernel's own launch code, as a server would do it, on the cross target.
 
@@ -54,9 +59,8 @@ def test_warmed_shapes_do_not_miss() -> None:
     kernel = _warm(16, 17, 1)
     with warmreg.monitor("error") as mon:
         for n in (16, 32, 4096, 17, 33, 1):
-            with pytest.raises(Exception) as info:  # the compile is found in memory; only the launch fails
+            with pytest.raises(NO_LAUNCHER, match="launcher_cls"):  # found in memory; only the launch fails
                 _runtime_launch(kernel, warmreg.meta((n,), torch.float16))
-            assert not isinstance(info.value, warmreg.JitMissError)
     assert mon.misses == [] and mon.counters()["tests.scale"]["launches"] == 6
     assert mon.used_keys("tests.scale") and len(mon.used_keys("tests.scale")) == 3
 
@@ -65,7 +69,7 @@ def test_miss_explanations_name_the_differing_field() -> None:
     kernel = _warm(16)
     with warmreg.monitor("record") as mon:
         for x in (warmreg.meta((1,), torch.float16), warmreg.meta((32,), torch.float16, offset=1)):
-            with pytest.raises(Exception):
+            with pytest.raises(NO_LAUNCHER):
                 _runtime_launch(kernel, x)
     one, unaligned = mon.misses
     assert "n_class: 'div16' != 'one'" in one.diff  # the int class of T=1
@@ -88,7 +92,7 @@ def test_record_then_replay_round_trip(tmp_path: Path, triton_cache: Path) -> No
     kernel = _warm(16)
     record = tmp_path / "misses.jsonl"
     with warmreg.monitor("record", record=record):
-        with pytest.raises(Exception):
+        with pytest.raises(NO_LAUNCHER):
             _runtime_launch(kernel, warmreg.meta((17,), torch.float16))
     lines = [json.loads(line) for line in record.read_text().splitlines()]
     assert len(lines) == 1 and lines[0]["kernel"] == "tests.scale" and lines[0]["specialization_data"]
@@ -116,7 +120,7 @@ def test_hooks_installed_by_someone_else_survive_arm_and_disarm() -> None:
     try:
         kernel = _warm(16)
         with warmreg.monitor("warn"), pytest.warns(RuntimeWarning, match="tests.scale"):
-            with pytest.raises(Exception):
+            with pytest.raises(NO_LAUNCHER):
                 _runtime_launch(kernel, warmreg.meta((17,), torch.float16))
         assert calls  # chained: their hook still ran
         assert triton.knobs.runtime.jit_cache_hook is theirs
@@ -131,9 +135,9 @@ def test_nested_contexts_and_exceptions_restore_everything() -> None:
     with pytest.raises(ZeroDivisionError):
         with warmreg.monitor("record") as outer:
             with warmreg.monitor("error") as inner:
-                assert warmreg.monitor.__module__ and _current() is inner
+                assert _current() is inner
             assert _current() is outer
-            1 / 0
+            raise ZeroDivisionError
     assert _current() is None and triton.knobs.runtime.jit_cache_hook is None
 
 
@@ -152,7 +156,7 @@ def test_warm_scope_is_per_thread() -> None:
         def serve() -> None:
             try:
                 _runtime_launch(kernel, warmreg.meta((17,), torch.float16))
-            except BaseException as exc:  # the stand-in driver cannot launch
+            except NO_LAUNCHER as exc:  # the stand-in driver cannot launch
                 errors.append(exc)
 
         t = threading.Thread(target=serve)

@@ -61,7 +61,7 @@ def test_conflicting_kernel_classes_under_one_name() -> None:
         pass
 
     Other.name = "tests.scale"
-    with pytest.raises(warmreg.PluginError, match="tests.scale"):
+    with pytest.raises(warmreg.PluginError, match=r"tests\.scale"):
         warmreg.plan(CONFIG, target="cuda:90", plugins=[Plugin(Scale(), Other())], entry_points=False)
 
 

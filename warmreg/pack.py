@@ -337,7 +337,7 @@ def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash:
             meta = json.loads(data)
             meta["hash"] = local_hash  # the entry now lives under the local key
             data = json.dumps(meta).encode()
-        stem, dot, ext = name.rpartition(".")
+        stem, _, ext = name.rpartition(".")
         final = directory / f"{stem}.{writer}.{ext}"
         _atomic_write(final, data)
         children[name] = str(final)
@@ -431,12 +431,11 @@ def build(
                     dest.write_bytes(data)
                     files.append(PackFile(path.name, len(data), _sha256(data)))
             jit = jits[r.kernel].jit_for(r.key)
-            entries.append(
-                PackEntry(
-                    kernel=r.kernel, key=r.key.to_json(), jit_name=r.jit_name, source_hash=_triton.source_hash(jit),
-                    specialization_data=specs[r.triton_key], binary_hash=r.binary_hash, files=files,
-                )  # fmt: skip
-            )
+            entry = PackEntry(
+                kernel=r.kernel, key=r.key.to_json(), jit_name=r.jit_name, source_hash=_triton.source_hash(jit),
+                specialization_data=specs[r.triton_key], binary_hash=r.binary_hash, files=files,
+            )  # fmt: skip
+            entries.append(entry)
         from . import __version__
 
         manifest = Manifest(

@@ -1,0 +1,53 @@
+"""Shared helpers of the benchmarks: machine description, timing, result files."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    """What ran the benchmark: host, CPUs, Python, torch, Triton, GPU."""
+    import torch
+    import triton
+
+    info: dict[str, Any] = {
+        "host": platform.node(),
+        "cpus": len(os.sched_getaffinity(0)),
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+    try:
+        info["nvidia_driver"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True, timeout=20
+        ).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        info["nvidia_driver"] = None
+    return info
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def write(name: str, data: dict[str, Any]) -> Path:
+    """Write ``benchmarks/results/<name>.json`` (and a copy under $OUT when set)."""
+    data = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), **data}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(data, indent=2, default=str))
+    out = os.environ.get("OUT")
+    if out:
+        Path(out, f"{name}.json").write_text(json.dumps(data, indent=2, default=str))
+    return path

@@ -1,0 +1,104 @@
+"""Warm time side by side: serial, threads (Triton async compile), processes, warm disk cache, pack.
+
+Each variant runs in a fresh subprocess with its own empty Triton cache, so in-memory state never
+leaks between them. Writes benchmarks/results/warm_time_<machine>.json.
+
+    python benchmarks/warm_time.py examples/deepseek_v4_flash.json [--target cuda:90] [--pack PACK] [--tag NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write
+
+_WARM = """
+import json, sys, time, warmreg
+t = time.perf_counter()
+r = warmreg.warm({config!r}, target={target!r}, workers={workers}, on_error="continue", pack={pack!r}, progress=False)
+print(json.dumps({{"wall": time.perf_counter() - t, "keys": r.declared, "kernels": len(r.per_kernel()),
+                   "compiled": r.compiled, "from_cache": r.from_cache, "failed": len(r.failed),
+                   "load_seconds": sum(x.load_seconds for x in r.results),
+                   "compile_seconds": sum(x.seconds for x in r.results),
+                   "per_key_seconds": sorted(x.seconds for x in r.results)}}))
+"""
+
+_SHARD = """
+import json, sys, time, warmreg
+from warmreg.compile import compile_keys
+p = warmreg.plan({config!r}, target={target!r})
+items = list(p.items())[{index}::{count}]
+t = time.perf_counter()
+res = compile_keys(items, platform=p.platform, workers=1, on_error="continue")
+print(json.dumps({{"wall": time.perf_counter() - t, "n": len(items)}}))
+"""
+
+
+def _run(code: str, cache: str) -> dict:
+    env = {**os.environ, "TRITON_CACHE_DIR": cache}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--pack", default=None, help="a pack built elsewhere (e.g. on a CPU-only machine)")
+    ap.add_argument("--tag", default=None)
+    args = ap.parse_args()
+    cpus = len(os.sched_getaffinity(0))
+    results: dict = {"config": args.config, "target": args.target or "local", "cpus": cpus, "variants": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def fresh(name: str) -> str:
+            path = os.path.join(tmp, name)
+            os.makedirs(path)
+            return path
+
+        warm = lambda workers, cache, pack=None: _run(_WARM.format(config=args.config, target=args.target, workers=workers, pack=pack), cache)  # noqa: E731
+        results["variants"]["cold_serial"] = warm(1, fresh("serial"))
+        threads_cache = fresh("threads")
+        results["variants"]["cold_threads"] = warm(cpus, threads_cache)
+        # processes: each compiles a shard into one shared cache, then one process loads everything
+        proc_cache = fresh("procs")
+        t = time.perf_counter()
+        shards = [
+            subprocess.Popen(
+                [sys.executable, "-c", _SHARD.format(config=args.config, target=args.target, index=i, count=cpus)],
+                env={**os.environ, "TRITON_CACHE_DIR": proc_cache}, stdout=subprocess.PIPE, text=True,
+            )
+            for i in range(cpus)
+        ]
+        for s in shards:
+            s.communicate()
+        compile_wall = time.perf_counter() - t
+        load = warm(cpus, proc_cache)
+        results["variants"]["cold_processes"] = {"wall": compile_wall + load["wall"], "compile_wall": compile_wall, "load": load}
+        results["variants"]["warm_disk_cache"] = warm(cpus, threads_cache)
+        if args.pack:
+            results["variants"]["from_pack"] = warm(cpus, fresh("pack"), args.pack)
+    v = results["variants"]
+    results["ratios"] = {
+        "serial_over_threads": v["cold_serial"]["wall"] / v["cold_threads"]["wall"],
+        "serial_over_processes": v["cold_serial"]["wall"] / v["cold_processes"]["wall"],
+        "cold_threads_over_warm_cache": v["cold_threads"]["wall"] / v["warm_disk_cache"]["wall"],
+    }
+    if "from_pack" in v:
+        results["ratios"]["cold_threads_over_pack"] = v["cold_threads"]["wall"] / v["from_pack"]["wall"]
+    tag = args.tag or ("gpu" if args.target is None else f"cpu_{args.target.replace(':', '')}")
+    path = write(f"warm_time_{tag}", results)
+    print(json.dumps({k: (val["wall"] if isinstance(val, dict) else val) for k, val in v.items()}, indent=1))
+    print(json.dumps(results["ratios"], indent=1), "->", path)
+
+
+if __name__ == "__main__":
+    main()
