@@ -6,6 +6,7 @@ The public API: everything a plugin or an engine needs is importable from here.
 from __future__ import annotations
 
 from .config import WarmConfig
+from .domains import next_pow2, powers_of_two, runtime_platform, token_counts
 from .errors import (
     CompileFailed,
     CompileKeyError,
@@ -16,10 +17,9 @@ from .errors import (
     TargetError,
     WarmregError,
 )
-from .domains import next_pow2, powers_of_two, runtime_platform, token_counts
 from .hookspecs import hookimpl
 from .kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
-from .key import CompileKey, FieldDiff, int_class, int_class_rep, is_aligned
+from .key import CompileKey, FieldDiff, IntClass, int_class, int_class_rep, is_aligned
 from .monitor import JitMissError, Miss, Monitor, arm, disarm, monitor
 from .platform import (
     Platform,
@@ -47,6 +47,7 @@ __all__ = [
     "CompileKeyError",
     "ConfigError",
     "FieldDiff",
+    "IntClass",
     "JitMissError",
     "KernelContractError",
     "KernelPlan",

@@ -10,8 +10,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from contextvars import ContextVar
 from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -247,6 +247,27 @@ def _restore_lang(saved: list[tuple[Any, dict[str, Any]]]) -> None:
                 delattr(ns, name)
             elif before[name] is not value:
                 setattr(ns, name, before[name])
+
+
+def _fix_interpreter_index() -> None:
+    """Triton 3.6.0's interpreter converts a scalar with ``int(array_of_shape_1)``, which NumPy >= 2.4
+    refuses, so ``for i in range(n)`` with a runtime ``n`` fails under the interpreter. Convert with
+    ``.item()`` instead (interpreter only; compiled kernels are unaffected)."""
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_warmreg_fixed", False):
+        return
+
+    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_lang_tensor._warmreg_fixed = True  # type: ignore[attr-defined]
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+_fix_interpreter_index()
 
 
 _INTERPRETING: ContextVar[bool] = ContextVar("warmreg_interpreting", default=False)

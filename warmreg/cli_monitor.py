@@ -44,8 +44,9 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(json.dumps(cov.to_json(), indent=2))
     else:
         table = Table("kernel", "declared", "compiled", "hit", "missed", "unused", title="warmreg coverage")
-        for k in cov.kernels:
-            table.add_row(k.kernel, str(k.declared), str(k.compiled), str(k.hit), f"[red]{k.missed}[/]" if k.missed else "0", str(k.unused))
+        for row in cov.kernels:
+            missed = f"[red]{row.missed}[/]" if row.missed else "0"
+            table.add_row(row.kernel, str(row.declared), str(row.compiled), str(row.hit), missed, str(row.unused))
         _out.print(table)
         for miss in cov.misses:
             _out.print(miss.explain(), highlight=False)

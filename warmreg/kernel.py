@@ -173,17 +173,24 @@ class TritonKernel(Generic[K]):
         """Every ``@triton.jit`` function this kernel may launch."""
         return (self.jit,) if self.jit is not None else ()
 
-    def dispatch(self, **runtime: Any) -> K:
-        """The compile key for these runtime inputs. Pure; no tensors are read."""
-        raise KernelContractError(self.name, "does not implement dispatch")
+    if TYPE_CHECKING:
+        # Declared as callables so that subclasses may name their inputs (``dispatch(self, *, x, y)``)
+        # without breaking the override rules of type checkers.
+        dispatch: Callable[..., K]
+        when: Callable[..., bool]
+    else:
+
+        def dispatch(self, **runtime: Any) -> K:
+            """The compile key for these runtime inputs. Pure; no tensors are read."""
+            raise KernelContractError(self.name, "does not implement dispatch")
+
+        def when(self, **point: Any) -> bool:
+            """Whether a combination of domain values can occur at runtime (default: always)."""
+            return True
 
     def domains(self, config: WarmConfig, platform: Platform) -> Mapping[str, Iterable[Any]]:
         """The values each runtime input of :meth:`dispatch` (and :meth:`when`) takes in this deployment."""
         raise KernelContractError(self.name, "does not implement domains")
-
-    def when(self, **point: Any) -> bool:
-        """Whether a combination of domain values can occur at runtime (default: always)."""
-        return True
 
     def warmup_inputs(self, key: K) -> Mapping[str, Any]:
         """Keyword arguments of the launcher (meta tensors, ints) whose launch has exactly ``key``."""
@@ -200,14 +207,14 @@ class TritonKernel(Generic[K]):
 
     def dispatch_params(self) -> tuple[str, ...]:
         """Names of the runtime inputs :meth:`dispatch` takes."""
-        return _dispatch_params(type(self))
+        return _dispatch_params(type(self))  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 
 
 @functools.cache
-def _dispatch_params(cls: type[TritonKernel[Any]]) -> tuple[str, ...]:
+def _dispatch_params(cls: Any) -> tuple[str, ...]:
     params = inspect.signature(cls.dispatch).parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in params):
         raise KernelContractError(cls.name, "dispatch takes **kwargs", fix="name each runtime input dispatch reads")

@@ -57,6 +57,14 @@ class PackError(WarmregError):
         super().__init__(f"pack {pack}: {problem}", fix=fix)
 
 
+def _files(items: Any) -> tuple[PackFile, ...]:
+    return tuple(items)
+
+
+def _entries(items: Any) -> tuple[PackEntry, ...]:
+    return tuple(items)
+
+
 def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -80,7 +88,7 @@ class PackEntry:
     source_hash: str
     specialization_data: str
     binary_hash: str
-    files: tuple[PackFile, ...] = attrs.field(converter=tuple)
+    files: tuple[PackFile, ...] = attrs.field(converter=_files)
 
     def member(self, file: PackFile) -> str:
         return f"files/{self.binary_hash}/{file.name}"
@@ -98,7 +106,7 @@ class Manifest:
     python: str
     created: float
     model_type: str
-    entries: tuple[PackEntry, ...] = attrs.field(converter=tuple)
+    entries: tuple[PackEntry, ...] = attrs.field(converter=_entries)
     complete: bool = True
 
     def to_json(self) -> dict[str, Any]:
@@ -142,12 +150,12 @@ class _Reader:
         self.path = path
         self.name = str(path)
         self._members: dict[str, bytes] = {}
+        self._dir: Path | None = None
         if not path.exists():
             raise PackError(self.name, "does not exist", fix="pass the path written by warmreg build")
         if path.is_dir():
             self._dir = path
             return
-        self._dir = None
         try:
             if path.suffix == ".zip":
                 self._read_zip()
@@ -324,8 +332,8 @@ def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash:
     group = directory / f"__grp__{meta_name}"
     if group.exists():
         try:
-            children = json.loads(group.read_text())["child_paths"]
-            if all(Path(p).is_file() for p in children.values()):
+            existing = json.loads(group.read_text())["child_paths"]
+            if all(Path(p).is_file() for p in existing.values()):
                 return False  # already installed (by us, another installer, or Triton itself)
         except (ValueError, KeyError, TypeError):
             pass  # a damaged group file is replaced below
@@ -459,8 +467,7 @@ def _publish_pack(staged: Path, out: Path) -> None:
                     if p.is_file():
                         zf.write(p, p.relative_to(staged).as_posix())
         else:
-            mode = "w:gz" if out.name.endswith(("gz", "tgz")) else "w"
-            with tarfile.open(tmp, mode) as tar:
+            with tarfile.open(tmp, "w:gz" if out.name.endswith(("gz", "tgz")) else "w") as tar:
                 for p in sorted(staged.rglob("*")):
                     if p.is_file():
                         tar.add(p, p.relative_to(staged).as_posix(), recursive=False)

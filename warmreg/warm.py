@@ -120,7 +120,7 @@ def warm(
     if pack is not None:
         from .pack import install
 
-        installed = install(pack, target=the_plan.platform)
+        installed = install(os.fspath(pack), target=the_plan.platform)
         pack_note = f"{pack}: {installed.installed} installed, {installed.present} present, {len(installed.refused)} refused"
     plan_seconds = time.perf_counter() - start
     n_workers = workers or default_workers()

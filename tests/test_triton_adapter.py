@@ -1,0 +1,123 @@
+"""One test per Triton internal that warmreg._triton relies on (checked against Triton 3.6.0).
+
+If a Triton upgrade moves one of them, the failure shows up here, by name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import warmreg
+from tests.helpers import _scale_kernel
+from warmreg import _triton
+from warmreg.platform import Platform
+
+H100 = Platform.parse("cuda:90")
+
+
+def test_version_check_refuses_an_unsupported_release_in_one_line() -> None:
+    _triton.check_version()
+    with pytest.raises(_triton.UnsupportedTriton, match=r"Triton 3\.7\.0 is not supported") as info:
+        _triton.check_version("3.7.0")
+    assert "\n" not in str(info.value)
+
+
+def test_cross_target_swaps_and_restores_the_driver() -> None:
+    from triton.runtime.driver import driver
+
+    before = driver._active
+    with _triton.cross_target(H100):
+        assert driver.active.get_current_target() == triton.backends.compiler.GPUTarget("cuda", 90, 32)
+    assert driver._active is before
+
+
+def test_specialization_key_is_the_key_triton_caches_under() -> None:
+    x = warmreg.meta((64,), torch.float16)
+    kwargs = dict(x_ptr=x, out_ptr=x, n=64, scale=1.0, BLOCK=64)
+    with _triton.cross_target(H100):
+        key = _triton.specialization_key(_scale_kernel, kwargs, {"num_warps": 2})
+        _triton.warmup(_scale_kernel, (1,), kwargs, {"num_warps": 2})
+        assert key in _scale_kernel.device_caches[_triton.current_device()][0]
+    spec, options = _triton.parse_specialization_key(key)  # type: ignore[misc]
+    assert spec[2] == ("i32", "D") and options["num_warps"] == 2
+
+
+def test_local_cache_hash_matches_the_directory_triton_wrote(triton_cache: Path) -> None:
+    seen: dict[str, str] = {}
+
+    def hook(**kw):  # type: ignore[no-untyped-def]
+        seen["data"] = kw["compile"]["specialization_data"]
+
+    x = warmreg.meta((64,), torch.float16)
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        with _triton.cross_target(H100):
+            compiled = _triton.warmup(_scale_kernel, (1,), dict(x_ptr=x, out_ptr=x, n=17, scale=1.0, BLOCK=64), {})
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    local = _triton.local_cache_hash(_scale_kernel, seen["data"], H100)
+    assert local == compiled.hash
+    assert (triton_cache / _triton.cache_subdir(local)).is_dir()
+
+
+def test_interpreted_nested_helpers_and_language_restored() -> None:
+    from tests.helpers import Scale
+
+    before = dict(vars(tl.core))
+    x = torch.randn(40, dtype=torch.float16)
+    out = Scale(block=16)(x, 3.0, block=16)
+    torch.testing.assert_close(out, (x.float() * 3).half(), rtol=0, atol=0)
+    after = dict(vars(tl.core))
+    assert {k for k in after if after[k] is not before.get(k)} <= {"__dict__"}
+
+
+@triton.jit
+def _runtime_loop_kernel(x_ptr, n):
+    acc = 0
+    for i in range(n):
+        acc += tl.load(x_ptr + i)
+    tl.store(x_ptr, acc)
+
+
+def test_interpreter_handles_runtime_loop_bounds_with_numpy2() -> None:
+    x = torch.arange(6, dtype=torch.int32)
+    _triton.interpreted(_runtime_loop_kernel)[(1,)](x, 6)
+    assert int(x[0]) == 15
+
+
+def test_jit_hook_and_listener_slots_exist() -> None:
+    assert hasattr(triton.knobs.runtime, "jit_cache_hook")
+    assert hasattr(triton.knobs.runtime.kernel_load_start_hook, "add")
+    assert hasattr(triton.knobs.compilation, "listener")
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    assert callable(AsyncCompileMode)
+
+
+def test_forget_compiled_drops_in_memory_kernels() -> None:
+    x = warmreg.meta((64,), torch.float16)
+    with _triton.cross_target(H100):
+        _triton.warmup(_scale_kernel, (1,), dict(x_ptr=x, out_ptr=x, n=64, scale=1.0, BLOCK=64), {})
+    assert _scale_kernel.device_caches
+    _triton.forget_compiled()
+    assert not _scale_kernel.device_caches
+
+
+def test_replay_compiles_a_recorded_specialization(triton_cache: Path) -> None:
+    seen: dict[str, str] = {}
+    triton.knobs.runtime.jit_cache_hook = lambda **kw: seen.setdefault("d", kw["compile"]["specialization_data"])
+    try:
+        with _triton.cross_target(H100):
+            x = warmreg.meta((64,), torch.float16)
+            _triton.warmup(_scale_kernel, (1,), dict(x_ptr=x, out_ptr=x, n=1, scale=1.0, BLOCK=64), {})
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    _triton.forget_compiled()
+    compiled = _triton.replay("tests.helpers._scale_kernel", seen["d"], H100)
+    assert json.loads(seen["d"])["name"] == "tests.helpers._scale_kernel" and compiled.asm["cubin"]
