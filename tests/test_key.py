@@ -47,7 +47,7 @@ def test_non_json_value_is_refused_with_the_field_name() -> None:
     import torch
 
     with pytest.raises(warmreg.CompileKeyError, match=r"K\.dtype"):
-        K(block=1, dtype=torch.bfloat16)  # type: ignore[arg-type]
+        K(block=1, dtype=torch.bfloat16).validate()  # type: ignore[arg-type]
 
 
 def test_unknown_key_type_names_the_fix() -> None:

@@ -71,3 +71,15 @@ def test_plan_json_round_trips_keys() -> None:
     assert data["num_keys"] == 3
     keys = [warmreg.CompileKey.from_json(k) for k in data["kernels"][0]["keys"]]
     assert tuple(keys) == plan.kernel("tests.scale").keys
+
+
+def test_declared_keys_are_validated_at_plan_time() -> None:
+    import torch
+
+    class BadValue(Scale):
+        def dispatch(self, *, x: Any, block: int) -> ScaleKey:
+            return ScaleKey(dtype=x.dtype, block=block, n_class="div16", aligned=True, num_warps=2)  # a torch.dtype
+
+    with pytest.raises(warmreg.CompileKeyError, match=r"ScaleKey\.dtype"):
+        warmreg.plan(CONFIG, target="cuda:90", plugins=[Plugin(BadValue(sizes=(16,)))], entry_points=False)
+    assert torch  # the dtype object above is what the key must not hold

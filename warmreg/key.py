@@ -8,6 +8,7 @@ round-trip through JSON without drift. Helpers describe Triton's specialization 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar, Literal, TypeVar
 
 import attrs
@@ -111,7 +112,14 @@ class CompileKey:
         super().__init_subclass__(**kwargs)
         CompileKey._types[cls.type_name()] = cls
 
-    def __attrs_post_init__(self) -> None:
+    def validate(self) -> None:
+        """Check that every field is a JSON scalar or a tuple of them.
+
+        Called where keys are declared (plan) and read back (JSON), not on the launch hot path:
+        a runtime key only has to compare equal to a declared one.
+
+        :raises CompileKeyError: naming the field.
+        """
         for field in attrs.fields(type(self)):
             _check_value(f"{type(self).__name__}.{field.name}", getattr(self, field.name))
 
@@ -130,7 +138,11 @@ class CompileKey:
         ``launch_pdl=False`` is left out: it is Triton's default, and only the CUDA backend accepts
         the option at all (Triton 3.6.0's HIP backend rejects it).
         """
-        return {k: v for k, v in self.fields().items() if k in LAUNCH_OPTIONS and not (k == "launch_pdl" and not v)}
+        names = _option_names(type(self))
+        options = {name: getattr(self, name) for name in names}
+        if options.get("launch_pdl") is False:
+            del options["launch_pdl"]
+        return options
 
     def sort_key(self) -> tuple[Any, ...]:
         """A total order across key types, numeric within numbers (used to sort keys in reports)."""
@@ -163,9 +175,11 @@ class CompileKey:
         if not issubclass(key_type, cls):
             raise CompileKeyError(type_name, f"is not a {cls.__name__}")
         try:
-            return key_type(**{k: _to_tuple(v) for k, v in fields.items()})  # type: ignore[return-value]
+            key = key_type(**{k: _to_tuple(v) for k, v in fields.items()})
         except TypeError as exc:
             raise CompileKeyError(type_name, f"fields do not match: {exc}", fix="rebuild the pack or record") from exc
+        key.validate()
+        return key  # type: ignore[return-value]
 
     def diff(self, other: CompileKey) -> tuple[FieldDiff, ...]:
         """Field-by-field difference to another key (empty if equal).
@@ -183,6 +197,11 @@ class CompileKey:
     def __str__(self) -> str:
         inner = ", ".join(f"{k}={v!r}" for k, v in self.fields().items())
         return f"{type(self).__name__}({inner})"
+
+
+@functools.cache
+def _option_names(cls: type[CompileKey]) -> tuple[str, ...]:
+    return tuple(f.name for f in attrs.fields(cls) if f.name in LAUNCH_OPTIONS)
 
 
 def _sortable(value: Any) -> tuple[Any, ...]:

@@ -52,7 +52,9 @@ def enumerate_keys(kernel: TritonKernel[K], domains: Mapping[str, Iterable[Any]]
             raise KernelContractError(
                 kernel.name, f"dispatch returned {type(key).__name__}, not {key_type.__name__}", fix="return the key type"
             )
-        keys.add(key)
+        if key not in keys:
+            key.validate()
+            keys.add(key)
     return tuple(sorted(keys))
 
 
