@@ -71,8 +71,12 @@ class Registry:
                 )
         active = when(self.platform) if isinstance(when, Predicate) else bool(when)
         if not active:
-            reason = repr(when) if isinstance(when, Predicate) else "when=False"
-            self._skipped.append(Skipped(kernel.name, self._current_plugin, f"{reason} is false on {self.platform}"))
+            reason = (
+                f"{when!r} is false on {self.platform}"
+                if isinstance(when, Predicate)
+                else f"the plugin's condition for this config is false (on {self.platform})"
+            )
+            self._skipped.append(Skipped(kernel.name, self._current_plugin, reason))
             return
         self._registrations.append(_Registration(kernel, self._current_plugin))
 

@@ -1,13 +1,20 @@
-"""Registration: which kernels a DeepSeek-V4 deployment launches on a platform."""
+"""Registration: which kernels a DeepSeek-V4 deployment launches on a platform.
+
+Each kernel module decides its own predicates in its ``register`` (platform, attention backend,
+compress ratios present); this hook only reads the config once and hands it to them.
+"""
 
 from __future__ import annotations
 
 import warmreg
 from warmreg.ops import FusedQKVRMSNorm
 
+from . import flashinfer_indices, indexer, inv_rope_quant, sparse_mla, swa_indices
 from .model import DSV4, PLUGIN
 
 __all__ = ["warmreg_register_kernels"]
+
+_MODULES = (sparse_mla, swa_indices, flashinfer_indices, indexer, inv_rope_quant)
 
 
 @warmreg.hookimpl
@@ -24,3 +31,5 @@ def warmreg_register_kernels(registry: warmreg.Registry, config: warmreg.WarmCon
         ),
         when=~(warmreg.is_rocm & warmreg.has_feature("aiter")),
     )
+    for module in _MODULES:
+        module.register(registry, m, config, platform)

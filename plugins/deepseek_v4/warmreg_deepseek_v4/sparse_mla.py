@@ -1,0 +1,486 @@
+"""DeepSeek-V4 sparse-MLA index metadata: C128A top-k metadata (specs §4) and C4 global top-k (§6).
+
+Both kernels turn compressed-token indices into what the sparse attention kernels read:
+
+* **C128A top-k metadata** (one launch per step for the ratio-128 layer group). Every C128 (HCA) layer
+  attends to every compressed entry, so the "top-k" of token ``t`` is simply all of them. With
+  ``n = min((positions[t] + 1) // compress_ratio, W)`` and ``bs`` compressed tokens per page::
+
+      decode  (t <  nd):  global_decode[t, j] = j < n ? block_table[token_to_req[t], j // bs] * bs + j % bs : -1
+                          decode_lens[t]      = slot_mapping[t] >= 0 ? n : 0
+      prefill (t >= nd):  prefill_local[t - nd, j] = j < n ? j : -1                  for j < W
+
+* **Global top-k indices and lens** (C4 decode, FlashInfer C4 prefill). The indexer's local top-k of
+  token ``t`` becomes global cache slots of the request's compressed block table::
+
+      out[t, j] = l >= 0 ? block_table[token_to_req[t], l // bs] * bs + l % bs : -1     (l = topk[t, j])
+      lens[t]   = is_valid_token[t] ? #{j : topk[t, j] >= 0} : 0
+
+Pointers these kernels read one scalar at a time (or gather through) are declared
+``do_not_specialize_on_alignment``: alignment buys nothing there, and offset views (a chunk's slice of
+``token_to_req``) then need no second binary. The helpers at the top (backend, compressed page size,
+C128 widths) are shared by the other DeepSeek-V4 sparse-attention index modules.
+
+Loops with a runtime bound are ``while`` loops: Triton 3.6.0's interpreter turns ``range(n)`` of a
+runtime ``n`` into ``int()`` of a 1-element numpy array, which numpy 2.4 refuses (TypeError), so a
+``for`` loop would fail every CPU test. The compiled kernel is the same loop either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+import warmreg
+
+from .model import DSV4, PLUGIN, SPARSE_BLOCK_SIZE
+
+__all__ = [
+    "FLASHINFER_SPARSE",
+    "FLASHMLA_SPARSE",
+    "SPARSE_BACKENDS",
+    "C128ATopkMetadata",
+    "C128ATopkMetadataKey",
+    "GlobalTopkIndices",
+    "GlobalTopkIndicesKey",
+    "attention_backend",
+    "c128_active_width",
+    "c128_max_width",
+    "c128_topk_metadata_reference",
+    "c128_widths",
+    "compressed_block_size",
+    "global_topk_indices_reference",
+    "register",
+]
+
+FLASHMLA_SPARSE = "FLASHMLA_SPARSE_DSV4"
+FLASHINFER_SPARSE = "FLASHINFER_MLA_SPARSE_DSV4"
+#: The attention backends that run DeepSeek-V4's sparse MLA (and so launch these index kernels).
+SPARSE_BACKENDS = (FLASHMLA_SPARSE, FLASHINFER_SPARSE)
+#: Column tile of the index kernels (TRITON_BLOCK_SIZE in the specs): a row is written 1024 at a time.
+TILE = 1024
+
+
+# -- deployment helpers shared by the sparse-attention index modules ------------------------------
+def attention_backend(config: warmreg.WarmConfig) -> str:
+    """The deployment's attention backend (``serving.attention_backend``).
+
+    :raises warmreg.ConfigError: if it is missing: which index kernels run depends on it.
+    """
+    return config.get(
+        "serving.attention_backend",
+        str,
+        plugin=PLUGIN,
+        fix=f"set serving.attention_backend (DeepSeek-V4 sparse backends: {', '.join(SPARSE_BACKENDS)})",
+    )
+
+
+def _is_sparse_block(value: int) -> str | None:
+    if value == SPARSE_BLOCK_SIZE:
+        return None
+    return f"must be {SPARSE_BLOCK_SIZE} for the DeepSeek-V4 sparse backends (got {value})"
+
+
+def compressed_block_size(config: warmreg.WarmConfig, compress_ratio: int) -> int:
+    """Compressed tokens per page of a ratio-``compress_ratio`` cache: ``block_size // compress_ratio``.
+
+    :raises warmreg.ConfigError: if ``serving.block_size`` is not the 256 the sparse backends support.
+    """
+    block = config.get("serving.block_size", int, plugin=PLUGIN, default=SPARSE_BLOCK_SIZE, check=_is_sparse_block)
+    return block // compress_ratio
+
+
+def c128_max_width(max_model_len: int) -> int:
+    """``Wmax = round_up(cdiv(max_model_len, 128), 128)``: the widest C128 row (and the buffers' width)."""
+    return triton.cdiv(triton.cdiv(max_model_len, 128), 128) * 128
+
+
+def c128_active_width(max_seq_len: int, max_model_len: int) -> int:
+    """The step's C128 width ``W = min(max(next_pow2(max(max_seq_len // 128, 1)), 128), Wmax)``.
+
+    Always a multiple of 128 (FlashMLA decode needs ``extra_topk % B_TOPK == 0``).
+    """
+    return min(max(warmreg.next_pow2(max(max_seq_len // 128, 1)), 128), c128_max_width(max_model_len))
+
+
+def c128_widths(max_model_len: int) -> list[int]:
+    """Every width :func:`c128_active_width` can return: powers of two from 128 below ``Wmax``, then ``Wmax``."""
+    top = c128_max_width(max_model_len)
+    return sorted({min(w, top) for w in warmreg.powers_of_two(128, warmreg.next_pow2(top))})
+
+
+def _max_model_len(config: warmreg.WarmConfig) -> int:
+    return config.get("serving.max_model_len", int, plugin=PLUGIN)  # WarmConfig checks serving ints are > 0
+
+
+def _check_int32(kernel: str, **tensors: torch.Tensor) -> None:
+    for name, t in tensors.items():
+        if t.dtype != torch.int32:
+            raise warmreg.LaunchError(kernel, f"{name} must be int32 (got {t.dtype})")
+
+
+# -- C128A top-k metadata (§4) ---------------------------------------------------------------------
+@triton.jit(
+    do_not_specialize=["num_decode_tokens", "global_decode_stride", "prefill_local_stride", "block_table_stride"],
+    do_not_specialize_on_alignment=[
+        "positions_ptr", "token_to_req_ptr", "block_table_ptr", "slot_mapping_ptr",
+        "global_decode_ptr", "decode_lens_ptr", "prefill_local_ptr",
+    ],
+)  # fmt: skip
+def _c128a_topk_metadata_kernel(
+    positions_ptr,
+    token_to_req_ptr,
+    block_table_ptr,
+    slot_mapping_ptr,
+    global_decode_ptr,
+    decode_lens_ptr,
+    prefill_local_ptr,
+    num_decode_tokens,
+    global_decode_stride,
+    prefill_local_stride,
+    block_table_stride,
+    compress_ratio,
+    max_compressed_tokens,
+    block_size,
+    TRITON_BLOCK_SIZE: tl.constexpr,  # column tile: a row of W entries is written in tiles of this size
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(positions_ptr + t)
+    n = tl.minimum((pos + 1) // compress_ratio, max_compressed_tokens).to(tl.int32)
+    if t < num_decode_tokens:
+        req = tl.load(token_to_req_ptr + t).to(tl.int64)
+        bt_row = block_table_ptr + req * block_table_stride
+        row = global_decode_ptr + t * global_decode_stride
+        j0 = 0
+        while j0 < max_compressed_tokens:  # not range(): see the module docstring
+            j = j0 + tl.arange(0, TRITON_BLOCK_SIZE)
+            live = j < n
+            page = tl.load(bt_row + j // block_size, mask=live, other=0)
+            tl.store(row + j, tl.where(live, page * block_size + j % block_size, -1), mask=j < max_compressed_tokens)
+            j0 += TRITON_BLOCK_SIZE
+        valid = tl.load(slot_mapping_ptr + t) >= 0
+        tl.store(decode_lens_ptr + t, tl.where(valid, n, 0))
+    else:
+        row = prefill_local_ptr + (t - num_decode_tokens) * prefill_local_stride
+        j0 = 0
+        while j0 < max_compressed_tokens:
+            j = j0 + tl.arange(0, TRITON_BLOCK_SIZE)
+            tl.store(row + j, tl.where(j < n, j, -1), mask=j < max_compressed_tokens)
+            j0 += TRITON_BLOCK_SIZE
+
+
+@attrs.frozen(kw_only=True)
+class C128ATopkMetadataKey(warmreg.CompileKey):
+    """What changes the binary of the C128A top-k metadata kernel (one key in practice)."""
+
+    triton_block_size: int  # the column tile (constexpr)
+    compress_ratio: str  # int_class: 128 -> "div16"
+    max_compressed_tokens: str  # int_class of W: a multiple of 128 -> "div16"
+    block_size: str  # int_class of compressed tokens per page: 2 -> "other"
+    num_warps: int
+
+
+class C128ATopkMetadata(warmreg.TritonKernel[C128ATopkMetadataKey]):
+    """Decode global slots, prefill local indices and decode lens of the C128 layers (specs §4).
+
+    The row width ``W`` (``max_compressed_tokens``) is a specialized int, so the 7 widths of a 1M-context
+    deployment share one binary; ``num_decode_tokens`` and every stride are ``do_not_specialize``.
+    """
+
+    name = "deepseek_v4.c128a_topk_metadata"
+    key_type = C128ATopkMetadataKey
+    jit = _c128a_topk_metadata_kernel
+
+    def dispatch(self, *, compress_ratio: int, max_compressed_tokens: int, block_size: int) -> C128ATopkMetadataKey:
+        return C128ATopkMetadataKey(
+            triton_block_size=TILE,
+            compress_ratio=warmreg.int_class(compress_ratio),
+            max_compressed_tokens=warmreg.int_class(max_compressed_tokens),
+            block_size=warmreg.int_class(block_size),
+            num_warps=4,
+        )
+
+    def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
+        return {
+            "compress_ratio": [128],
+            "max_compressed_tokens": c128_widths(_max_model_len(config)),
+            "block_size": [compressed_block_size(config, 128)],
+        }
+
+    def warmup_inputs(self, key: C128ATopkMetadataKey) -> Mapping[str, Any]:
+        return {
+            "positions": warmreg.meta((2,), torch.int64),
+            "token_to_req": warmreg.meta((2,), torch.int32),
+            "block_table": warmreg.meta((1, 1), torch.int32),
+            "slot_mapping": warmreg.meta((2,), torch.int64),
+            "num_decode_tokens": 1,
+            "compress_ratio": warmreg.int_class_rep(key.compress_ratio),  # type: ignore[arg-type]
+            "max_compressed_tokens": warmreg.int_class_rep(key.max_compressed_tokens),  # type: ignore[arg-type]
+            "block_size": warmreg.int_class_rep(key.block_size),  # type: ignore[arg-type]
+        }
+
+    @warmreg.kernel_launcher
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        token_to_req: torch.Tensor,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        num_decode_tokens: int,
+        max_compressed_tokens: int,
+        block_size: int,
+        compress_ratio: int = 128,
+        global_decode: torch.Tensor | None = None,
+        decode_lens: torch.Tensor | None = None,
+        prefill_local: torch.Tensor | None = None,
+    ) -> warmreg.LaunchSpec[C128ATopkMetadataKey]:
+        """Build the step's C128 metadata; returns ``(global_decode [nd, 1, W], decode_lens [nd], prefill_local [np, W])``.
+
+        :param positions: int64 ``[T]`` absolute positions, decode tokens first.
+        :param token_to_req: int32 ``[>= nd]`` request of each token (read for decode tokens only).
+        :param block_table: int32 ``[reqs, max_blocks]`` compressed-cache block table, clamped to ``>= 0``.
+        :param slot_mapping: int64 ``[>= nd]`` uncompressed slots; ``-1`` (padding) gives a decode len of 0.
+        :param num_decode_tokens: ``nd``; the ``T - nd`` prefill tokens follow.
+        :param max_compressed_tokens: the step's width ``W`` (:func:`c128_active_width`).
+        :param block_size: compressed tokens per page (``256 // 128 = 2``).
+        :param global_decode: optional persistent ``[>= nd, >= W]`` int32 buffer (stable address for
+            CUDA graphs); likewise ``decode_lens`` ``[>= nd]`` and ``prefill_local`` ``[>= np, >= W]``.
+            Fresh tensors are allocated when omitted. Returned views keep the buffers' row stride.
+        :raises warmreg.LaunchError: for wrong dtypes, ranks, counts or buffers too small.
+        """
+        if positions.ndim != 1 or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
+            raise warmreg.LaunchError(self.name, "positions and slot_mapping must be 1-D int64")
+        T, nd, W = positions.shape[0], num_decode_tokens, max_compressed_tokens
+        _check_int32(self.name, token_to_req=token_to_req, block_table=block_table)
+        if not 0 <= nd <= T or token_to_req.shape[0] < nd or slot_mapping.shape[0] < nd:
+            raise warmreg.LaunchError(
+                self.name,
+                f"num_decode_tokens={nd} must be in [0, T={T}] with token_to_req and slot_mapping covering it",
+            )
+        if W < 1 or block_size < 1 or compress_ratio < 1:
+            raise warmreg.LaunchError(
+                self.name,
+                f"max_compressed_tokens={W}, block_size={block_size}, compress_ratio={compress_ratio} must be >= 1",
+            )
+        if block_table.ndim != 2 or block_table.stride(1) != 1:
+            raise warmreg.LaunchError(self.name, "block_table must be 2-D with contiguous rows")
+        device = positions.device
+        global_decode = _buffer(self.name, "global_decode", global_decode, (nd, W), device)
+        prefill_local = _buffer(self.name, "prefill_local", prefill_local, (T - nd, W), device)
+        decode_lens = _buffer(self.name, "decode_lens", decode_lens, (nd,), device)
+        key = self.dispatch(compress_ratio=compress_ratio, max_compressed_tokens=W, block_size=block_size)
+        kwargs = dict(
+            positions_ptr=positions, token_to_req_ptr=token_to_req, block_table_ptr=block_table,
+            slot_mapping_ptr=slot_mapping, global_decode_ptr=global_decode, decode_lens_ptr=decode_lens,
+            prefill_local_ptr=prefill_local, num_decode_tokens=nd, global_decode_stride=global_decode.stride(0),
+            prefill_local_stride=prefill_local.stride(0), block_table_stride=block_table.stride(0),
+            compress_ratio=compress_ratio, max_compressed_tokens=W, block_size=block_size,
+            TRITON_BLOCK_SIZE=key.triton_block_size,
+        )  # fmt: skip
+        outputs = (global_decode[:nd, :W].unsqueeze(1), decode_lens[:nd], prefill_local[: T - nd, :W])
+        return warmreg.LaunchSpec(key, (T,) if T else None, kwargs, outputs)
+
+
+def _buffer(
+    kernel: str, name: str, buf: torch.Tensor | None, need: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    if buf is None:
+        return torch.empty(need, dtype=torch.int32, device=device)
+    if buf.dtype != torch.int32 or buf.ndim != len(need) or buf.stride(-1) != 1:
+        raise warmreg.LaunchError(kernel, f"{name} must be an int32 {len(need)}-D buffer with contiguous rows")
+    if any(have < want for have, want in zip(buf.shape, need)):
+        raise warmreg.LaunchError(kernel, f"{name} {tuple(buf.shape)} is smaller than the {need} this step needs")
+    return buf
+
+
+def c128_topk_metadata_reference(
+    positions: torch.Tensor,
+    token_to_req: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    num_decode_tokens: int,
+    max_compressed_tokens: int,
+    block_size: int,
+    compress_ratio: int = 128,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :class:`C128ATopkMetadata`: ``(global_decode [nd,1,W], decode_lens [nd], prefill_local [np,W])``."""
+    nd, W = num_decode_tokens, max_compressed_tokens
+    j = torch.arange(W, dtype=torch.int64)
+    n = torch.clamp((positions.long() + 1) // compress_ratio, max=W)
+    live = j[None, :] < n[:, None]
+    req = token_to_req[:nd].long()
+    pages = block_table.long()[req[:, None], torch.where(live[:nd], j // block_size, 0)]
+    global_decode = torch.where(live[:nd], pages * block_size + j % block_size, -1).to(torch.int32)
+    decode_lens = torch.where(slot_mapping[:nd] >= 0, n[:nd], 0).to(torch.int32)
+    prefill_local = torch.where(live[nd:], j, -1).to(torch.int32)
+    return global_decode.unsqueeze(1), decode_lens, prefill_local
+
+
+# -- global top-k indices and lens (§6) ------------------------------------------------------------
+@triton.jit(do_not_specialize_on_alignment=["token_to_req_ptr", "block_table_ptr", "is_valid_token_ptr"])
+def _global_topk_indices_kernel(
+    topk_ptr,
+    token_to_req_ptr,
+    block_table_ptr,
+    is_valid_token_ptr,
+    out_ptr,
+    lens_ptr,
+    TOPK: tl.constexpr,  # row length of topk and out (index_topk): fixed per model
+    TOPK_STRIDE: tl.constexpr,  # row stride of topk (the indexer buffer's width)
+    BLOCK_TABLE_STRIDE: tl.constexpr,  # block-table row width: fixed per deployment (max_model_len)
+    BLOCK_SIZE: tl.constexpr,  # compressed tokens per page (64 for C4)
+    TRITON_BLOCK_SIZE: tl.constexpr,  # column tile
+):
+    t = tl.program_id(0).to(tl.int64)
+    req = tl.load(token_to_req_ptr + t).to(tl.int64)
+    count = tl.zeros((), dtype=tl.int32)
+    for j0 in range(0, TOPK, TRITON_BLOCK_SIZE):
+        j = j0 + tl.arange(0, TRITON_BLOCK_SIZE)
+        local = tl.load(topk_ptr + t * TOPK_STRIDE + j, mask=j < TOPK, other=-1)
+        ok = local >= 0
+        page = tl.load(block_table_ptr + req * BLOCK_TABLE_STRIDE + local // BLOCK_SIZE, mask=ok, other=0)
+        tl.store(out_ptr + t * TOPK + j, tl.where(ok, page * BLOCK_SIZE + local % BLOCK_SIZE, -1), mask=j < TOPK)
+        count += tl.sum(ok.to(tl.int32), axis=0)
+    valid = tl.load(is_valid_token_ptr + t)
+    tl.store(lens_ptr + t, tl.where(valid, count, 0))
+
+
+@attrs.frozen(kw_only=True)
+class GlobalTopkIndicesKey(warmreg.CompileKey):
+    """What changes the binary of the global top-k kernel: every size is a constexpr."""
+
+    topk: int
+    topk_stride: int
+    block_table_stride: int
+    block_size: int
+    triton_block_size: int
+    topk_aligned: bool  # topk rows are loaded as vectors; a prefill slice of the buffer is an offset view
+    num_warps: int
+
+
+class GlobalTopkIndices(warmreg.TritonKernel[GlobalTopkIndicesKey]):
+    """C4 local top-k indices to global compressed-cache slots, plus per-token lens (specs §6).
+
+    The output is a fresh contiguous ``[T, topk]`` (row stride ``topk``), so only the input's stride
+    is a key field.
+    """
+
+    name = "deepseek_v4.global_topk_indices"
+    key_type = GlobalTopkIndicesKey
+    jit = _global_topk_indices_kernel
+
+    def dispatch(
+        self, *, topk_indices: torch.Tensor, block_table: torch.Tensor, block_size: int
+    ) -> GlobalTopkIndicesKey:
+        return GlobalTopkIndicesKey(
+            topk=topk_indices.shape[-1],
+            topk_stride=topk_indices.stride(0),
+            block_table_stride=block_table.stride(0),
+            block_size=block_size,
+            triton_block_size=TILE,
+            topk_aligned=warmreg.is_aligned(topk_indices),
+            num_warps=4,
+        )
+
+    def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
+        model = DSV4.from_config(config)
+        tokens = warmreg.token_counts(config, plugin=PLUGIN)
+        # The indexer's persistent [max_num_batched_tokens, index_topk] buffer: decode rows are the
+        # prefix [:nd]; FlashInfer's C4 prefill reads the rows [nd:T] (an offset view).
+        buffer = warmreg.meta((tokens[-1] + 3, model.index_topk), torch.int32)
+        views = [buffer[:t] for t in tokens] + [buffer[nd : nd + t] for nd in (1, 2, 3) for t in tokens]
+        width = triton.cdiv(_max_model_len(config), SPARSE_BLOCK_SIZE)
+        max_reqs = config.get("serving.max_num_seqs", int, plugin=PLUGIN, default=1)
+        return {
+            "topk_indices": views,
+            "block_table": [warmreg.meta((max_reqs, width), torch.int32)],
+            "block_size": [compressed_block_size(config, 4)],
+        }
+
+    def warmup_inputs(self, key: GlobalTopkIndicesKey) -> Mapping[str, Any]:
+        offset = 0 if key.topk_aligned else 1
+        return {
+            "topk_indices": warmreg.meta((1, key.topk), torch.int32, stride=(key.topk_stride, 1), offset=offset),
+            "token_to_req": warmreg.meta((1,), torch.int32),
+            "block_table": warmreg.meta((1, key.block_table_stride), torch.int32),
+            "is_valid_token": warmreg.meta((1,), torch.bool),
+            "block_size": key.block_size,
+        }
+
+    @warmreg.kernel_launcher
+    def __call__(
+        self,
+        topk_indices: torch.Tensor,
+        token_to_req: torch.Tensor,
+        block_table: torch.Tensor,
+        is_valid_token: torch.Tensor,
+        *,
+        block_size: int,
+    ) -> warmreg.LaunchSpec[GlobalTopkIndicesKey]:
+        """Map local top-k indices to global slots; returns fresh ``(global_topk [T, topk], lens [T])`` int32.
+
+        :param topk_indices: int32 ``[T, topk]`` local compressed indices (``-1`` = none), contiguous rows.
+        :param token_to_req: int32 ``[>= T]``.
+        :param block_table: int32 ``[reqs, max_blocks]`` of the compressed cache, contiguous rows.
+        :param is_valid_token: bool ``[>= T]``; an invalid token gets ``lens = 0``.
+        :param block_size: compressed tokens per page (64 for C4).
+        :raises warmreg.LaunchError: for wrong dtypes, ranks or lengths.
+        """
+        _check_int32(self.name, topk_indices=topk_indices, token_to_req=token_to_req, block_table=block_table)
+        if topk_indices.ndim != 2 or topk_indices.stride(1) != 1 or block_table.ndim != 2 or block_table.stride(1) != 1:
+            raise warmreg.LaunchError(self.name, "topk_indices and block_table must be 2-D with contiguous rows")
+        T = topk_indices.shape[0]
+        if is_valid_token.dtype != torch.bool or token_to_req.shape[0] < T or is_valid_token.shape[0] < T:
+            raise warmreg.LaunchError(
+                self.name, f"token_to_req (int32) and is_valid_token (bool) must cover T={T} tokens"
+            )
+        if block_size < 1:
+            raise warmreg.LaunchError(self.name, f"block_size={block_size} must be >= 1")
+        key = self.dispatch(topk_indices=topk_indices, block_table=block_table, block_size=block_size)
+        out = torch.empty(topk_indices.shape, dtype=torch.int32, device=topk_indices.device)
+        lens = torch.empty((T,), dtype=torch.int32, device=topk_indices.device)
+        kwargs = dict(
+            topk_ptr=topk_indices, token_to_req_ptr=token_to_req, block_table_ptr=block_table,
+            is_valid_token_ptr=is_valid_token, out_ptr=out, lens_ptr=lens, TOPK=key.topk, TOPK_STRIDE=key.topk_stride,
+            BLOCK_TABLE_STRIDE=key.block_table_stride, BLOCK_SIZE=key.block_size, TRITON_BLOCK_SIZE=key.triton_block_size,
+        )  # fmt: skip
+        return warmreg.LaunchSpec(key, (T,) if T else None, kwargs, (out, lens))
+
+
+def global_topk_indices_reference(
+    topk_indices: torch.Tensor,
+    token_to_req: torch.Tensor,
+    block_table: torch.Tensor,
+    is_valid_token: torch.Tensor,
+    *,
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :class:`GlobalTopkIndices`: ``(global_topk [T, topk], lens [T])`` int32."""
+    T = topk_indices.shape[0]
+    local = topk_indices.long()
+    ok = local >= 0
+    req = token_to_req[:T].long()
+    pages = block_table.long()[req[:, None], torch.where(ok, local // block_size, 0)]
+    out = torch.where(ok, pages * block_size + local % block_size, -1).to(torch.int32)
+    lens = torch.where(is_valid_token[:T], ok.sum(dim=1), 0).to(torch.int32)
+    return out, lens
+
+
+# -- registration ----------------------------------------------------------------------------------
+def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the C128A metadata (C128 layers) and global top-k (C4 layers) kernels.
+
+    Both run on CUDA with a DeepSeek-V4 sparse backend. The global top-k kernel serves C4 only: C128
+    decode reads the C128A metadata's global slots directly, and C128 prefill goes through the
+    combine (FlashMLA) or FlashInfer index kernels, so vLLM's extra C128 warmup widths are not needed.
+    """
+    sparse = attention_backend(config) in SPARSE_BACKENDS
+    registry.add(C128ATopkMetadata(), when=warmreg.is_cuda if sparse and model.has_c128 else False)
+    registry.add(GlobalTopkIndices(), when=warmreg.is_cuda if sparse and model.has_c4 else False)
