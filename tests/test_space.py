@@ -83,3 +83,21 @@ def test_declared_keys_are_validated_at_plan_time() -> None:
     with pytest.raises(warmreg.CompileKeyError, match=r"ScaleKey\.dtype"):
         warmreg.plan(CONFIG, target="cuda:90", plugins=[Plugin(BadValue(sizes=(16,)))], entry_points=False)
     assert torch  # the dtype object above is what the key must not hold
+
+
+def test_domains_may_list_points_of_inputs_that_vary_together() -> None:
+    import torch
+
+    class Points(Scale):
+        def domains(self, config: Any, platform: Any) -> list[dict[str, Any]]:
+            return [{"x": warmreg.meta((n,), torch.float16), "block": 64, "only_for_when": 0} for n in (1, 16, 32)]
+
+    plan = warmreg.plan(CONFIG, target="cuda:90", plugins=[Plugin(Points())], entry_points=False)
+    assert [k.n_class for k in plan.kernels[0].keys] == ["div16", "one"]
+
+    class Lacking(Scale):
+        def domains(self, config: Any, platform: Any) -> list[dict[str, Any]]:
+            return [{"x": warmreg.meta((1,), torch.float16)}]
+
+    with pytest.raises(warmreg.KernelContractError, match="lacks"):
+        warmreg.plan(CONFIG, target="cuda:90", plugins=[Plugin(Lacking())], entry_points=False)

@@ -193,7 +193,7 @@ def compile_keys(
 def _bind(task: _Task) -> None:
     token = _CURRENT.set(task)
     try:
-        task.kp.kernel.launch_for_warm(task.key)
+        task.kp.kernel_for(task.key).launch_for_warm(task.key)
     except Exception as exc:
         task.status, task.error = "failed", _describe(exc)
     finally:

@@ -143,8 +143,10 @@ class TritonKernel(Generic[K]):
     - :meth:`dispatch`: pure function of runtime inputs to the key; called at runtime and at warm.
     - :meth:`domains`: how the inputs ``dispatch`` reads vary in a deployment (config + platform).
     - :meth:`when`: optional filter over a domain point (may read inputs ``dispatch`` does not).
-    - :meth:`warmup_inputs`: meta-tensor arguments of the launcher that reproduce a key; it may depend
-      on the key only.
+    - :meth:`warmup_inputs`: meta-tensor arguments of the launcher that reproduce a key.
+      Each key is warmed by a registered instance whose domains produced it, but keep
+      :meth:`dispatch` and :meth:`warmup_inputs` functions of their arguments and the key: two
+      instances under one name are one kernel.
     - ``__call__`` (or any method) decorated with :func:`kernel_launcher`: the launch code.
 
     :meth:`dispatch`, :meth:`domains` and :meth:`warmup_inputs` may raise
@@ -188,8 +190,12 @@ class TritonKernel(Generic[K]):
             """Whether a combination of domain values can occur at runtime (default: always)."""
             return True
 
-    def domains(self, config: WarmConfig, platform: Platform) -> Mapping[str, Iterable[Any]]:
-        """The values each runtime input of :meth:`dispatch` (and :meth:`when`) takes in this deployment."""
+    def domains(self, config: WarmConfig, platform: Platform) -> Any:
+        """How the runtime inputs of :meth:`dispatch` (and :meth:`when`) vary in this deployment.
+
+        Either a mapping of input name to the values it takes (the core enumerates the product), or an
+        iterable of points (dicts of input name to value) for inputs that vary together.
+        """
         raise KernelContractError(self.name, "does not implement domains")
 
     def warmup_inputs(self, key: K) -> Mapping[str, Any]:

@@ -95,11 +95,14 @@ class Registry:
         kernels = []
         for name in sorted(by_name):
             regs = by_name[name]
-            keys: set[CompileKey] = set()
+            owners: dict[CompileKey, TritonKernel[Any]] = {}
             for reg in regs:
-                keys.update(enumerate_keys(reg.kernel, reg.kernel.domains(self.config, self.platform)))
+                for key in enumerate_keys(reg.kernel, reg.kernel.domains(self.config, self.platform)):
+                    owners.setdefault(key, reg.kernel)  # each key is warmed by an instance that produced it
             plugins = tuple(sorted({r.plugin for r in regs}))
-            kernels.append(KernelPlan(name=name, kernel=regs[0].kernel, keys=tuple(sorted(keys)), plugins=plugins))
+            kernels.append(
+                KernelPlan(name=name, kernel=regs[0].kernel, keys=tuple(sorted(owners)), plugins=plugins, owners=owners)
+            )
         return Plan(config=self.config, platform=self.platform, kernels=tuple(kernels), skipped=tuple(self._skipped))
 
 
@@ -111,6 +114,11 @@ class KernelPlan:
     kernel: TritonKernel[Any] = attrs.field(eq=False, repr=False)
     keys: tuple[CompileKey, ...]
     plugins: tuple[str, ...]
+    owners: dict[CompileKey, TritonKernel[Any]] = attrs.field(factory=dict, eq=False, repr=False)
+
+    def kernel_for(self, key: CompileKey) -> TritonKernel[Any]:
+        """The registered instance whose domains produced ``key`` (the first one, if several did)."""
+        return self.owners.get(key, self.kernel)
 
 
 @attrs.frozen

@@ -7,39 +7,58 @@ sorted. Inputs used only by ``when`` never reach ``dispatch``, so they cannot be
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Union
 
 from .errors import ConfigError, KernelContractError
 from .kernel import K, TritonKernel
 
-__all__ = ["enumerate_keys"]
+__all__ = ["Domains", "enumerate_keys"]
+
+#: What ``TritonKernel.domains`` returns: a product of per-input values, or explicit points.
+Domains = Union[Mapping[str, Iterable[Any]], Iterable[Mapping[str, Any]]]
 
 
-def enumerate_keys(kernel: TritonKernel[K], domains: Mapping[str, Iterable[Any]]) -> tuple[K, ...]:
+def _points(kernel: TritonKernel[Any], domains: Domains, params: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+    if isinstance(domains, Mapping):
+        names = list(domains)
+        missing = [p for p in params if p not in domains]
+        if missing:
+            raise KernelContractError(
+                kernel.name, f"dispatch reads {missing} but domains() declares only {names}", fix="declare a domain for each"
+            )
+        values = [tuple(domains[n]) for n in names]
+        empty = [n for n, v in zip(names, values) if not v]
+        if empty:
+            raise KernelContractError(kernel.name, f"domain {empty[0]!r} is empty", fix="give it at least one value")
+        for combo in itertools.product(*values):
+            yield dict(zip(names, combo))
+        return
+    count = 0
+    for point in domains:  # explicit points: inputs that vary together (one T for q, k and v)
+        missing = [p for p in params if p not in point]
+        if missing:
+            raise KernelContractError(kernel.name, f"a domain point lacks {missing}", fix="give every point each input dispatch reads")
+        count += 1
+        yield dict(point)
+    if not count:
+        raise KernelContractError(kernel.name, "domains() returned no points", fix="return at least one point")
+
+
+def enumerate_keys(kernel: TritonKernel[K], domains: Domains) -> tuple[K, ...]:
     """All compile keys ``kernel`` can produce over ``domains``.
 
     :param kernel: the kernel whose ``dispatch`` and ``when`` are evaluated.
-    :param domains: runtime input name to the values it takes.
+    :param domains: either runtime input name to the values it takes (the product is enumerated), or
+        an iterable of points (dicts of input name to value) for inputs that vary together.
     :returns: the distinct keys, sorted.
     :raises KernelContractError: if ``dispatch`` needs an input no domain provides, returns something
         that is not the kernel's key type, or raises.
     """
     params = kernel.dispatch_params()
-    names = list(domains)
-    missing = [p for p in params if p not in domains]
-    if missing:
-        raise KernelContractError(
-            kernel.name, f"dispatch reads {missing} but domains() declares only {names}", fix="declare a domain for each"
-        )
-    values = [tuple(domains[n]) for n in names]
-    empty = [n for n, v in zip(names, values) if not v]
-    if empty:
-        raise KernelContractError(kernel.name, f"domain {empty[0]!r} is empty", fix="give it at least one value")
     key_type = getattr(type(kernel), "key_type", None)
     keys: set[K] = set()
-    for combo in itertools.product(*values):
-        point = dict(zip(names, combo))
+    for point in _points(kernel, domains, params):
         if not kernel.when(**point):
             continue
         try:

@@ -79,7 +79,8 @@ class QKVRMSNormKey(CompileKey):
     kv_in_stride: IntClass
     q_in_aligned: bool  # the inputs are views into a fused projection: 16-byte alignment varies
     kv_in_aligned: bool
-    weights_aligned: bool
+    q_weight_aligned: bool
+    kv_weight_aligned: bool
     num_warps: int
     launch_pdl: bool
 
@@ -135,7 +136,8 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
             kv_in_stride=int_class(kv.stride(0)),
             q_in_aligned=is_aligned(qr),
             kv_in_aligned=is_aligned(kv),
-            weights_aligned=is_aligned(q_weight) and is_aligned(kv_weight),
+            q_weight_aligned=is_aligned(q_weight),
+            kv_weight_aligned=is_aligned(kv_weight),
             num_warps=8 if block >= 2048 else 4,
             launch_pdl=launch_pdl,
         )
@@ -162,8 +164,8 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
         return {
             "qr": meta((1, key.q_size), dtype, stride=(int_class_rep(key.q_in_stride), 1), offset=0 if key.q_in_aligned else 1),
             "kv": meta((1, key.kv_size), dtype, stride=(int_class_rep(key.kv_in_stride), 1), offset=0 if key.kv_in_aligned else 1),
-            "q_weight": meta((key.q_size,), wdtype, offset=0 if key.weights_aligned else 1),
-            "kv_weight": meta((key.kv_size,), wdtype),
+            "q_weight": meta((key.q_size,), wdtype, offset=0 if key.q_weight_aligned else 1),
+            "kv_weight": meta((key.kv_size,), wdtype, offset=0 if key.kv_weight_aligned else 1),
             "eps": 1e-6,
             "launch_pdl": key.launch_pdl,
         }
