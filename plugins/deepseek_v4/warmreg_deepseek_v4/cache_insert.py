@@ -1,0 +1,222 @@
+"""Quantize-and-insert into the ``fp8_ds_mla`` paged K cache (specs section 15, last bullet).
+
+The inverse of :mod:`.cache`'s gather; the layout and the exact FP8 bit conversions are in
+:mod:`.fp8_ds_mla`. vLLM launches it only for the XPU SWA insert (CUDA and ROCm use a C++ op); the
+tests use it to build caches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+import warmreg
+
+from .fp8_ds_mla import (
+    FP8_MAX,
+    HEAD_DIM,
+    NOPE,
+    NOPE_DIM,
+    NQB,
+    QB,
+    QUANT_BLOCK,
+    ROPE,
+    SCALE_BYTES,
+    SCALES,
+    TOKEN,
+    TOKEN_BYTES,
+    cache_problem,
+    f32_to_e4m3,
+    page_bytes,
+    value_in_class,
+)
+from .model import PLUGIN, SWA_PAGE_SIZE
+
+__all__ = ["QuantInsertKCache", "QuantInsertKey", "quant_insert_k_reference"]
+
+
+@triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
+def _quant_insert_k_kernel(
+    k_ptr,
+    k_cache_ptr,
+    slot_mapping_ptr,
+    k_stride,
+    block_stride,
+    CACHE_BLOCK_SIZE: tl.constexpr,  # tokens per page: locates the token and the scale area
+    USE_FNUZ: tl.constexpr,  # write e4m3fnuz bytes (max 240) instead of OCP e4m3fn (max 448)
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + t)
+    live = slot >= 0  # -1: a padded or replayed token, not written
+    page = tl.where(live, slot, 0) // CACHE_BLOCK_SIZE
+    j = tl.where(live, slot, 0) % CACHE_BLOCK_SIZE
+    base = k_cache_ptr + page * block_stride
+    token = base + j * TOKEN
+    src = k_ptr + t.to(tl.int64) * k_stride
+    rows = tl.arange(0, 8)[:, None]
+    cols = tl.arange(0, QB)[None, :]
+    nope = (rows < NQB) & live
+    x = tl.load(src + rows * QB + cols, mask=nope, other=0.0).to(tl.float32)
+    # UE8M0 scale: the least 2**e with fp8_max * 2**e >= amax, from the exponent and mantissa bits
+    amax_bits = tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True)
+    FP8_MANT: tl.constexpr = 0x700000 if USE_FNUZ else 0x600000  # 240 = 1.875 * 2**7, 448 = 1.75 * 2**8
+    FP8_EXP: tl.constexpr = 7 if USE_FNUZ else 8
+    e = (amax_bits >> 23) - FP8_EXP + ((amax_bits & 0x7FFFFF) > FP8_MANT).to(tl.int32)
+    s = tl.minimum(tl.maximum(e, 0), 255)  # the UE8M0 byte: 2**(s - 127)
+    inv = ((254 - s) << 23).to(tl.float32, bitcast=True)  # 2**(127 - s); exact for s <= 253
+    fp8_max = 240.0 if USE_FNUZ else 448.0
+    q = tl.minimum(tl.maximum(x * inv[:, None], -fp8_max), fp8_max)
+    tl.store(token + rows * QB + cols, f32_to_e4m3(q, USE_FNUZ), mask=nope)
+    r8 = tl.arange(0, 8)
+    tl.store(
+        base + CACHE_BLOCK_SIZE * TOKEN + j * SCALES + r8, tl.where(r8 < NQB, s, 0).to(tl.uint8), mask=live & (r8 < 8)
+    )
+    r = tl.arange(0, ROPE)
+    rope = tl.load(src + NOPE + r, mask=live & (r < ROPE))
+    tl.store((token + NOPE).to(tl.pointer_type(tl.bfloat16)) + r, rope.to(tl.bfloat16), mask=live & (r < ROPE))
+
+
+@attrs.frozen(kw_only=True)
+class QuantInsertKey(warmreg.CompileKey):
+    """What changes the binary of the quantize-and-insert writer."""
+
+    dtype: str  # k's dtype (bf16)
+    cache_block_size: int
+    block_stride: str  # int class of the page stride
+    use_fnuz: bool
+    k_stride: str  # int class of k's row stride
+    k_aligned: bool  # k may be a view into a wider projection
+    num_warps: int
+
+
+class QuantInsertKCache(warmreg.TritonKernel[QuantInsertKey]):
+    """Quantize ``k [T, 512]`` into ``fp8_ds_mla`` pages (the inverse of :class:`DequantGatherKCache`).
+
+    For token ``t`` with ``slot = slot_mapping[t] >= 0`` (page ``slot // bs``, row ``j = slot % bs``),
+    per block ``q < 7`` of 64 NoPE values::
+
+        s = clamp(ceil(log2(amax(|k[t, 64q:64q+64]|) / fp8_max)) + 127, 0, 255)   # UE8M0 byte
+        token j bytes [64q, 64q+64) = e4m3(clamp(k * 2**(127 - s), -fp8_max, fp8_max))  (RNE)
+        scale byte q = s;  scale byte 7 = 0;  token j bytes [448, 576) = k[t, 448:512] as bf16
+
+    The ceiling is computed exactly from the bits of ``amax`` (no rounded division); ``fp8_max`` is
+    448 (e4m3fn) or 240 (e4m3fnuz). Grid ``(T,)``, one program per token.
+
+    :param block_size: tokens per page of the cache written (64: the SWA cache).
+    :param page_strides: page strides the cache can have (default: :func:`page_bytes` of ``block_size``).
+    :param plugin: the registering plugin, named in config errors.
+    """
+
+    name = "deepseek_v4.quant_insert_k_cache"
+    key_type = QuantInsertKey
+    jit = _quant_insert_k_kernel
+
+    def __init__(
+        self, *, block_size: int = SWA_PAGE_SIZE, page_strides: tuple[int, ...] = (), plugin: str = PLUGIN
+    ) -> None:
+        self.block_size = block_size
+        self.page_strides = page_strides or (page_bytes(block_size),)
+        self.plugin = plugin
+
+    def dispatch(self, *, k: torch.Tensor, k_cache: torch.Tensor, block_size: int, use_fnuz: bool) -> QuantInsertKey:
+        return QuantInsertKey(
+            dtype=str(k.dtype).removeprefix("torch."),
+            cache_block_size=block_size,
+            block_stride=warmreg.int_class(k_cache.stride(0)),
+            use_fnuz=use_fnuz,
+            k_stride=warmreg.int_class(k.stride(0)),
+            k_aligned=warmreg.is_aligned(k),
+            num_warps=4,
+        )
+
+    def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
+        tokens = warmreg.token_counts(config, plugin=self.plugin)
+        return {
+            "k": [warmreg.meta((t, HEAD_DIM), torch.bfloat16) for t in tokens],
+            "k_cache": [warmreg.meta((2, s), torch.uint8) for s in self.page_strides],
+            "block_size": [self.block_size],
+            "use_fnuz": [platform.fp8_fnuz],  # the SWA cache follows the platform's FP8
+        }
+
+    def warmup_inputs(self, key: QuantInsertKey) -> Mapping[str, Any]:
+        bs = key.cache_block_size
+        k_stride = value_in_class(key.k_stride, HEAD_DIM)
+        page_stride = value_in_class(key.block_stride, bs * (TOKEN_BYTES + SCALE_BYTES))
+        return {
+            "k": warmreg.meta(
+                (1, HEAD_DIM), getattr(torch, key.dtype), stride=(k_stride, 1), offset=0 if key.k_aligned else 1
+            ),
+            "k_cache": warmreg.meta((1, page_stride), torch.uint8),
+            "slot_mapping": warmreg.meta((1,), torch.int64),
+            "block_size": bs,
+            "use_fnuz": key.use_fnuz,
+        }
+
+    @warmreg.kernel_launcher
+    def __call__(
+        self,
+        k: torch.Tensor,
+        k_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        *,
+        block_size: int,
+        use_fnuz: bool = False,
+    ) -> warmreg.LaunchSpec[QuantInsertKey]:
+        """Write ``k`` into the cache pages named by ``slot_mapping`` (in place; returns ``k_cache``).
+
+        :param k: ``[T, 512]`` bf16, last dim contiguous (a row-strided view is fine).
+        :param k_cache: uint8 pages ``[num_pages, ...]``, 16-byte aligned; ``stride(0)`` is the page stride.
+        :param slot_mapping: int64 ``[T]``; ``page * block_size + row``, or -1 to skip the token.
+        :raises warmreg.LaunchError: for wrong dtypes, shapes or layouts.
+        """
+        if k.ndim != 2 or k.shape[1] != HEAD_DIM or k.stride(1) != 1 or k.dtype != torch.bfloat16:
+            raise warmreg.LaunchError(
+                self.name, f"k must be bf16 [T, {HEAD_DIM}] with a contiguous last dim (got {k.dtype} {tuple(k.shape)})"
+            )
+        if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (k.shape[0],):
+            raise warmreg.LaunchError(
+                self.name,
+                f"slot_mapping must be int64 [{k.shape[0]}] (got {slot_mapping.dtype} {tuple(slot_mapping.shape)})",
+            )
+        problem = cache_problem(k_cache, block_size)
+        if problem:
+            raise warmreg.LaunchError(self.name, problem, fix="check block_size against the cache group")
+        key = self.dispatch(k=k, k_cache=k_cache, block_size=block_size, use_fnuz=use_fnuz)
+        kwargs = dict(
+            k_ptr=k, k_cache_ptr=k_cache, slot_mapping_ptr=slot_mapping, k_stride=k.stride(0),
+            block_stride=k_cache.stride(0), CACHE_BLOCK_SIZE=key.cache_block_size, USE_FNUZ=key.use_fnuz,
+        )  # fmt: skip
+        return warmreg.LaunchSpec(key, (k.shape[0],) if k.shape[0] else None, kwargs, k_cache)
+
+
+def _ue8m0_byte(amax: torch.Tensor, use_fnuz: bool) -> torch.Tensor:
+    bits = amax.float().view(torch.int32)
+    mant, exp = (0x700000, 7) if use_fnuz else (0x600000, 8)
+    return ((bits >> 23) - exp + ((bits & 0x7FFFFF) > mant).to(torch.int32)).clamp(0, 255)
+
+
+def quant_insert_k_reference(
+    k: torch.Tensor, k_cache: torch.Tensor, slot_mapping: torch.Tensor, *, block_size: int, use_fnuz: bool = False
+) -> torch.Tensor:
+    """PyTorch reference of :class:`QuantInsertKCache` (writes ``k_cache`` in place and returns it)."""
+    fp8 = torch.float8_e4m3fnuz if use_fnuz else torch.float8_e4m3fn
+    fp8_max = FP8_MAX[use_fnuz]
+    for t in range(k.shape[0]):
+        slot = int(slot_mapping[t])
+        if slot < 0:
+            continue
+        page, j = k_cache[slot // block_size].view(-1), slot % block_size
+        x = k[t, :NOPE_DIM].float().view(-1, QUANT_BLOCK)
+        s = _ue8m0_byte(x.abs().amax(dim=1), use_fnuz)
+        q = (x * torch.ldexp(torch.ones(s.shape), 127 - s)[:, None]).clamp(-fp8_max, fp8_max).to(fp8)
+        page[j * TOKEN_BYTES : j * TOKEN_BYTES + NOPE_DIM] = q.view(torch.uint8).reshape(-1)
+        page[j * TOKEN_BYTES + NOPE_DIM : (j + 1) * TOKEN_BYTES] = k[t, NOPE_DIM:].contiguous().view(torch.uint8)
+        scales = page[block_size * TOKEN_BYTES + j * SCALE_BYTES :][:SCALE_BYTES]
+        scales[: NOPE_DIM // QUANT_BLOCK] = s.to(torch.uint8)
+        scales[-1] = 0
+    return k_cache
