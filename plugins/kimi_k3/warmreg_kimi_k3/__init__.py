@@ -1,7 +1,15 @@
-"""warmreg plugin for the Kimi-K3 family (``model_type == "kimi_k3"``, text config ``kimi_linear``)."""
+"""warmreg plugin for the Kimi-K3 family (``model_type == "kimi_k3"``, text config ``kimi_linear``).
+
+Kernels: the shared fused Q/KV RMSNorm (``warmreg.ops``) for the MLA layers and the KDA recurrent step
+(:mod:`warmreg_kimi_k3.kda`) for decode and speculative decode of the KDA layers. Importing this package
+registers nothing; warmreg calls :func:`warmreg_kimi_k3.plugin.warmreg_register_kernels` through the
+``warmreg`` entry point.
+"""
 
 from __future__ import annotations
 
+from .kda import KDARecurrent, KDARecurrentKey, kda_recurrent_reference
+
 PLUGIN = "warmreg-kimi-k3"
 
-__all__ = ["PLUGIN"]
+__all__ = ["PLUGIN", "KDARecurrent", "KDARecurrentKey", "kda_recurrent_reference"]

@@ -1,0 +1,131 @@
+"""The Kimi-K3 plugin through its real entry point: plan, coverage of runtime shapes, dedup, warm."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from warmreg_kimi_k3.kda import KDARecurrent
+
+import warmreg
+from warmreg.ops import FusedQKVRMSNorm
+
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "kimi_k3.json"
+KDA = KDARecurrent.name
+RMSNORM = FusedQKVRMSNorm.name
+
+
+@pytest.fixture(scope="module")
+def kimi_plan() -> warmreg.Plan:
+    return warmreg.plan(EXAMPLE, target="cuda:90")
+
+
+def _example(**serving: Any) -> dict[str, Any]:
+    data = json.loads(EXAMPLE.read_text())
+    data.pop("description")
+    data["serving"].update(serving)
+    return data
+
+
+def test_plan_has_the_kda_and_rmsnorm_keys(kimi_plan: warmreg.Plan) -> None:
+    assert "kimi_k3" in kimi_plan.plugins
+    (key,) = kimi_plan.kernel(KDA).keys  # one binary for every decode and speculative step
+    assert key.fields() == {
+        "dtype": "bfloat16", "gate_dtype": "float32", "beta_dtype": "float32",
+        "num_heads": 12, "head_k_dim": 128, "head_v_dim": 128, "block_k": 128, "block_v": 32,
+        "use_qk_l2norm": True, "q_stride": "div16", "k_stride": "div16", "v_stride": "div16",
+        "q_aligned": True, "k_aligned": True, "v_aligned": True, "g_aligned": True,
+        "state_stride": "div16", "state_aligned": True, "num_warps": 4,
+    }  # fmt: skip
+    assert len(kimi_plan.kernel(RMSNORM).keys) == 1
+    assert kimi_plan.num_keys == 2
+
+
+@pytest.mark.parametrize(
+    ("lens", "fused"),
+    [([1], False), ([4, 1, 3, 2, 4], True), ([1] * 256, False), ([4] * 256, True), ([2] * 37 + [3] * 11, False)],
+)
+def test_runtime_kda_shapes_are_planned(kimi_plan: warmreg.Plan, lens: list[int], fused: bool) -> None:
+    """dispatch of runtime-shaped inputs (meta tensors with the real sizes) lands on a planned key."""
+    heads, dim = 96 // 8, 128
+    tokens = sum(lens)
+    if fused:
+        proj = warmreg.meta((tokens, 3 * heads * dim), torch.bfloat16)
+        q, k, v = (proj[:, i * heads * dim : (i + 1) * heads * dim].view(tokens, heads, dim) for i in range(3))
+    else:
+        q, k, v = (warmreg.meta((tokens, heads, dim), torch.bfloat16) for _ in range(3))
+    key = kimi_plan.kernel(KDA).kernel.dispatch(
+        q=q,
+        k=k,
+        v=v,
+        g=warmreg.meta((tokens, heads, dim), torch.float32),
+        beta=warmreg.meta((tokens, heads), torch.float32),
+        state_pool=warmreg.meta((1024, heads, dim, dim), torch.float32),
+        use_qk_l2norm=True,
+    )
+    assert key in kimi_plan.kernel(KDA).keys
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 7, 4096, 8192])
+@pytest.mark.parametrize("width", [1536 + 512 + 64, 1536 + 512 + 64 + 12 * 128])
+def test_runtime_rmsnorm_shapes_are_planned(kimi_plan: warmreg.Plan, tokens: int, width: int) -> None:
+    proj = warmreg.meta((tokens, width), torch.bfloat16)
+    key = kimi_plan.kernel(RMSNORM).kernel.dispatch(
+        qr=proj[:, :1536],
+        kv=proj[:, 1536:2048],
+        q_weight=warmreg.meta((1536,), torch.bfloat16),
+        kv_weight=warmreg.meta((512,), torch.bfloat16),
+        launch_pdl=True,  # cuda:90 supports PDL
+    )
+    assert key in kimi_plan.kernel(RMSNORM).keys
+
+
+class _OtherFamily:
+    """A second family registering the shared RMSNorm with its own projection layout (in-test plugin)."""
+
+    def __init__(self, q_size: int, kv_size: int) -> None:
+        self.q_size, self.kv_size = q_size, kv_size
+
+    @warmreg.hookimpl
+    def warmreg_register_kernels(self, registry: warmreg.Registry) -> None:
+        width = self.q_size + self.kv_size
+        registry.add(FusedQKVRMSNorm(q_size=self.q_size, kv_size=self.kv_size, proj_width=width, plugin="other"))
+
+
+def test_shared_rmsnorm_keys_are_deduplicated() -> None:
+    """A DSv4-Pro-shaped registration (q 1536, kv 512, stride 2048) has the same key as Kimi's
+    (stride 2112 or 3648): one key, credited to both plugins. A DSv4-Flash shape (q 1024) adds one."""
+    pro = warmreg.plan(EXAMPLE, target="cuda:90", plugins=[_OtherFamily(1536, 512)])
+    kp = pro.kernel(RMSNORM)
+    assert len(kp.keys) == 1
+    assert len(kp.plugins) == 2 and "kimi_k3" in kp.plugins
+    flash = warmreg.plan(EXAMPLE, target="cuda:90", plugins=[_OtherFamily(1024, 512)])
+    assert len(flash.kernel(RMSNORM).keys) == 2
+
+
+def test_no_kda_layers_no_kda_kernel() -> None:
+    data = _example()
+    data["model"]["text_config"]["linear_attn_config"]["kda_layers"] = []
+    names = [k.name for k in warmreg.plan(data, target="cuda:90").kernels]
+    assert KDA not in names and RMSNORM in names
+
+
+def test_speculation_and_tp_do_not_add_keys() -> None:
+    """Token counts reach no key field: no speculation and TP 4 give one key too (with 24 heads)."""
+    (key,) = warmreg.plan(_example(num_speculative_tokens=0, tensor_parallel_size=4), target="cuda:90").kernel(KDA).keys
+    assert key.num_heads == 24
+
+
+def test_heads_not_divisible_by_tp_is_a_config_error() -> None:
+    with pytest.raises(warmreg.ConfigError, match=r"linear_attn_config\.num_heads"):
+        warmreg.plan(_example(tensor_parallel_size=7), target="cuda:90")
+
+
+def test_warm_cross_compiles_the_kimi_plan_for_sm90(kimi_plan: warmreg.Plan) -> None:
+    report = warmreg.warm(EXAMPLE, target="cuda:90", workers=2, on_error="continue")
+    assert report.ok, [r.error for r in report.failed]
+    assert report.declared == kimi_plan.num_keys
+    assert {r.kernel for r in report.results} == {KDA, RMSNORM}

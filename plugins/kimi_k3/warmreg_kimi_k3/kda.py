@@ -1,0 +1,430 @@
+"""Kimi Delta Attention (KDA): the recurrent step for decode and speculative decode.
+
+Math, per sequence ``n`` and head ``h``, with the state ``S`` in fp32 of shape ``[K, V]`` and every
+input cast to fp32::
+
+    S = pool[slot[n], h] if slot[n] >= 0 else 0
+    for t in tokens of n (cu_seqlens[n] .. cu_seqlens[n + 1] - 1):
+        q, k = q[t, h], k[t, h]
+        if USE_L2NORM:  q = q / sqrt(sum(q * q) + 1e-6);  k = k / sqrt(sum(k * k) + 1e-6)
+        S = S * exp(g[t, h])[:, None]                      # channel-wise decay, g in log space
+        u = beta[t, h] * (v[t, h] - S^T k)                 # the delta rule
+        S = S + k u^T
+        o[t, h] = cast(S^T (q * scale), dtype of v)
+    if slot[n] >= 0:  pool[slot[n], h] = S                  # the final state, written back in place
+
+Inputs are varlen (a few tokens per sequence, ``cu_seqlens`` int32 ``[N + 1]``); the state pool
+``[num_slots, H, K, V]`` (fp32) is indexed by a per-sequence slot (int32 ``[N]``), a negative slot
+meaning "no state": start from zeros and write nothing back. Grid ``(N, H, cdiv(V, BLOCK_V))``: each
+program keeps a ``[BLOCK_K, BLOCK_V]`` tile of one head's state in registers for all of its tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+import warmreg
+
+__all__ = ["L2NORM_EPS", "MAX_BLOCK_V", "KDARecurrent", "KDARecurrentKey", "kda_recurrent_reference"]
+
+#: Triton's classes of a specialized int, as :func:`warmreg.int_class` returns them (the public facade
+#: exports the function but not its return type).
+IntClass = Literal["one", "div16", "other", "div16_i64", "other_i64"]
+#: Largest V tile: a [128, 32] fp32 tile is 32 registers per thread at 4 warps, and V = 128 gives
+#: 4 programs per (sequence, head), enough parallelism for small decode batches.
+MAX_BLOCK_V = 32
+#: The epsilon of the in-kernel L2 normalisation of q and k.
+L2NORM_EPS = 1e-6
+
+
+# The token count T and the number of sequences N are not arguments at all (cu_seqlens and the grid
+# carry them), so one binary serves every batch. beta, cu_seqlens and the slots are read one scalar
+# at a time: their 16-byte alignment cannot change the code, so Triton must not specialize on it.
+@triton.jit(do_not_specialize_on_alignment=["beta_ptr", "cu_seqlens_ptr", "slots_ptr"])
+def _kda_recurrent_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    o_ptr,
+    state_ptr,
+    cu_seqlens_ptr,
+    slots_ptr,
+    q_stride,
+    k_stride,
+    v_stride,
+    state_stride,
+    scale,
+    H: tl.constexpr,  # heads on this rank: a model constant; the g/beta/o token strides derive from it
+    K: tl.constexpr,  # key head dim: a model constant
+    V: tl.constexpr,  # value head dim: a model constant
+    BLOCK_K: tl.constexpr,  # next_pow2(K): one tile covers K (needed by S^T k and the L2 norm)
+    BLOCK_V: tl.constexpr,  # min(next_pow2(V), 32): V is split over grid axis 2
+    USE_L2NORM: tl.constexpr,  # L2-normalise q and k in the kernel (Kimi-Linear does)
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    bos = tl.load(cu_seqlens_ptr + n).to(tl.int64)
+    eos = tl.load(cu_seqlens_ptr + n + 1).to(tl.int64)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k = offs_k < K
+    mask_v = offs_v < V
+    mask_s = mask_k[:, None] & mask_v[None, :]
+    # A negative slot still needs a valid address expression; the mask keeps it unread.
+    s_ptrs = state_ptr + tl.maximum(slot, 0) * state_stride + h * K * V + offs_k[:, None] * V + offs_v[None, :]
+    s = tl.load(s_ptrs, mask=mask_s & (slot >= 0), other=0.0).to(tl.float32)
+    # A while loop, not range(bos, eos): Triton 3.6.0's interpreter cannot take loaded values as range
+    # bounds under numpy >= 2 (it calls int() on a 1-element array); compiled, both are an scf loop.
+    t = bos
+    while t < eos:
+        q = tl.load(q_ptr + t * q_stride + h * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * k_stride + h * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * v_stride + h * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + (t * H + h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t * H + h).to(tl.float32)
+        if USE_L2NORM:
+            q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
+            k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
+        s = s * tl.exp(g)[:, None]
+        u = beta * (v - tl.sum(s * k[:, None], axis=0))
+        s = s + k[:, None] * u[None, :]
+        o = tl.sum(s * (q * scale)[:, None], axis=0)
+        tl.store(o_ptr + (t * H + h) * V + offs_v, o.to(o_ptr.dtype.element_ty), mask=mask_v)
+        t += 1
+    if slot >= 0:
+        tl.store(s_ptrs, s, mask=mask_s)
+
+
+@attrs.frozen(kw_only=True)
+class KDARecurrentKey(warmreg.CompileKey):
+    """What changes the binary of the KDA recurrent step."""
+
+    dtype: str  # q, k, v and o
+    gate_dtype: str  # g
+    beta_dtype: str
+    num_heads: int  # H (constexpr)
+    head_k_dim: int  # K
+    head_v_dim: int  # V
+    block_k: int
+    block_v: int
+    use_qk_l2norm: bool
+    # q, k, v may be views of one fused qkv projection: token strides and alignment vary with that.
+    q_stride: IntClass
+    k_stride: IntClass
+    v_stride: IntClass
+    q_aligned: bool
+    k_aligned: bool
+    v_aligned: bool
+    g_aligned: bool
+    # The pool may be a view into an engine's shared cache buffer, with padded slots.
+    state_stride: IntClass
+    state_aligned: bool
+    num_warps: int
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _block_v(v_dim: int) -> int:
+    return min(warmreg.next_pow2(v_dim), MAX_BLOCK_V)
+
+
+class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
+    """The KDA recurrent step, configured with one deployment's linear-attention layout.
+
+    The configuration only shapes :meth:`domains`; :meth:`dispatch` reads the tensors alone, so any
+    instance can warm any key of this kernel (registrations with one name are merged).
+
+    :param num_heads: KDA heads on one rank (``num_heads / tensor_parallel_size``).
+    :param head_k_dim: key head dim ``K``.
+    :param head_v_dim: value head dim ``V``.
+    :param dtype: activation dtype name of q, k, v and o.
+    :param gate_dtype: dtype name of ``g`` (the gate kernel's output, fp32 in Kimi-Linear).
+    :param beta_dtype: dtype name of ``beta`` (``sigmoid`` of an fp32 projection in Kimi-Linear).
+    :param use_qk_l2norm: whether the deployment normalises q and k in the kernel.
+    :param max_num_seqs: most sequences in a decode step.
+    :param num_speculative_tokens: draft tokens per sequence (each step has 1 + this many tokens).
+    :param plugin: the registering plugin, named in config errors.
+    """
+
+    name = "warmreg_kimi_k3.kda_recurrent"
+    key_type = KDARecurrentKey
+    jit = _kda_recurrent_kernel
+
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        head_k_dim: int,
+        head_v_dim: int,
+        dtype: str = "bfloat16",
+        gate_dtype: str = "float32",
+        beta_dtype: str = "float32",
+        use_qk_l2norm: bool = True,
+        max_num_seqs: int = 1,
+        num_speculative_tokens: int = 0,
+        plugin: str = "warmreg-kimi-k3",
+    ) -> None:
+        self.num_heads, self.head_k_dim, self.head_v_dim = num_heads, head_k_dim, head_v_dim
+        self.dtype = getattr(torch, dtype)
+        self.gate_dtype = getattr(torch, gate_dtype)
+        self.beta_dtype = getattr(torch, beta_dtype)
+        self.use_qk_l2norm = use_qk_l2norm
+        self.max_num_seqs = max_num_seqs
+        self.num_speculative_tokens = num_speculative_tokens
+        self.plugin = plugin
+
+    def dispatch(  # type: ignore[override]  # the base declares dispatch(**runtime)
+        self,
+        *,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        state_pool: torch.Tensor,
+        use_qk_l2norm: bool,
+    ) -> KDARecurrentKey:
+        heads, k_dim, v_dim = q.shape[1], q.shape[2], v.shape[2]
+        block_k, block_v = warmreg.next_pow2(k_dim), _block_v(v_dim)
+        return KDARecurrentKey(
+            dtype=_dtype_name(q.dtype),
+            gate_dtype=_dtype_name(g.dtype),
+            beta_dtype=_dtype_name(beta.dtype),
+            num_heads=heads,
+            head_k_dim=k_dim,
+            head_v_dim=v_dim,
+            block_k=block_k,
+            block_v=block_v,
+            use_qk_l2norm=bool(use_qk_l2norm),
+            q_stride=warmreg.int_class(q.stride(0)),
+            k_stride=warmreg.int_class(k.stride(0)),
+            v_stride=warmreg.int_class(v.stride(0)),
+            q_aligned=warmreg.is_aligned(q),
+            k_aligned=warmreg.is_aligned(k),
+            v_aligned=warmreg.is_aligned(v),
+            g_aligned=warmreg.is_aligned(g),
+            state_stride=warmreg.int_class(state_pool.stride(0)),
+            state_aligned=warmreg.is_aligned(state_pool),
+            num_warps=max(1, min(8, block_k * block_v // 1024)),
+        )
+
+    # -- the deployment's input space --------------------------------------------------------------
+    def _token_counts(self) -> list[int]:
+        """Decode steps: ``N * s`` tokens for N in {1, max_num_seqs}, s in {1, 1 + spec}.
+
+        No key field depends on the count (T is not a kernel argument); the samples keep the
+        warm plan honest about the shapes a step really has.
+        """
+        per_seq = {1, 1 + self.num_speculative_tokens}
+        return sorted({n * s for n in {1, self.max_num_seqs} for s in per_seq})
+
+    def _qkv(self, tokens: int, fused: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v as separate projections, or as views of one fused ``[T, H*(2K+V)]`` projection."""
+        h, kd, vd = self.num_heads, self.head_k_dim, self.head_v_dim
+        if not fused:
+            return (
+                warmreg.meta((tokens, h, kd), self.dtype),
+                warmreg.meta((tokens, h, kd), self.dtype),
+                warmreg.meta((tokens, h, vd), self.dtype),
+            )
+        width = h * (2 * kd + vd)
+        q = warmreg.meta((tokens, h, kd), self.dtype, stride=(width, kd, 1))
+        k = warmreg.meta((tokens, h, kd), self.dtype, stride=(width, kd, 1), offset=h * kd)
+        v = warmreg.meta((tokens, h, vd), self.dtype, stride=(width, vd, 1), offset=2 * h * kd)
+        return q, k, v
+
+    def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
+        h, kd, vd = self.num_heads, self.head_k_dim, self.head_v_dim
+        views = [self._qkv(t, fused) for t in self._token_counts() for fused in (False, True)]
+        return {
+            "q": [q for q, _, _ in views],
+            "k": [k for _, k, _ in views],
+            "v": [v for _, _, v in views],
+            "g": [warmreg.meta((t, h, kd), self.gate_dtype) for t in self._token_counts()],
+            "beta": [warmreg.meta((t, h), self.beta_dtype) for t in self._token_counts()],
+            # One slot per running request plus the engine's padding slot; contiguous pool.
+            "state_pool": [warmreg.meta((self.max_num_seqs + 1, h, kd, vd), torch.float32)],
+            "use_qk_l2norm": [self.use_qk_l2norm],
+        }
+
+    def when(  # type: ignore[override]
+        self, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, **_: Any
+    ) -> bool:
+        # One step: every input has the same T, and q, k, v come from the same projection layout.
+        same_t = q.shape[0] == k.shape[0] == v.shape[0] == g.shape[0] == beta.shape[0]
+        return same_t and _is_view(q) == _is_view(k) == _is_view(v)
+
+    def warmup_inputs(self, key: KDARecurrentKey) -> Mapping[str, Any]:
+        dtype = getattr(torch, key.dtype)
+        h, kd, vd = key.num_heads, key.head_k_dim, key.head_v_dim
+
+        def act(dim: int, stride: IntClass, aligned: bool) -> torch.Tensor:
+            return warmreg.meta(
+                (1, h, dim), dtype, stride=(warmreg.int_class_rep(stride), dim, 1), offset=0 if aligned else 1
+            )
+
+        return {
+            "q": act(kd, key.q_stride, key.q_aligned),
+            "k": act(kd, key.k_stride, key.k_aligned),
+            "v": act(vd, key.v_stride, key.v_aligned),
+            "g": warmreg.meta((1, h, kd), getattr(torch, key.gate_dtype), offset=0 if key.g_aligned else 1),
+            "beta": warmreg.meta((1, h), getattr(torch, key.beta_dtype)),
+            "cu_seqlens": warmreg.meta((2,), torch.int32),
+            "state_pool": warmreg.meta(
+                (1, h, kd, vd),
+                torch.float32,
+                stride=(warmreg.int_class_rep(key.state_stride), kd * vd, vd, 1),
+                offset=0 if key.state_aligned else 1,
+            ),
+            "state_slots": warmreg.meta((1,), torch.int32),
+            "use_qk_l2norm": key.use_qk_l2norm,
+        }
+
+    # -- the launch code ----------------------------------------------------------------------------
+    @warmreg.kernel_launcher
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        state_pool: torch.Tensor,
+        state_slots: torch.Tensor,
+        *,
+        scale: float | None = None,
+        use_qk_l2norm: bool | None = None,
+    ) -> warmreg.LaunchSpec[KDARecurrentKey]:
+        """Run the recurrence over each sequence's tokens; returns ``o`` ``[T, H, V]`` (dtype of v).
+
+        The final state of each sequence with a non-negative slot is written into ``state_pool``.
+
+        :param q: ``[T, H, K]``, heads and K contiguous; the token stride is free (fused-projection view).
+        :param k: ``[T, H, K]``, like ``q``.
+        :param v: ``[T, H, V]``, like ``q``.
+        :param g: ``[T, H, K]`` contiguous, log-space decay.
+        :param beta: ``[T, H]`` contiguous.
+        :param cu_seqlens: int32 ``[N + 1]``, token offsets of the N sequences; rows of ``o`` outside
+            ``cu_seqlens[0] .. cu_seqlens[N]`` are left unwritten.
+        :param state_pool: fp32 ``[num_slots, H, K, V]``; the slot stride is free, the rest contiguous.
+        :param state_slots: int32 ``[N]``, each sequence's slot; negative: no state.
+        :param scale: applied to q (default ``K ** -0.5``).
+        :param use_qk_l2norm: L2-normalise q and k in the kernel (default: this instance's setting).
+        :raises LaunchError: for shapes, dtypes, layouts or devices the kernel cannot take.
+        """
+        self._check(q, k, v, g, beta, cu_seqlens, state_pool, state_slots)
+        l2norm = self.use_qk_l2norm if use_qk_l2norm is None else use_qk_l2norm
+        key = self.dispatch(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, use_qk_l2norm=l2norm)
+        o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        kwargs = dict(
+            q_ptr=q, k_ptr=k, v_ptr=v, g_ptr=g, beta_ptr=beta, o_ptr=o, state_ptr=state_pool,
+            cu_seqlens_ptr=cu_seqlens, slots_ptr=state_slots,
+            q_stride=q.stride(0), k_stride=k.stride(0), v_stride=v.stride(0), state_stride=state_pool.stride(0),
+            scale=float(key.head_k_dim**-0.5 if scale is None else scale),
+            H=key.num_heads, K=key.head_k_dim, V=key.head_v_dim, BLOCK_K=key.block_k, BLOCK_V=key.block_v,
+            USE_L2NORM=key.use_qk_l2norm,
+        )  # fmt: skip
+        num_seqs = cu_seqlens.shape[0] - 1
+        v_tiles = (key.head_v_dim + key.block_v - 1) // key.block_v  # not triton.cdiv: microseconds of host time
+        grid = (num_seqs, key.num_heads, v_tiles) if num_seqs else None
+        return warmreg.LaunchSpec(key, grid, kwargs, o)
+
+    def _check(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        state_pool: torch.Tensor,
+        state_slots: torch.Tensor,
+    ) -> None:
+        def fail(problem: str, fix: str | None = None) -> None:
+            raise warmreg.LaunchError(self.name, problem, fix=fix)
+
+        if q.ndim != 3 or k.shape != q.shape or v.ndim != 3 or v.shape[:2] != q.shape[:2]:
+            fail(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be [T, H, K], [T, H, K], [T, H, V]")
+        t, h, kd = q.shape
+        vd = v.shape[2]
+        if g.shape != q.shape or beta.shape != (t, h):
+            fail(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [T, H, K] = {(t, h, kd)} and [T, H]")
+        for name, x, dim in (("q", q, kd), ("k", k, kd), ("v", v, vd)):
+            if x.stride(2) != 1 or x.stride(1) != dim:
+                fail(f"{name} needs contiguous heads and head dim (strides (*, {dim}, 1), got {x.stride()})")
+        if not (g.is_contiguous() and beta.is_contiguous()):
+            fail("g and beta must be contiguous", fix="pass the gate and beta outputs, not views of them")
+        if k.dtype != q.dtype or v.dtype != q.dtype:
+            fail(f"q, k, v must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
+        if not all(x.dtype.is_floating_point for x in (q, g, beta)):
+            fail(f"q, g and beta must be floating point (got {q.dtype}, {g.dtype}, {beta.dtype})")
+        if state_pool.ndim != 4 or tuple(state_pool.shape[1:]) != (h, kd, vd):
+            fail(f"state_pool {tuple(state_pool.shape)} must be [num_slots, H, K, V] with (H, K, V) = {(h, kd, vd)}")
+        if state_pool.dtype != torch.float32:
+            fail(f"state_pool must be float32 (got {state_pool.dtype})")
+        if state_pool.stride()[1:] != (kd * vd, vd, 1):
+            fail(f"state_pool needs contiguous [H, K, V] slots (got strides {state_pool.stride()})")
+        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 1 or cu_seqlens.dtype != torch.int32:
+            fail(f"cu_seqlens must be int32 [N + 1] (got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)})")
+        if state_slots.shape != (cu_seqlens.shape[0] - 1,) or state_slots.dtype != torch.int32:
+            fail(
+                f"state_slots must be int32 [N] (got {state_slots.dtype} {tuple(state_slots.shape)}, N = {cu_seqlens.shape[0] - 1})"
+            )
+        devices = {x.device for x in (q, k, v, g, beta, cu_seqlens, state_pool, state_slots)}
+        if len(devices) > 1:
+            fail(f"all inputs must be on one device (got {sorted(map(str, devices))})")
+
+
+def _is_view(x: torch.Tensor) -> bool:
+    """Whether a ``[T, H, D]`` input is a view into a wider projection rather than its own tensor."""
+    return x.storage_offset() != 0 or x.stride(0) != x.shape[1] * x.shape[2]
+
+
+def kda_recurrent_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference: the recurrence token by token in fp32, one cast of ``o`` at the end.
+
+    :returns: ``(o, pool)``: ``o`` ``[T, H, V]`` in v's dtype (zeros outside the sequences) and a
+        copy of ``state_pool`` with the final states written; the input pool is not modified.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    pool = state_pool.clone()
+    o = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+    bounds = cu_seqlens.tolist()
+    for n, slot in enumerate(state_slots.tolist()):
+        s = pool[slot].clone() if slot >= 0 else q.new_zeros((q.shape[1], q.shape[2], v.shape[2]), dtype=torch.float32)
+        for t in range(bounds[n], bounds[n + 1]):
+            qt, kt = q[t].float(), k[t].float()  # [H, K]
+            if use_qk_l2norm:
+                qt = qt / torch.sqrt((qt * qt).sum(-1, keepdim=True) + L2NORM_EPS)
+                kt = kt / torch.sqrt((kt * kt).sum(-1, keepdim=True) + L2NORM_EPS)
+            s = s * torch.exp(g[t].float())[..., None]
+            u = beta[t].float()[:, None] * (v[t].float() - torch.einsum("hkv,hk->hv", s, kt))
+            s = s + kt[..., None] * u[:, None, :]
+            o[t] = torch.einsum("hkv,hk->hv", s, qt * scale)
+        if slot >= 0:
+            pool[slot] = s
+    return o.to(v.dtype), pool
