@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Union
+from typing import Any
 
 from .errors import ConfigError, KernelContractError
 from .kernel import K, TritonKernel
@@ -16,7 +16,7 @@ from .kernel import K, TritonKernel
 __all__ = ["Domains", "enumerate_keys"]
 
 #: What ``TritonKernel.domains`` returns: a product of per-input values, or explicit points.
-Domains = Union[Mapping[str, Iterable[Any]], Iterable[Mapping[str, Any]]]
+Domains = Mapping[str, Iterable[Any]] | Iterable[Mapping[str, Any]]
 
 
 def _points(kernel: TritonKernel[Any], domains: Domains, params: tuple[str, ...]) -> Iterator[dict[str, Any]]:
