@@ -18,10 +18,6 @@ rank); the block table's row stride is a specialized int (its class is in the ke
 and ``max_num_tokens`` are ``do_not_specialize``, so one binary serves every batch. Pointers are not
 specialized on 16-byte alignment (``do_not_specialize_on_alignment``): the kernel moves a few
 integers per token and gains nothing from vector loads, and callers may pass any view.
-
-Loops with runtime bounds are written as ``while`` loops: Triton 3.6.0's interpreter turns a
-``range`` bound into a Python int with ``int(ndarray)``, which NumPy >= 2.4 refuses for the 1-element
-arrays it holds scalars in (compiled, both are the same ``scf`` loop).
 """
 
 from __future__ import annotations
@@ -66,17 +62,14 @@ def _block_table_slot_mapping_kernel(
     req = tl.program_id(0)
     if req == tl.num_programs(0) - 1:  # the last program pads the tail of the persistent buffer
         pad = tl.full([TILE], -1, tl.int64)
-        start = num_tokens
-        while start < max_num_tokens:  # not `for ... in range(...)`: see the module docstring
+        for start in range(num_tokens, max_num_tokens, TILE):
             offs = start + tl.arange(0, TILE)
             tl.store(slot_mapping_ptr + offs, pad, mask=offs < max_num_tokens)
-            start += TILE
     else:
         first = tl.load(query_start_loc_ptr + req)
         last = tl.load(query_start_loc_ptr + req + 1)
         row = block_table_ptr + req.to(tl.int64) * block_table_stride
-        start = first
-        while start < last:  # not `for ... in range(first, last)`: see the module docstring
+        for start in range(first, last, TILE):
             offs = start + tl.arange(0, TILE)
             mask = offs < last
             pos = tl.load(positions_ptr + offs, mask=mask, other=0).to(tl.int64)
@@ -86,7 +79,6 @@ def _block_table_slot_mapping_kernel(
             local = (voffset // (DCP_WORLD * INTERLEAVE)) * INTERLEAVE + voffset % INTERLEAVE
             block = tl.load(row + vblock, mask=mask & mine, other=0).to(tl.int64)
             tl.store(slot_mapping_ptr + offs, tl.where(mine, block * KV_BLOCK_SIZE + local, -1), mask=mask)
-            start += TILE
 
 
 @attrs.frozen(kw_only=True)

@@ -9,12 +9,22 @@ from __future__ import annotations
 import warmreg
 from warmreg.ops import FusedQKVRMSNorm
 
-from . import cache, flashinfer_indices, indexer, inv_rope_quant, mtp_norm, sparse_mla, state_cache, swa_indices
+from . import (
+    cache,
+    flashinfer_indices,
+    indexer,
+    inv_rope_quant,
+    metadata,
+    mtp_norm,
+    sparse_mla,
+    state_cache,
+    swa_indices,
+)
 from .model import DSV4, PLUGIN
 
 __all__ = ["warmreg_register_kernels"]
 
-_MODULES = (sparse_mla, swa_indices, flashinfer_indices, cache, state_cache, indexer, inv_rope_quant, mtp_norm)
+_MODULES = (metadata, sparse_mla, swa_indices, flashinfer_indices, cache, state_cache, indexer, inv_rope_quant, mtp_norm)
 
 
 @warmreg.hookimpl

@@ -41,7 +41,9 @@ def test_plan_has_the_kda_and_rmsnorm_keys(kimi_plan: warmreg.Plan) -> None:
         "state_stride": "div16", "state_aligned": True, "num_warps": 4,
     }  # fmt: skip
     assert len(kimi_plan.kernel(RMSNORM).keys) == 1
-    assert kimi_plan.num_keys == 2
+    (slots,) = kimi_plan.kernel("warmreg.ops.block_table_slot_mapping").keys  # the MLA layers' paged cache
+    assert slots.fields()["block_size"] == 64
+    assert kimi_plan.num_keys == 3
 
 
 @pytest.mark.parametrize(
@@ -128,4 +130,4 @@ def test_warm_cross_compiles_the_kimi_plan_for_sm90(kimi_plan: warmreg.Plan) -> 
     report = warmreg.warm(EXAMPLE, target="cuda:90", workers=2, on_error="continue")
     assert report.ok, [r.error for r in report.failed]
     assert report.declared == kimi_plan.num_keys
-    assert {r.kernel for r in report.results} == {KDA, RMSNORM}
+    assert {r.kernel for r in report.results} == {KDA, RMSNORM, "warmreg.ops.block_table_slot_mapping"}

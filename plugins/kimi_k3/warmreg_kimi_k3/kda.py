@@ -157,7 +157,7 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
     :param plugin: the registering plugin, named in config errors.
     """
 
-    name = "warmreg_kimi_k3.kda_recurrent"
+    name = "kimi_k3.kda_recurrent"
     key_type = KDARecurrentKey
     jit = _kda_recurrent_kernel
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import warmreg
-from warmreg.ops import FusedQKVRMSNorm
+from warmreg.ops import BlockTableSlotMapping, FusedQKVRMSNorm
 
 from . import PLUGIN
 from .kda import KDARecurrent
@@ -49,6 +49,11 @@ def _register_mla(registry: warmreg.Registry, config: warmreg.WarmConfig, dtype:
         widths.add(q + kv + rope + (heads // tp) * v_dim)
     for width in sorted(widths):
         registry.add(FusedQKVRMSNorm(q_size=q, kv_size=kv, proj_width=width, dtype=dtype, plugin=PLUGIN))
+    # The MLA layers' paged KV cache maps tokens to slots through the block table (section 19);
+    # the KDA layers keep per-request state slots instead and need no slot mapping.
+    block = config.get("serving.block_size", int, plugin=PLUGIN)
+    max_len = config.get("serving.max_model_len", int, plugin=PLUGIN)
+    registry.add(BlockTableSlotMapping(block_sizes=(block,), max_model_len=max_len, plugin=PLUGIN))
 
 
 def _register_kda(registry: warmreg.Registry, config: warmreg.WarmConfig, dtype: str) -> None:

@@ -1,0 +1,107 @@
+"""Every warmed key, launched for real on the local GPU: nothing compiles, first launch ≈ steady state.
+
+For each example config: ``warm()`` (optionally from a pack), arm the monitor in ``record`` mode, then
+for every kernel and every key launch the kernel's own launch code with real device tensors shaped
+exactly like its ``warmup_inputs(key)`` (same shape, strides and storage offset, so the same
+alignment), zero-filled so every index stays in bounds. Records, per kernel: launches, misses,
+failures, the first launch's time and the median steady-state launch time.
+
+    python benchmarks/gpu_all_keys.py examples/deepseek_v4_flash.json [more configs] [--pack CONFIG=PACK]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median, write
+
+import warmreg
+from warmreg.monitor import current
+
+
+def materialize(value: Any, device: torch.device) -> Any:
+    """A zero-filled device tensor with the meta tensor's shape, strides and storage offset."""
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        extent = value.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(value.shape, value.stride()) if s > 0)
+        base = torch.zeros(max(extent, 1), dtype=value.dtype, device=device)
+        return base.as_strided(value.shape, value.stride(), value.storage_offset())
+    if isinstance(value, (list, tuple)):
+        return type(value)(materialize(v, device) for v in value)
+    return value
+
+
+def _timed(fn: Any) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3
+
+
+def run_config(config: str, pack: str | None) -> dict[str, Any]:
+    t = time.perf_counter()
+    report = warmreg.warm(config, pack=pack, on_error="continue", monitor="record")
+    warm_wall = time.perf_counter() - t
+    mon = current()
+    assert mon is not None
+    plan = warmreg.plan(config)
+    device = torch.device("cuda")
+    kernels: dict[str, Any] = {}
+    for kp in plan.kernels:
+        row: dict[str, Any] = {"keys": len(kp.keys), "launched": 0, "failures": [], "first_ms": [], "steady_ms": []}
+        launcher = getattr(kp.kernel, kp.kernel.launcher)
+        for key in kp.keys:
+            try:
+                inputs = {k: materialize(v, device) for k, v in kp.kernel.warmup_inputs(key).items()}
+                launch = functools.partial(launcher, **inputs)
+                row["first_ms"].append(_timed(launch))
+                row["steady_ms"].append(median([_timed(launch) for _ in range(20)]))
+                row["launched"] += 1
+            except Exception as exc:  # reported per key; the sweep goes on
+                row["failures"].append(f"{key}: {type(exc).__name__}: {exc}"[:600])
+                traceback.print_exc(limit=3)
+        row["median_first_ms"] = median(row["first_ms"])
+        row["median_steady_ms"] = median(row["steady_ms"])
+        kernels[kp.name] = row
+    misses = [m.explain() for m in mon.misses]
+    warmreg.disarm()
+    return {
+        "config": config,
+        "pack": pack,
+        "warm_wall_s": warm_wall,
+        "warm_summary": report.summary(),
+        "warm_failed": [(r.kernel, str(r.key), r.error) for r in report.failed],
+        "load_seconds_total": sum(r.load_seconds for r in report.results),
+        "kernels": kernels,
+        "misses": misses,
+        "counters": mon.counters(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("configs", nargs="+")
+    ap.add_argument("--pack", action="append", default=[], help="CONFIG=PACK: warm that config from a pack")
+    ap.add_argument("--tag", default="h200")
+    args = ap.parse_args()
+    packs = dict(p.split("=", 1) for p in args.pack)
+    results = [run_config(c, packs.get(c)) for c in args.configs]
+    path = write(f"gpu_all_keys_{args.tag}", {"configs": results})
+    for r in results:
+        launched = sum(k["launched"] for k in r["kernels"].values())
+        failures = sum(len(k["failures"]) for k in r["kernels"].values())
+        print(f"{r['config']}: {r['warm_summary']}; {launched} keys launched, {failures} launch failures, {len(r['misses'])} misses")
+    print("->", path)
+
+
+if __name__ == "__main__":
+    main()
