@@ -23,7 +23,7 @@ from warmreg_deepseek_v4.sparse_mla import C128ATopkMetadata, GlobalTopkIndices,
 from warmreg_deepseek_v4.swa_indices import DecodeSwaIndices
 
 import warmreg
-from warmreg.ops import BlockTableSlotMapping, FusedQKVRMSNorm
+from warmreg.ops import BlockTableSlotMapping, FusedQKVRMSNorm, block_table_width
 
 HERE = Path(__file__).resolve().parent
 
@@ -32,8 +32,9 @@ def _kernel(plan: warmreg.Plan, cls: type) -> object:
     return plan.kernel(cls.name).kernel
 
 
-def make_batch(rng: random.Random, kind: str, cfg: warmreg.WarmConfig) -> list[tuple[int, int]]:
-    """``(seq_len, query_len)`` per request, decode requests first (what an engine's scheduler emits)."""
+def make_batch(rng: random.Random, kind: str, cfg: warmreg.WarmConfig) -> tuple[list[tuple[int, int]], int]:
+    """``(seq_len, query_len)`` per request, decode requests first (what an engine's scheduler
+    emits), and the number of decode requests."""
     budget = cfg.serving["max_num_batched_tokens"]
     max_len = cfg.serving["max_model_len"]
     n_dec = 0 if kind == "prefill" else rng.randint(1, min(64, cfg.serving["max_num_seqs"]))
@@ -44,15 +45,17 @@ def make_batch(rng: random.Random, kind: str, cfg: warmreg.WarmConfig) -> list[t
             q = min(left, rng.randint(1, 2048))
             reqs.append((rng.randint(q, min(max_len, q + 100_000)), q))
             left -= q
-    return reqs
+    return reqs, n_dec
 
 
-def step(plan: warmreg.Plan, reqs: list[tuple[int, int]], dev: torch.device) -> int:
-    """One engine step through the metadata kernels; returns the number of tokens."""
+def step(plan: warmreg.Plan, reqs: list[tuple[int, int]], n_dec: int, dev: torch.device) -> int:
+    """One engine step through the metadata kernels; returns the number of tokens.
+
+    Decode requests come first and have one token each, so ``n_dec`` is also the decode token count.
+    """
     cfg = plan.config
     text = cfg.text
     max_len = cfg.serving["max_model_len"]
-    n_dec = sum(1 for _, q in reqs if q == 1 and reqs.index((_, q)) < len(reqs))
     qlens = torch.tensor([q for _, q in reqs], dtype=torch.int32)
     seqs = torch.tensor([s for s, _ in reqs], dtype=torch.int32)
     qsl = torch.zeros(len(reqs) + 1, dtype=torch.int32)
@@ -65,12 +68,10 @@ def step(plan: warmreg.Plan, reqs: list[tuple[int, int]], dev: torch.device) -> 
 
     slot_mapping_op = _kernel(plan, BlockTableSlotMapping)
     for block in (64, 256):  # the SWA group and the compressed groups' uncompressed slots
-        width = -(-max_len // block)
-        width = -(-width // (128 // __import__("math").gcd(128, block))) * (128 // __import__("math").gcd(128, block))
+        width = block_table_width(max_len, block)
         table = torch.randint(0, 1 << 16, (cfg.serving["max_num_seqs"], width), dtype=torch.int32, device=dev)
         slots = slot_mapping_op(qsl, positions, table, block_size=block)
     valid = slots[:T] >= 0
-    n_dec = int((qlens == 1).sum()) if all(q == 1 for _, q in reqs[: int((qlens == 1).sum())]) else 0
 
     c4_table = torch.randint(0, 1 << 12, (len(reqs), -(-max_len // 256)), dtype=torch.int32, device=dev)
     if "deepseek_v4.c128a_topk_metadata" in {k.name for k in plan.kernels}:
@@ -116,7 +117,8 @@ def main() -> None:
     tokens = 0
     for i in range(args.steps):
         kind = ("decode", "prefill", "mixed")[i % 3]
-        tokens += step(plan, make_batch(rng, kind, cfg), torch.device("cuda"))
+        reqs, n_dec = make_batch(rng, kind, cfg)
+        tokens += step(plan, reqs, n_dec, torch.device("cuda"))
     torch.cuda.synchronize()
     from warmreg.monitor import current
 
