@@ -121,3 +121,23 @@ def test_replay_compiles_a_recorded_specialization(triton_cache: Path) -> None:
     _triton.forget_compiled()
     compiled = _triton.replay("tests.helpers._scale_kernel", seen["d"], H100)
     assert json.loads(seen["d"])["name"] == "tests.helpers._scale_kernel" and compiled.asm["cubin"]
+
+
+def test_recorded_library_paths_do_not_travel(triton_cache: Path) -> None:
+    """A pack built on another machine records its libdevice path; the local hash must not read it."""
+    seen: dict[str, str] = {}
+
+    def hook(**kw):  # type: ignore[no-untyped-def]
+        seen["d"] = kw["compile"]["specialization_data"]  # returning None: Triton goes on compiling
+
+    triton.knobs.runtime.jit_cache_hook = hook
+    try:
+        with _triton.cross_target(H100):
+            x = warmreg.meta((64,), torch.float16)
+            compiled = _triton.warmup(_scale_kernel, (1,), dict(x_ptr=x, out_ptr=x, n=64, scale=1.0, BLOCK=64), {})
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    data = json.loads(seen["d"])
+    assert data["options"]["extern_libs"]  # Triton records absolute paths here
+    data["options"]["extern_libs"] = [["libdevice", "/elsewhere/python3.12/libdevice.10.bc"]]
+    assert _triton.local_cache_hash(_scale_kernel, json.dumps(data), H100) == compiled.hash

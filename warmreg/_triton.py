@@ -381,7 +381,7 @@ def replay(fn_name: str, specialization_data: str, platform: Platform) -> Any:
     """
     jit = import_jit(fn_name)
     with cross_target(platform):
-        return jit.preload(specialization_data)
+        return jit.preload(portable_specialization(specialization_data))
 
 
 # -- cache (packs) ------------------------------------------------------------------------------
@@ -411,6 +411,21 @@ def ptxas_version(platform: Platform) -> str | None:
     return str(get_ptxas_version(platform.sm)).strip().splitlines()[-1]
 
 
+#: Compile options that name files of the machine that recorded them (Triton 3.6.0: the libdevice
+#: path); they are dropped so the local backend fills in its own, as a local compile would.
+_MACHINE_OPTIONS = ("extern_libs",)
+
+
+def portable_specialization(specialization_data: str) -> str:
+    """Triton's serialized specialization without options that are paths on the recording machine."""
+    import json
+
+    data = json.loads(specialization_data)
+    for name in _MACHINE_OPTIONS:
+        data.get("options", {}).pop(name, None)
+    return json.dumps(data)
+
+
 def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform) -> str:
     """The cache hash the *local* Triton gives a recorded specialization for ``platform``.
 
@@ -427,7 +442,7 @@ def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platf
     from triton.runtime.cache import get_cache_key
     from triton.runtime.jit import convert_to_tuple_if_list
 
-    data = json.loads(specialization_data)
+    data = json.loads(portable_specialization(specialization_data))
     constexprs = {
         tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
         for k, v in zip(data["constant_keys"], data["constant_vals"])
