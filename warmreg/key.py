@@ -138,7 +138,7 @@ class CompileKey:
         ``launch_pdl=False`` is left out: it is Triton's default, and only the CUDA backend accepts
         the option at all (Triton 3.6.0's HIP backend rejects it).
         """
-        names = _option_names(type(self))
+        names = _option_names(type(self))  # type: ignore[arg-type]
         options = {name: getattr(self, name) for name in names}
         if options.get("launch_pdl") is False:
             del options["launch_pdl"]

@@ -98,7 +98,7 @@ class ScaledAdd(warmreg.TritonKernel[ScaledAddKey]):
         self.y_offset = y_offset
         self.plugin = plugin
 
-    def dispatch(self, *, x: torch.Tensor, y: torch.Tensor) -> ScaledAddKey:  # type: ignore[override]
+    def dispatch(self, *, x: torch.Tensor, y: torch.Tensor) -> ScaledAddKey:
         return ScaledAddKey(
             dtype=_dtype_name(x.dtype),
             y_dtype=_dtype_name(y.dtype),
@@ -120,7 +120,7 @@ class ScaledAdd(warmreg.TritonKernel[ScaledAddKey]):
             ],
         }
 
-    def when(self, *, x: torch.Tensor, y: torch.Tensor) -> bool:  # type: ignore[override]
+    def when(self, *, x: torch.Tensor, y: torch.Tensor) -> bool:
         return x.shape == y.shape  # one step: x and y have the same token count
 
     def warmup_inputs(self, key: ScaledAddKey) -> Mapping[str, Any]:

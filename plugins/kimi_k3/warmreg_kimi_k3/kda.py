@@ -184,7 +184,7 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
         self.num_speculative_tokens = num_speculative_tokens
         self.plugin = plugin
 
-    def dispatch(  # type: ignore[override]  # the base declares dispatch(**runtime)
+    def dispatch(
         self,
         *,
         q: torch.Tensor,
@@ -258,7 +258,7 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
             "use_qk_l2norm": [self.use_qk_l2norm],
         }
 
-    def when(  # type: ignore[override]
+    def when(
         self, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, **_: Any
     ) -> bool:
         # One step: every input has the same T, and q, k, v come from the same projection layout.
