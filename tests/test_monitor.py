@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 import warmreg
 from tests.helpers import CONFIG, Plugin, Scale
@@ -178,3 +179,50 @@ def test_warm_arms_the_monitor_when_asked() -> None:
 def test_bad_mode() -> None:
     with pytest.raises(warmreg.WarmregError, match="mode"):
         warmreg.arm("loud")  # type: ignore[arg-type]
+
+
+@triton.autotune(configs=[triton.Config({"BLOCK": 32}), triton.Config({"BLOCK": 64})], key=["n"])
+@triton.jit
+def _tuned_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def test_autotuner_benchmarking_after_warmup_is_a_miss() -> None:
+    with warmreg.monitor("error"), _triton.cross_target(H100):
+        x = warmreg.meta((64,), torch.float32)
+        with pytest.raises(warmreg.JitMissError, match="autotuner benchmark"):
+            _tuned_kernel[(1,)](x, 64)
+
+
+def test_module_load_at_first_launch_is_a_miss() -> None:
+    """Triton calls its kernel-load hooks before loading a binary onto the device (on a GPU only);
+    the monitor's hook is installed there while armed and turns the call into a miss."""
+    with warmreg.monitor("record") as mon:
+        triton.knobs.runtime.kernel_load_start_hook(None, None, "_scale_kernel", {}, "abc")
+    assert [m.kind for m in mon.misses] == ["load"] and "module load" in mon.misses[0].explain()
+    with warmreg.monitor("error"), pytest.raises(warmreg.JitMissError):
+        triton.knobs.runtime.kernel_load_start_hook(None, None, "_scale_kernel", {}, "abc")
+    assert triton.knobs.runtime.kernel_load_start_hook.calls == []
+
+
+def test_cli_report_and_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from warmreg.cli import main
+
+    kernel = _warm(16)
+    record = tmp_path / "misses.jsonl"
+    with warmreg.monitor("record", record=record) as mon:
+        with pytest.raises(NO_LAUNCHER):
+            _runtime_launch(kernel, warmreg.meta((17,), torch.float16))
+        with pytest.raises(NO_LAUNCHER):
+            _runtime_launch(kernel, warmreg.meta((32,), torch.float16))  # warmed: a hit
+    snapshot = tmp_path / "snapshot.json"
+    mon.save(snapshot)
+    assert main(["report", str(record)]) == 0
+    assert main(["report", str(snapshot), "--require-complete"]) == 1
+    assert main(["report", str(snapshot), "--json"]) == 0
+    out = capsys.readouterr().out
+    data = json.loads(out[out.index("{") :])
+    (row,) = data["kernels"]
+    assert row["kernel"] == "tests.scale" and row["missed"] == 1 and row["hit"] == 1 and not data["complete"]
+    assert main(["replay", str(record), "--target", "cuda:90"]) == 0

@@ -199,3 +199,25 @@ def test_cli_build_verify_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["pack", "inspect", str(out)]) == 0
     assert main(["pack", "verify", str(out), "--target", "rocm:gfx942"]) == 2
     assert "targets cuda:90" in capsys.readouterr().err
+
+
+def test_crash_mid_install_leaves_no_visible_entry_and_a_rerun_completes(
+    built: Path, triton_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_write = packs._atomic_write
+    calls = {"n": 0}
+
+    def dying_write(path: Path, data: bytes) -> None:
+        calls["n"] += 1
+        if calls["n"] == 2:  # after the first file of the first entry: before its group is published
+            raise OSError("simulated crash")
+        real_write(path, data)
+
+    monkeypatch.setattr(packs, "_atomic_write", dying_write)
+    with pytest.raises(OSError, match="simulated crash"):
+        packs.install(built)
+    assert list(triton_cache.rglob("__grp__*")) == []  # Triton sees no entry, so nothing half-written
+    monkeypatch.setattr(packs, "_atomic_write", real_write)
+    assert packs.install(built).installed == 3
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False)
+    assert report.compiled == 0 and report.from_cache == 3

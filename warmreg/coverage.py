@@ -83,7 +83,7 @@ def coverage(report: WarmReport | None, used: dict[str, set[CompileKey]], misses
     rows = []
     for name in names:
         mine = [m for m in misses if (m.kernel or m.jit_name) == name]
-        keys_used = used.get(name, set())
+        keys_used = used.get(name, set()) - {m.runtime_key for m in mine if m.runtime_key is not None}
         rows.append(
             KernelCoverage(
                 kernel=name,
