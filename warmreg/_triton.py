@@ -141,19 +141,37 @@ def set_device(device: int) -> None:
         torch.cuda.set_device(device)
 
 
-def specialization_key(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> str:
-    """Triton's in-memory cache key for a launch (``JITFunction.run``'s ``key``, Triton 3.6.0).
+def specialize(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> tuple[str, str]:
+    """Triton's in-memory cache key for a launch and its serialized specialization (Triton 3.6.0).
 
-    It is the string Triton's JIT hooks receive as ``key``, so warmed launches and runtime
-    compiles can be matched exactly.
+    The key is ``JITFunction.run``'s ``key``, the string Triton's JIT hooks receive, so warmed
+    launches and runtime compiles can be matched exactly. The specialization data is what Triton's
+    hooks report as ``specialization_data`` and what ``JITFunction.preload`` compiles from: packs and
+    distributed warms ship it instead of anything pickled.
     """
+    from triton.runtime.jit import serialize_specialization_data
+
     full = dict(kwargs)
     full.update(options)
     full["debug"] = full.get("debug", jit.debug) or triton.knobs.runtime.debug
     full["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
-    _, key_cache, _, _, binder = jit.device_caches[current_device()]
-    _, specialization, opts = binder(**full)
-    return str(compute_cache_key(key_cache, specialization, opts))
+    _, key_cache, _, backend, binder = jit.device_caches[current_device()]
+    bound_args, specialization, opts = binder(**full)
+    key = str(compute_cache_key(key_cache, specialization, opts))
+    parsed, signature, constexprs, attrs = jit._pack_args(backend, full, bound_args, specialization, opts)
+    data = serialize_specialization_data(full_name(jit), signature, constexprs, attrs, parsed, key)
+    return key, str(data)
+
+
+def specialization_key(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> str:
+    """Triton's in-memory cache key for a launch (see :func:`specialize`)."""
+    return specialize(jit, kwargs, options)[0]
+
+
+def cache_files(compiled: Any) -> dict[str, str]:
+    """A compiled kernel's metadata JSON and binary in the cache: child name -> path (3.6.0 ``metadata_group``)."""
+    group = dict(getattr(compiled, "metadata_group", {}) or {})
+    return {name: path for name, path in group.items() if name.endswith((".json", ".cubin", ".hsaco"))}
 
 
 _touched: weakref.WeakSet[JITFunction] = weakref.WeakSet()

@@ -45,6 +45,7 @@ class _Task:
         self.triton_key: str | None = None
         self.binary_hash: str | None = None
         self.jit_name: str | None = None
+        self.specialization_data: str | None = None
         self.compiled: Any = None
 
     def result(self) -> KeyResult:
@@ -56,8 +57,10 @@ class _Task:
             load_seconds=self.load_seconds,
             error=self.error,
             triton_key=self.triton_key,
-            binary_hash=self.binary_hash,
+            binary_hash=self.binary_hash or getattr(self.compiled, "hash", None),
             jit_name=self.jit_name,
+            specialization_data=self.specialization_data,
+            cache_files=_triton.cache_files(self.compiled) if self.compiled is not None and self.status != "failed" else {},
         )
 
 
@@ -84,7 +87,7 @@ class _Session:
         jit = kernel.jit_for(spec.key)
         options = spec.key.launch_options()
         task.jit_name = _triton.full_name(jit)
-        task.triton_key = _triton.specialization_key(jit, spec.kwargs, options)
+        task.triton_key, task.specialization_data = _triton.specialize(jit, spec.kwargs, options)
         cache = jit.device_caches[_triton.current_device()][0]
         # Status before the compile starts: async compiles report through the listener at any time.
         task.status = "memory" if task.triton_key in cache else "pending"

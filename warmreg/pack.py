@@ -40,6 +40,7 @@ from .compile import compile_keys
 from .errors import WarmregError
 from .key import CompileKey
 from .platform import Platform
+from .report import KeyResult
 from .warm import default_workers, plan, resolve_platform
 
 __all__ = ["FORMAT", "InstallReport", "Manifest", "PackError", "build", "install", "verify"]
@@ -302,19 +303,46 @@ def install(path: str | Path, *, target: str | Platform | None = None, all_or_no
     manifest = reader.manifest()
     platform = resolve_platform(target) if target is not None else Platform.parse(manifest.target)
     _check_machine(reader, manifest, platform)
-    ready: list[tuple[PackEntry, dict[str, bytes], str]] = []
-    refused: list[tuple[str, str]] = []
+    blobs: list[tuple[PackEntry, dict[str, bytes] | WarmregError]] = []
     for entry in manifest.entries:
         try:
-            blobs = {f.name: _check_file(reader, entry, f) for f in entry.files}
+            blobs.append((entry, {f.name: _check_file(reader, entry, f) for f in entry.files}))
+        except WarmregError as exc:
+            blobs.append((entry, exc))
+    installed, present, refused = install_entries(blobs, platform, pack=reader.name, all_or_nothing=all_or_nothing)
+    return InstallReport(reader.name, installed, present, tuple(refused), time.perf_counter() - start)
+
+
+def install_entries(
+    items: Iterable[tuple[PackEntry, dict[str, bytes] | WarmregError]],
+    platform: Platform,
+    *,
+    pack: str,
+    all_or_nothing: bool = False,
+) -> tuple[int, int, tuple[tuple[str, str], ...]]:
+    """Write verified entries into the local Triton cache under the keys the local Triton computes.
+
+    Shared by pack install and the distributed warm (entries received from other ranks).
+
+    :param items: each entry with its files' bytes (already checked against the manifest), or the
+        error that refused it.
+    :returns: ``(installed, already present, refused (entry, reason))``.
+    :raises PackError: under ``all_or_nothing`` if any entry is refused; nothing is written then.
+    """
+    ready: list[tuple[PackEntry, dict[str, bytes], str]] = []
+    refused: list[tuple[str, str]] = []
+    for entry, blobs in items:
+        try:
+            if isinstance(blobs, WarmregError):
+                raise blobs
             jit = _triton.import_jit(entry.jit_name)
             if _triton.source_hash(jit) != entry.source_hash:
-                raise PackError(reader.name, f"kernel {entry.jit_name} changed since the pack was built (source hash differs)", fix="rebuild the pack")
+                raise PackError(pack, f"kernel {entry.jit_name} changed since the pack was built (source hash differs)", fix="rebuild the pack")
             ready.append((entry, blobs, _triton.local_cache_hash(jit, entry.specialization_data, platform)))
         except WarmregError as exc:
             refused.append((f"{entry.kernel} {entry.key.get('fields')}", str(exc)))
     if refused and all_or_nothing:
-        raise PackError(reader.name, f"{len(refused)} entries refused (all-or-nothing): {refused[0][1]}", fix="rebuild the pack")
+        raise PackError(pack, f"{len(refused)} entries refused (all-or-nothing): {refused[0][1]}", fix="rebuild the pack")
     cache = Path(_triton.cache_dir())
     installed = present = 0
     for entry, blobs, local_hash in ready:
@@ -322,7 +350,24 @@ def install(path: str | Path, *, target: str | Platform | None = None, all_or_no
             installed += 1
         else:
             present += 1
-    return InstallReport(reader.name, installed, present, tuple(refused), time.perf_counter() - start)
+    return installed, present, tuple(refused)
+
+
+def entry_from_result(result: KeyResult, kernel: Any) -> tuple[PackEntry, dict[str, bytes]]:
+    """A pack entry and its files' bytes for one warmed key (read from the local Triton cache).
+
+    :raises PackError: if the result has no binary in the cache.
+    """
+    if result.status == "failed" or not result.cache_files or not result.specialization_data or not result.jit_name:
+        raise PackError("<build>", f"no binary was recorded for {result.kernel} {result.key}", fix="report this as a warmreg bug")
+    blobs = {name: Path(path).read_bytes() for name, path in sorted(result.cache_files.items())}
+    files = [PackFile(name, len(data), _sha256(data)) for name, data in blobs.items()]
+    entry = PackEntry(
+        kernel=result.kernel, key=result.key.to_json(), jit_name=result.jit_name,
+        source_hash=_triton.source_hash(kernel.jit_for(result.key)), specialization_data=result.specialization_data,
+        binary_hash=result.binary_hash or "", files=files,
+    )  # fmt: skip
+    return entry, blobs
 
 
 def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash: str) -> bool:
@@ -378,23 +423,6 @@ def _cache_at(directory: str) -> Iterator[None]:
             os.environ["TRITON_CACHE_DIR"] = previous
 
 
-@contextmanager
-def _recording_specializations() -> Iterator[dict[str, str]]:
-    seen: dict[str, str] = {}
-    previous = _triton.get_jit_cache_hook()
-
-    def hook(**kwargs: Any) -> Any:
-        seen[kwargs["key"]] = kwargs["compile"]["specialization_data"]
-        return previous(**kwargs) if previous is not None else None
-
-    _triton.set_jit_cache_hook(hook)
-    try:
-        yield seen
-    finally:
-        if _triton.get_jit_cache_hook() is hook:
-            _triton.set_jit_cache_hook(previous)
-
-
 def build(
     config: Any,
     output: str | Path,
@@ -416,34 +444,22 @@ def build(
         raise PackError(str(out), "already exists", fix="pass force=True (--force) or another path")
     the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points)
     platform = the_plan.platform
-    jits = {kp.name: kp.kernel for kp in the_plan.kernels}
     with tempfile.TemporaryDirectory(prefix="warmreg-build-") as tmp:
-        with _cache_at(os.path.join(tmp, "cache")), _recording_specializations() as specs:
+        with _cache_at(os.path.join(tmp, "cache")):
             _triton.forget_compiled()  # compile into the empty cache, even keys this process has loaded
             results = compile_keys(the_plan.items(), platform=platform, workers=workers or default_workers(), on_error="continue")
-        failed = [r for r in results if r.status == "failed"]
-        if failed:
-            raise PackError(str(out), f"{len(failed)} key(s) failed to compile; first: {failed[0].kernel}: {failed[0].error}", fix="fix the kernel")
-        entries = []
-        staged = Path(tmp) / "pack"
-        for r in results:
-            if r.binary_hash is None or r.triton_key not in specs or r.jit_name is None:
-                raise PackError(str(out), f"no binary was recorded for {r.kernel} {r.key}", fix="report this as a warmreg bug")
-            src_dir = Path(tmp, "cache", _triton.cache_subdir(r.binary_hash))
-            files = []
-            for path in sorted(src_dir.iterdir()):
-                if path.suffix in (".json", ".cubin", ".hsaco") and not path.name.startswith("__grp__"):
-                    data = path.read_bytes()
-                    dest = staged / "files" / r.binary_hash / path.name
+            failed = [r for r in results if r.status == "failed"]
+            if failed:
+                raise PackError(str(out), f"{len(failed)} key(s) failed to compile; first: {failed[0].kernel}: {failed[0].error}", fix="fix the kernel")
+            entries = []
+            staged = Path(tmp) / "pack"
+            for r in results:
+                entry, blobs = entry_from_result(r, the_plan.kernel(r.kernel).kernel_for(r.key))
+                for name, data in blobs.items():
+                    dest = staged / entry.member(PackFile(name, len(data), ""))
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     dest.write_bytes(data)
-                    files.append(PackFile(path.name, len(data), _sha256(data)))
-            jit = jits[r.kernel].jit_for(r.key)
-            entry = PackEntry(
-                kernel=r.kernel, key=r.key.to_json(), jit_name=r.jit_name, source_hash=_triton.source_hash(jit),
-                specialization_data=specs[r.triton_key], binary_hash=r.binary_hash, files=files,
-            )  # fmt: skip
-            entries.append(entry)
+                entries.append(entry)
         from . import __version__
 
         manifest = Manifest(

@@ -29,6 +29,8 @@ class KeyResult:
     :param load_seconds: launcher build + module load at warm (local GPU only).
     :param triton_key: Triton's specialization key of the binary (what its JIT hooks report).
     :param binary_hash: Triton's cache hash of the binary.
+    :param specialization_data: Triton's serialized specialization (what ``JITFunction.preload`` compiles).
+    :param cache_files: the entry's metadata and binary in the local Triton cache (name -> path).
     """
 
     kernel: str
@@ -40,6 +42,8 @@ class KeyResult:
     triton_key: str | None = None
     binary_hash: str | None = None
     jit_name: str | None = None
+    specialization_data: str | None = attrs.field(default=None, repr=False)
+    cache_files: dict[str, str] = attrs.field(factory=dict, eq=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         data = attrs.asdict(self, recurse=False)
