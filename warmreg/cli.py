@@ -62,9 +62,38 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _init_distributed(target: str | None) -> bool:
+    """Under torchrun (WORLD_SIZE > 1): join the job's process group (gloo for a cross target)."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return False
+    gpu = target is None and torch.cuda.is_available()
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if gpu else "gloo")
+    return True
+
+
 def cmd_warm(args: argparse.Namespace) -> int:
     from .warm import warm
 
+    started = _init_distributed(args.target) if not args.no_distributed else False
+    try:
+        return _warm_and_show(args, warm)
+    finally:
+        if started:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _warm_and_show(args: argparse.Namespace, warm: Callable[..., Any]) -> int:
     try:
         report = warm(
             args.config,
@@ -74,6 +103,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
             on_plugin_error="skip" if args.skip_broken_plugins else "raise",
             progress=not args.quiet,
             pack=args.pack,
+            distributed=False if args.no_distributed else None,
         )
     except CompileFailed as exc:  # pragma: no cover - on_error="continue" returns instead
         report = exc.report  # type: ignore[attr-defined]
@@ -103,6 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--json", metavar="FILE", default=None, help="write the WarmReport as JSON")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
     w.add_argument("--pack", default=None, help="install this pack first (its keys become cache hits)")
+    w.add_argument("--no-distributed", action="store_true", help="under torchrun, warm every key on every rank")
     w.set_defaults(func=cmd_warm)
     for extend in _EXTENSIONS:
         extend(sub)

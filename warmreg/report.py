@@ -61,6 +61,8 @@ class WarmReport:
 
     :param results: one :class:`KeyResult` per declared key.
     :param seconds: wall time of the whole warm (planning, compiling, loading).
+    :param shard_compiled: in a distributed warm, keys this rank compiled for the job (its shard);
+        ``shard_received`` the entries it installed from other ranks.
     """
 
     platform: str
@@ -74,6 +76,10 @@ class WarmReport:
     skipped: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
     plugin_problems: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
     pack: str | None = None
+    rank: int = 0
+    world_size: int = 1
+    shard_compiled: int | None = None
+    shard_received: int | None = None
 
     @property
     def declared(self) -> int:
@@ -115,9 +121,10 @@ class WarmReport:
 
     def summary(self) -> str:
         """One line: keys declared / compiled / from cache / failed, seconds."""
+        where = f" (rank {self.rank} of {self.world_size}: {self.shard_compiled} compiled for the job)" if self.world_size > 1 else ""
         return (
             f"{self.declared} keys over {len(self.per_kernel())} kernels for {self.platform}: "
-            f"{self.compiled} compiled, {self.from_cache} from cache, {len(self.failed)} failed in {self.seconds:.2f} s"
+            f"{self.compiled} compiled, {self.from_cache} from cache, {len(self.failed)} failed in {self.seconds:.2f} s{where}"
         )
 
     def to_json(self) -> dict[str, Any]:

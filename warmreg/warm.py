@@ -91,6 +91,8 @@ def warm(
     monitor: str | None = None,
     record: str | os.PathLike[str] | None = None,
     pack: str | os.PathLike[str] | None = None,
+    group: Any = None,
+    distributed: bool | None = None,
 ) -> WarmReport:
     """Compile (or load from cache) every key the deployment needs, before it serves.
 
@@ -108,6 +110,10 @@ def warm(
     :param record: with ``monitor="record"``, the JSON-lines file misses are appended to.
     :param pack: install this pack into Triton's cache first (see :mod:`warmreg.pack`), so every
         key it holds is a cache hit; refused entries are compiled as usual.
+    :param group: a ``torch.distributed`` process group to shard compiling over (default: the world
+        group when torch.distributed is initialized); see :mod:`warmreg.distributed`.
+    :param distributed: ``False`` never shards; ``None`` shards automatically when torch.distributed
+        is initialized with more than one rank; ``True`` requires it.
     :returns: the :class:`WarmReport`.
     :raises CompileFailed: under ``on_error`` ``"raise"`` or ``"stop"`` if any key failed; its
         ``report`` attribute holds the full report.
@@ -125,7 +131,13 @@ def warm(
     plan_seconds = time.perf_counter() - start
     n_workers = workers or default_workers()
     show = sys.stderr.isatty() if progress is None else progress
-    if show:
+    from .distributed import resolve_group, sharded_compile
+
+    shard_group = resolve_group(group, distributed)
+    shard = None
+    if shard_group is not None:
+        results, shard = sharded_compile(the_plan, group=shard_group, workers=n_workers, on_error=on_error)
+    elif show:
         results = _compile_with_progress(the_plan, n_workers, on_error)
     else:
         results = compile_keys(the_plan.items(), platform=the_plan.platform, workers=n_workers, on_error=on_error)
@@ -141,6 +153,10 @@ def warm(
         skipped=tuple(f"{s.kernel} ({s.plugin}): {s.reason}" for s in the_plan.skipped),
         plugin_problems=the_plan.plugin_problems,
         pack=pack_note if pack is not None else None,
+        rank=shard.rank if shard else 0,
+        world_size=shard.world_size if shard else 1,
+        shard_compiled=shard.compiled_here if shard else None,
+        shard_received=shard.received if shard else None,
     )
     from .monitor import KNOWLEDGE, arm
 

@@ -1,0 +1,203 @@
+"""Distributed warm: the ranks of a torch.distributed job split the keys, then share the binaries.
+
+Every rank plans the same deduplicated key list; rank ``r`` compiles keys ``r, r + world, ...`` into
+its local Triton cache, then all ranks exchange what they compiled through torch.distributed
+collectives (``all_gather`` of byte tensors: a JSON header plus the raw binaries, no pickle, no
+shared filesystem), install the other ranks' entries into their local cache through the pack
+machinery (re-keyed for the local Triton), and finish with an ordinary local warm in which every key
+is a cache hit (and, on a GPU, every launcher is built and every module loaded). A key that failed on
+its owner rank is reported as failed on every rank, with the owner's error.
+
+Fast path: each rank first checks its local cache; if every key is already there on every rank (one
+small ``all_reduce``), nothing is exchanged and each rank warms locally.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import time
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from . import _triton
+from .compile import OnError, compile_keys
+from .errors import WarmregError
+from .key import CompileKey
+from .pack import PackEntry, PackFile, _sha256, entry_from_result, install_entries
+from .registry import Plan
+from .report import KeyResult
+
+__all__ = ["ShardStats", "resolve_group", "sharded_compile"]
+
+
+@attrs.frozen
+class ShardStats:
+    """What the sharded phase did on this rank."""
+
+    rank: int
+    world_size: int
+    compiled_here: int
+    received: int
+    fast_path: bool
+    exchange_seconds: float
+
+
+def resolve_group(group: Any, distributed: bool | None) -> Any:
+    """The process group to shard over, or ``None`` for a single-process warm.
+
+    :param group: an explicit ``torch.distributed`` group, or ``None`` for the default group.
+    :param distributed: ``False`` turns sharding off; ``None`` (auto) shards when torch.distributed is
+        initialized with more than one rank; ``True`` requires it.
+    :raises WarmregError: for ``distributed=True`` without an initialized process group.
+    """
+    if distributed is False:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        if distributed:
+            raise WarmregError(
+                "distributed=True but torch.distributed is not initialized",
+                fix="call torch.distributed.init_process_group first, or start with torchrun",
+            )
+        return None
+    group = group if group is not None else dist.group.WORLD
+    return group if dist.get_world_size(group) > 1 else None
+
+
+def _device_for(group: Any) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def _all_cached(plan: Plan) -> bool:
+    """Whether every key of the plan is already in the local Triton cache (no compile needed)."""
+    from pathlib import Path
+
+    cache = Path(_triton.cache_dir())
+    with _triton.cross_target(plan.platform):
+        for kp, key in plan.items():
+            kernel = kp.kernel_for(key)
+            try:
+                spec = _capture_spec(kernel, key)
+            except Exception:
+                return False
+            jit, kwargs, options = spec
+            _, data = _triton.specialize(jit, kwargs, options)
+            local = _triton.local_cache_hash(jit, data, plan.platform)
+            if not any((cache / _triton.cache_subdir(local)).glob("__grp__*.json")):
+                return False
+    return True
+
+
+def _capture_spec(kernel: Any, key: CompileKey) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """Run the launch code with ``warmup_inputs(key)`` and keep its LaunchSpec (nothing compiles)."""
+    from .kernel import WARM_SESSION
+
+    captured: list[Any] = []
+
+    class _Capture:
+        def capture(self, k: Any, spec: Any) -> Any:
+            captured.append(spec)
+            return spec.outputs
+
+    token = WARM_SESSION.set(_Capture())
+    try:
+        kernel.launch_for_warm(key)
+    finally:
+        WARM_SESSION.reset(token)
+    spec = captured[0]
+    return kernel.jit_for(spec.key), dict(spec.kwargs), spec.key.launch_options()
+
+
+def _encode(entries: list[tuple[PackEntry, dict[str, bytes]]], failures: list[KeyResult]) -> bytes:
+    header: dict[str, Any] = {"entries": [], "failures": [[r.kernel, r.key.to_json(), r.error] for r in failures]}
+    body = bytearray()
+    for entry, blobs in entries:
+        header["entries"].append(attrs.asdict(entry))
+        for f in entry.files:
+            body += blobs[f.name]
+    head = json.dumps(header).encode()
+    return struct.pack("<Q", len(head)) + head + bytes(body)
+
+
+def _decode(raw: bytes) -> tuple[list[tuple[PackEntry, dict[str, bytes] | WarmregError]], list[tuple[str, CompileKey, str]]]:
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    offset = 8 + n
+    items: list[tuple[PackEntry, dict[str, bytes] | WarmregError]] = []
+    for e in header["entries"]:
+        entry = PackEntry(**{**e, "files": [PackFile(**f) for f in e["files"]]})
+        blobs: dict[str, bytes] = {}
+        problem: WarmregError | None = None
+        for f in entry.files:
+            data = raw[offset : offset + f.size]
+            offset += f.size
+            if len(data) != f.size or _sha256(data) != f.sha256:
+                problem = WarmregError(f"{entry.kernel}: {f.name} arrived corrupt from another rank", fix="re-run the warm")
+            blobs[f.name] = data
+        items.append((entry, problem or blobs))
+    failures = [(k, CompileKey.from_json(key), err) for k, key, err in header["failures"]]
+    return items, failures
+
+
+def _all_gather_bytes(payload: bytes, group: Any) -> list[bytes]:
+    device = _device_for(group)
+    world = dist.get_world_size(group)
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    longest = int(max(s.item() for s in sizes))
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if payload:
+        mine[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    return [bytes(t[: int(s.item())].cpu().numpy().tobytes()) for t, s in zip(gathered, sizes)]
+
+
+def sharded_compile(plan: Plan, *, group: Any, workers: int, on_error: OnError) -> tuple[list[KeyResult], ShardStats]:
+    """Compile the plan across the ranks of ``group``; every rank ends with every key warm.
+
+    :returns: this rank's final results (every key) and what the sharded phase did here.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    device = _device_for(group)
+    cached = torch.tensor([1 if _all_cached(plan) else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(cached, op=dist.ReduceOp.MIN, group=group)
+    items = list(plan.items())
+    if int(cached.item()) == 1:
+        results = compile_keys(items, platform=plan.platform, workers=workers, on_error=on_error)
+        return results, ShardStats(rank, world, 0, 0, True, 0.0)
+    mine = items[rank::world]
+    shard = compile_keys(mine, platform=plan.platform, workers=workers, on_error="continue")
+    entries, failures = [], []
+    for r in shard:
+        if r.status == "failed":
+            failures.append(r)
+            continue
+        entries.append(entry_from_result(r, plan.kernel(r.kernel).kernel_for(r.key)))
+    start = time.perf_counter()
+    gathered = _all_gather_bytes(_encode(entries, failures), group)
+    failed: dict[tuple[str, CompileKey], str] = {}
+    received = 0
+    for source, raw in enumerate(gathered):
+        theirs, their_failures = _decode(raw)
+        for kernel, key, error in their_failures:
+            failed[(kernel, key)] = f"failed on rank {source}: {error}"
+        if source == rank:
+            continue
+        installed, present, refused = install_entries(theirs, plan.platform, pack=f"rank {source}")
+        received += installed + present
+        for what, why in refused:
+            raise WarmregError(f"entry {what} from rank {source} was refused: {why}", fix="check that all ranks run the same warmreg, Triton and plugins")
+    exchange = time.perf_counter() - start
+    todo = [(kp, key) for kp, key in items if (kp.name, key) not in failed]
+    finished = {(r.kernel, r.key): r for r in compile_keys(todo, platform=plan.platform, workers=workers, on_error=on_error)}
+    results = [
+        finished.get((kp.name, key)) or KeyResult(kernel=kp.name, key=key, status="failed", error=failed[(kp.name, key)])
+        for kp, key in items
+    ]
+    compiled_here = sum(1 for r in shard if r.status == "compiled")
+    return results, ShardStats(rank, world, compiled_here, received, False, exchange)
