@@ -68,12 +68,45 @@ def all_keys_table(d: dict[str, Any]) -> list[str]:
     return out + [""]
 
 
+def _num(v: Any, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) else "-"
+
+
+def kernels_table(d: dict[str, Any], title: str) -> list[str]:
+    """Per kernel at its largest size: check, times, speedups, achieved bandwidth."""
+    bw = d.get("copy_bandwidth", {})
+    copy = bw.get("GBps") if isinstance(bw, dict) else bw
+    out = [f"{title} ({_machine(d)}); copy bandwidth measured in the same run {_num(copy, '.0f')} GB/s; "
+           "per kernel, the largest size and the checks over all sizes:", "",
+           "| kernel | largest size | checks passed | kernel ms | eager ref ms | x eager | x torch.compile | GB/s | % copy |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for name, k in d["kernels"].items():
+        sizes = k.get("sizes", [])
+        if not sizes:
+            continue
+        last = sizes[-1]
+        passed = sum(1 for s in sizes if s.get("check") == "passed")
+        size = last.get("size") or ", ".join(f"{k}={last[k]}" for k in ("T", "num_prefills", "prefills", "N") if k in last) or "?"
+        eager = last.get("eager_ref_ms")
+        speed = last.get("speedup", last.get("speedup_eager"))
+        comp = last.get("speedup_vs_compiled", last.get("speedup_compiled"))
+        out.append(
+            f"| {name} | {size} | {passed}/{len(sizes)} | {_num(last.get('kernel_ms'), '.4f')} | {_num(eager, '.3f') if isinstance(eager, (int, float)) else 'capped'} "
+            f"| {_num(speed, '.1f')} | {_num(comp, '.2f')} | {_num(last.get('GBps'), '.0f')} | {_num(100 * last['frac_copy_bw'] if isinstance(last.get('frac_copy_bw'), (int, float)) else None, '.1f')} |"
+        )
+    return out + [""]
+
+
 def render() -> str:
     lines: list[str] = []
     for name, fn in (("warm_time_h200", warm_table), ("warm_time_cpu2core_cuda90", warm_table), ("gpu_proof_h200", proof_lines), ("gpu_all_keys_h200", all_keys_table)):
         data = _load(name)
         if data is not None:
             lines += fn(data)
+    for name, title in (("kernels_dsv4_index_h200", "DeepSeek-V4 index and metadata kernels"), ("kernels_numeric_h200", "Numeric kernels (DeepSeek-V4, shared Q/KV RMSNorm, Kimi-K3 KDA)")):
+        data = _load(name)
+        if data is not None:
+            lines += kernels_table(data, title)
     return "\n".join(lines)
 
 
