@@ -9,6 +9,7 @@ compilation listener says whether each binary came from its disk cache.
 from __future__ import annotations
 
 import contextvars
+import errno
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -147,6 +148,12 @@ def _listener(previous: Any) -> Callable[..., None]:
 
 
 def _describe(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
+        what = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded"}.get(exc.errno, "not writable")
+        return (
+            f"OSError: the Triton cache ({exc.filename or _triton.cache_dir()}) is {what}: {exc.strerror}; "
+            "fix: free space or set TRITON_CACHE_DIR to a writable directory with room"
+        )
     text = str(exc).strip().splitlines()
     head = text[-1] if text else ""
     return f"{type(exc).__name__}: {head}"[:2000]

@@ -13,7 +13,7 @@ import triton
 from . import _triton
 from .compile import OnError, check_on_error, compile_keys
 from .config import WarmConfig
-from .errors import CompileFailed, WarmregError
+from .errors import CompileFailed, ConfigError, WarmregError
 from .platform import Platform
 from .plugins import OnPluginError, call_register_hooks, load_plugins
 from .registry import Plan, Registry
@@ -68,6 +68,12 @@ def plan(
     problems = call_register_hooks(loaded, registry, cfg, platform, on_plugin_error)
     result = registry.plan()
     names = tuple(n for n in loaded.names if n not in {p.split(":")[0] for p in problems})
+    if not result.kernels and not result.skipped and not problems:
+        raise ConfigError(
+            "model.model_type",
+            f"is {cfg.model_type!r}, which no installed plugin serves (plugins: {', '.join(names) or 'none'})",
+            fix="install the warmreg plugin of this model family (e.g. pip install warmreg-deepseek-v4), or check model_type",
+        )
     return Plan(
         config=cfg,
         platform=platform,
@@ -122,7 +128,11 @@ def warm(
     on_error = check_on_error(on_error)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise WarmregError(f"workers={workers!r} must be an int >= 1", fix="pass e.g. workers=8, or None for all CPUs")
+    from .distributed import resolve_group, sharded_compile
+
+    shard_group = resolve_group(group, distributed)
     the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points, on_plugin_error=on_plugin_error)
+    _check_cache_writable()
     if pack is not None:
         from .pack import install
 
@@ -131,9 +141,6 @@ def warm(
     plan_seconds = time.perf_counter() - start
     n_workers = workers or default_workers()
     show = sys.stderr.isatty() if progress is None else progress
-    from .distributed import resolve_group, sharded_compile
-
-    shard_group = resolve_group(group, distributed)
     shard = None
     if shard_group is not None:
         results, shard = sharded_compile(the_plan, group=shard_group, workers=n_workers, on_error=on_error)
@@ -169,6 +176,22 @@ def warm(
     if monitor is not None and monitor != "off":
         arm(monitor, record=record)  # type: ignore[arg-type]
     return report
+
+
+def _check_cache_writable() -> None:
+    """Refuse early, in one line, a Triton cache directory that cannot be written."""
+    import tempfile
+
+    directory = _triton.cache_dir()
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".warmreg-probe-"):
+            pass
+    except OSError as exc:
+        raise WarmregError(
+            f"the Triton cache directory {directory} is not writable ({exc.strerror})",
+            fix="set TRITON_CACHE_DIR to a writable directory",
+        ) from exc
 
 
 def _compile_with_progress(the_plan: Plan, workers: int, on_error: OnError) -> list[KeyResult]:

@@ -1,0 +1,110 @@
+"""Faults: interrupted warms, a read-only cache, a full disk. The cache always holds whole entries."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import warmreg
+from tests.helpers import CONFIG, Plugin, Scale
+
+ROOT = Path(__file__).resolve().parents[2]
+FLASH = str(ROOT / "examples" / "deepseek_v4_flash.json")
+
+
+def _whole_entries_only(cache: Path) -> int:
+    """Every group file Triton would read points at whole, non-empty files; returns how many groups."""
+    groups = list(cache.rglob("__grp__*.json"))
+    for group in groups:
+        children = json.loads(group.read_text())["child_paths"]
+        for path in children.values():
+            assert Path(path).is_file() and Path(path).stat().st_size > 0, (group, path)
+    return len(groups)
+
+
+def _start_warm(cache: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "warmreg", "warm", FLASH, "--target", "cuda:90", "--quiet", "--workers", "2"],
+        env={**os.environ, "TRITON_CACHE_DIR": str(cache)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_some_entries(cache: Path, proc: subprocess.Popen[str], at_least: int = 3, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if len(list(cache.rglob("__grp__*.json"))) >= at_least:
+            return
+        time.sleep(0.05)
+    pytest.fail("the warm finished or stalled before it could be interrupted")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
+def test_interrupted_warm_then_rerun(sig: signal.Signals, tmp_path: Path) -> None:
+    """a warm interrupted half way (SIGINT, SIGKILL) leaves only whole entries; a re-run completes"""
+    cache = tmp_path / "cache"
+    proc = _start_warm(cache)
+    _wait_for_some_entries(cache, proc)
+    proc.send_signal(sig)
+    proc.communicate(timeout=300)
+    assert proc.returncode in ((130, 1) if sig == signal.SIGINT else (-9,))
+    partial = _whole_entries_only(cache)
+    plan_keys = warmreg.plan(FLASH, target="cuda:90").num_keys
+    assert 0 < partial < plan_keys + 5
+    rerun = subprocess.run(
+        [sys.executable, "-m", "warmreg", "warm", FLASH, "--target", "cuda:90", "--quiet", "--json", str(tmp_path / "r.json")],
+        env={**os.environ, "TRITON_CACHE_DIR": str(cache)}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    report = json.loads((tmp_path / "r.json").read_text())["summary"]
+    assert report["failed"] == 0 and report["from_cache"] >= 1 and report["compiled"] + report["from_cache"] == plan_keys
+    _whole_entries_only(cache)
+
+
+@pytest.fixture
+def small_mount(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """A tiny tmpfs the test mounts itself (needs root and mount rights; skipped with the reason otherwise)."""
+    target = tmp_path / "mnt"
+    target.mkdir()
+    mounted: list[Path] = []
+
+    def mount(options: str) -> Path:
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(target)], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+        mounted.append(target)
+        return target
+
+    yield mount  # type: ignore[misc]
+    for path in mounted:
+        subprocess.run(["umount", str(path)], check=False)
+
+
+def test_read_only_cache_directory(small_mount, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """a read-only Triton cache directory is refused up front with one clear error"""
+    cache = small_mount("ro,size=64k")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    with pytest.raises(warmreg.WarmregError, match="not writable") as info:
+        warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False)
+    assert "TRITON_CACHE_DIR" in str(info.value)
+
+
+def test_full_disk(small_mount, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """a full disk under the cache gives a clear error per key and leaves only whole entries"""
+    cache = small_mount("size=48k")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    with pytest.raises(warmreg.CompileFailed) as info:
+        warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale(sizes=(1, 16, 17), block=64), Scale(block=128))], entry_points=False)
+    errors = [r.error or "" for r in info.value.report.failed]  # type: ignore[attr-defined]
+    assert errors and all("no space left" in e and "TRITON_CACHE_DIR" in e for e in errors)
+    _whole_entries_only(cache)
