@@ -99,6 +99,8 @@ def kernels_table(d: dict[str, Any], title: str) -> list[str]:
 
 def render() -> str:
     lines: list[str] = []
+    if (ROOT / "docs" / "warm_time.png").exists():
+        lines += ["![warm time](docs/warm_time.png)", ""]
     for name, fn in (("warm_time_h200", warm_table), ("warm_time_cpu2core_cuda90", warm_table), ("gpu_proof_h200", proof_lines), ("gpu_all_keys_h200", all_keys_table)):
         data = _load(name)
         if data is not None:
@@ -110,7 +112,40 @@ def render() -> str:
     return "\n".join(lines)
 
 
+def chart() -> Path | None:
+    """A bar chart of the warm-time variants on both machines (needs matplotlib; skipped without it)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    runs = [(name, _load(f"warm_time_{name}")) for name in ("h200", "cpu2core_cuda90")]
+    runs = [(n, d) for n, d in runs if d is not None]
+    if not runs:
+        return None
+    labels = ["cold, 1 worker", "cold, threads", "cold, processes", "warm disk cache", "from pack"]
+    keys = ["cold_serial", "cold_threads", "cold_processes", "warm_disk_cache", "from_pack"]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    width = 0.8 / len(runs)
+    for i, (name, d) in enumerate(runs):
+        values = [d["variants"].get(k, {}).get("wall", 0.0) for k in keys]
+        where = "H200 host, 16 CPUs" if name == "h200" else "CPU machine, 2 cores (cross-compile cuda:90)"
+        bars = ax.bar([x + i * width for x in range(len(keys))], values, width, label=where)
+        ax.bar_label(bars, fmt="%.1f", fontsize=7)
+    ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in range(len(keys))], labels, fontsize=8)
+    ax.set_ylabel("seconds")
+    ax.set_title(f"warmreg warm time, DeepSeek-V4-Flash example ({runs[0][1]['variants']['cold_serial']['keys']} keys)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = ROOT / "docs" / "warm_time.png"
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def main() -> None:
+    chart()
     readme = ROOT / "README.md"
     text = readme.read_text()
     head, _, rest = text.partition(START)

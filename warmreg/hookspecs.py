@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from .platform import Platform
     from .registry import Registry
 
-__all__ = ["PROJECT", "hookimpl", "hookspec", "warmreg_register_kernels"]
+__all__ = ["PROJECT", "hookimpl", "hookspec", "warmreg_model_types", "warmreg_register_kernels"]
 
 PROJECT = "warmreg"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -39,4 +39,15 @@ def warmreg_register_kernels(registry: Registry, config: WarmConfig, platform: P
     :param registry: collects kernels; deduplicates by kernel name and key.
     :param config: the deployment's :class:`~warmreg.WarmConfig`.
     :param platform: the :class:`~warmreg.Platform` compiled for (local GPU or a cross target).
+    """
+
+
+@hookspec
+def warmreg_model_types() -> list[str]:
+    """The ``model_type`` values this plugin serves (optional).
+
+    The core uses the answers to tell an unknown model type (an error naming ``model.model_type``)
+    from a known one whose deployment simply launches no kernel here.
+
+    :returns: model types, e.g. ``["deepseek_v4"]``.
     """

@@ -68,10 +68,11 @@ def plan(
     problems = call_register_hooks(loaded, registry, cfg, platform, on_plugin_error)
     result = registry.plan()
     names = tuple(n for n in loaded.names if n not in {p.split(":")[0] for p in problems})
-    if not result.kernels and not result.skipped and not problems:
+    served = {t for types in loaded.manager.hook.warmreg_model_types() for t in types}
+    if not result.kernels and not result.skipped and not problems and served and cfg.model_type not in served:
         raise ConfigError(
             "model.model_type",
-            f"is {cfg.model_type!r}, which no installed plugin serves (plugins: {', '.join(names) or 'none'})",
+            f"is {cfg.model_type!r}, which no installed plugin serves (served: {', '.join(sorted(served))})",
             fix="install the warmreg plugin of this model family (e.g. pip install warmreg-deepseek-v4), or check model_type",
         )
     return Plan(

@@ -7,7 +7,7 @@ import warmreg
 from . import PLUGIN
 from .scaled_add import ScaledAdd
 
-__all__ = ["MODEL_TYPES", "warmreg_register_kernels"]
+__all__ = ["MODEL_TYPES", "warmreg_model_types", "warmreg_register_kernels"]
 
 #: The Hugging Face ``model_type`` values this plugin serves.
 MODEL_TYPES = ("template_llm",)
@@ -15,6 +15,12 @@ MODEL_TYPES = ("template_llm",)
 
 def _positive(value: int) -> str | None:
     return None if value > 0 else f"must be > 0 (got {value})"
+
+
+@warmreg.hookimpl
+def warmreg_model_types() -> list[str]:
+    """The model types this plugin serves: an unknown ``model_type`` is then a clear config error."""
+    return list(MODEL_TYPES)
 
 
 @warmreg.hookimpl

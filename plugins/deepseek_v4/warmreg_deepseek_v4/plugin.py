@@ -22,9 +22,15 @@ from . import (
 )
 from .model import DSV4, PLUGIN
 
-__all__ = ["warmreg_register_kernels"]
+__all__ = ["warmreg_model_types", "warmreg_register_kernels"]
 
 _MODULES = (metadata, sparse_mla, swa_indices, flashinfer_indices, cache, state_cache, indexer, inv_rope_quant, mtp_norm)
+
+
+@warmreg.hookimpl
+def warmreg_model_types() -> list[str]:
+    """The model types this plugin serves."""
+    return ["deepseek_v4"]
 
 
 @warmreg.hookimpl

@@ -11,7 +11,7 @@ from warmreg.ops import BlockTableSlotMapping, FusedQKVRMSNorm
 from . import PLUGIN
 from .kda import KDARecurrent
 
-__all__ = ["warmreg_register_kernels"]
+__all__ = ["warmreg_model_types", "warmreg_register_kernels"]
 
 MODEL_TYPES = ("kimi_k3", "kimi_linear")
 
@@ -91,6 +91,12 @@ def _register_kda(registry: warmreg.Registry, config: warmreg.WarmConfig, dtype:
             plugin=PLUGIN,
         )
     )
+
+
+@warmreg.hookimpl
+def warmreg_model_types() -> list[str]:
+    """The model types this plugin serves."""
+    return list(MODEL_TYPES)
 
 
 @warmreg.hookimpl
