@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import triton_cache  # noqa: F401 - the same autouse fixture as the core tests
-
 _ROWS: list[tuple[str, str, str]] = []
 
 
