@@ -97,11 +97,25 @@ def kernels_table(d: dict[str, Any], title: str) -> list[str]:
     return out + [""]
 
 
+def multi_gpu_lines(d: dict[str, Any]) -> list[str]:
+    ranks = d["ranks"]
+    sweep = [r.get("sweep") or {} for r in ranks]
+    return [
+        f"Distributed warm on {d['world_size']} GPUs of one host with NCCL ({_machine(d)}): each rank compiled "
+        f"{', '.join(str(r['shard_compiled']) for r in ranks)} of {d['keys_compiled_across_job']} keys (each key once across the job); "
+        f"job {max(r['job_wall_s'] for r in ranks):.2f} s against {d['single_process']['seconds']:.2f} s for one process "
+        f"(ratio {d['ratio_single_over_sharded']:.2f}). Then, monitor in `error` on every rank: "
+        f"{sum(s.get('steps', 0) for s in sweep)} serving-loop steps ({sum(s.get('tokens', 0) for s in sweep)} tokens) and "
+        f"{sum(s.get('keys_launched', 0) for s in sweep)} key launches: **{d['total_misses']} misses**.",
+        "",
+    ]
+
+
 def render() -> str:
     lines: list[str] = []
     if (ROOT / "docs" / "warm_time.png").exists():
         lines += ["![warm time](docs/warm_time.png)", ""]
-    for name, fn in (("warm_time_h200", warm_table), ("warm_time_cpu2core_cuda90", warm_table), ("gpu_proof_h200", proof_lines), ("gpu_all_keys_h200", all_keys_table)):
+    for name, fn in (("warm_time_h200", warm_table), ("warm_time_cpu2core_cuda90", warm_table), ("gpu_proof_h200", proof_lines), ("gpu_all_keys_h200", all_keys_table), ("multi_gpu_h200x2", multi_gpu_lines)):
         data = _load(name)
         if data is not None:
             lines += fn(data)
