@@ -105,9 +105,12 @@ class _Session:
 class _TimedExecutor(Executor):
     """Wraps a pool so each compile knows its task (for the listener) and is timed in its worker."""
 
-    def __init__(self, inner: Executor, on_done: Callable[[_Task], None] | None) -> None:
+    def __init__(
+        self, inner: Executor, on_done: Callable[[_Task], None] | None, load_device: int | None = None
+    ) -> None:
         self.inner = inner
         self.on_done = on_done
+        self.load_device = load_device  # local GPU: load each binary as soon as it is compiled
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         task = _tls.task
@@ -116,8 +119,10 @@ class _TimedExecutor(Executor):
         def run() -> Any:
             _tls.task = task
             start = time.perf_counter()
+            compiled = None
             try:
-                return fn(*args, **kwargs)
+                compiled = fn(*args, **kwargs)
+                return compiled
             except BaseException as exc:
                 if task is not None:
                     task.status, task.error = "failed", _describe(exc)
@@ -125,6 +130,8 @@ class _TimedExecutor(Executor):
             finally:
                 if task is not None:
                     task.seconds += time.perf_counter() - start
+                    if compiled is not None and self.load_device is not None:
+                        _load(task, compiled, self.load_device)  # overlaps launcher builds with other compiles
                     if self.on_done is not None:
                         self.on_done(task)
                 _tls.task = None
@@ -188,7 +195,8 @@ def compile_keys(
             if pool is None:
                 _run_serial(tasks, on_error, advance)
             else:
-                _run_async(tasks, _TimedExecutor(pool, on_done), on_error, on_done)
+                load_device = _triton.current_device() if platform.local else None
+                _run_async(tasks, _TimedExecutor(pool, on_done, load_device), on_error, on_done)
         if platform.local:
             _finish_loads(tasks, workers)
     finally:
@@ -250,19 +258,28 @@ def _cancel_rest(tasks: list[_Task], failed: _Task) -> None:
             task.status, task.error = "failed", f"not attempted: stopped after {failed.kp.name} failed"
 
 
+def _load(task: _Task, compiled: Any, device: int) -> None:
+    """Build the launcher and load the module of one compiled kernel (idempotent), timed."""
+    _triton.set_device(device)  # the CUDA current device is per thread
+    start = time.perf_counter()
+    try:
+        _triton.finish_load(compiled)
+    except Exception as exc:
+        task.status, task.error = "failed", _describe(exc)
+    task.load_seconds += time.perf_counter() - start
+
+
 def _finish_loads(tasks: list[_Task], workers: int) -> None:
-    """Build launchers and load modules now rather than at the first launch (local GPU only)."""
+    """Build launchers and load modules now rather than at the first launch (local GPU only).
+
+    Keys compiled on the pool were loaded there as soon as they compiled; this loads the rest
+    (cache hits found inline, the serial path) and is a no-op for loaded ones.
+    """
 
     device = _triton.current_device()
 
     def load(task: _Task) -> None:
-        _triton.set_device(device)  # the CUDA current device is per thread
-        start = time.perf_counter()
-        try:
-            _triton.finish_load(task.compiled)
-        except Exception as exc:
-            task.status, task.error = "failed", _describe(exc)
-        task.load_seconds = time.perf_counter() - start
+        _load(task, task.compiled, device)
 
     pending = [t for t in tasks if t.compiled is not None and t.status != "failed"]
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="warmreg-load") as pool:

@@ -43,7 +43,7 @@ def warmreg_register_kernels(registry: Registry, config: WarmConfig, platform: P
 
 
 @hookspec
-def warmreg_model_types() -> list[str]:
+def warmreg_model_types() -> list[str]:  # type: ignore[empty-body]
     """The ``model_type`` values this plugin serves (optional).
 
     The core uses the answers to tell an unknown model type (an error naming ``model.model_type``)
