@@ -22,7 +22,11 @@ SWA_PAGE_SIZE = 64
 
 
 def _ratio(value: Any) -> str | None:
-    return None if isinstance(value, int) and value in (0, 1, 4, 128) else f"has ratio {value!r}; DeepSeek-V4 uses 0, 4 or 128"
+    return (
+        None
+        if isinstance(value, int) and value in (0, 1, 4, 128)
+        else f"has ratio {value!r}; DeepSeek-V4 uses 0, 4 or 128"
+    )
 
 
 def compress_ratios(model: Mapping[str, Any]) -> tuple[int, ...]:
@@ -50,7 +54,10 @@ def compress_ratios(model: Mapping[str, Any]) -> tuple[int, ...]:
         ratios += [1] * int(model.get("num_nextn_predict_layers", 0) or 0)
     else:
         raise warmreg.ConfigError(
-            "model.compress_ratios", "is missing", plugin=PLUGIN, fix="use the model's published config.json (it lists compress_ratios)"
+            "model.compress_ratios",
+            "is missing",
+            plugin=PLUGIN,
+            fix="use the model's published config.json (it lists compress_ratios)",
         )
     return tuple(ratios)
 
@@ -84,7 +91,9 @@ class DSV4:
         """
 
         def pos(field: str) -> int:
-            return config.get(f"model.{field}", int, plugin=PLUGIN, check=lambda v: None if v > 0 else f"must be > 0 (got {v})")
+            return config.get(
+                f"model.{field}", int, plugin=PLUGIN, check=lambda v: None if v > 0 else f"must be > 0 (got {v})"
+            )
 
         return cls(
             hidden_size=pos("hidden_size"),

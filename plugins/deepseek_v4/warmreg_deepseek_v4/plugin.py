@@ -24,7 +24,17 @@ from .model import DSV4, PLUGIN
 
 __all__ = ["warmreg_model_types", "warmreg_register_kernels"]
 
-_MODULES = (metadata, sparse_mla, swa_indices, flashinfer_indices, cache, state_cache, indexer, inv_rope_quant, mtp_norm)
+_MODULES = (
+    metadata,
+    sparse_mla,
+    swa_indices,
+    flashinfer_indices,
+    cache,
+    state_cache,
+    indexer,
+    inv_rope_quant,
+    mtp_norm,
+)
 
 
 @warmreg.hookimpl
@@ -34,7 +44,9 @@ def warmreg_model_types() -> list[str]:
 
 
 @warmreg.hookimpl
-def warmreg_register_kernels(registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+def warmreg_register_kernels(
+    registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform
+) -> None:
     """Register the kernels of a DeepSeek-V4 deployment (see specs section 14 for the key space)."""
     if config.model_type != "deepseek_v4":
         return
@@ -51,7 +63,11 @@ def warmreg_register_kernels(registry: warmreg.Registry, config: warmreg.WarmCon
     # [q_lora_rank + head_dim] projection. On ROCm with aiter DSv4 uses aiter's fused op instead.
     registry.add(
         FusedQKVRMSNorm(
-            q_size=m.q_lora_rank, kv_size=m.head_dim, proj_width=m.q_lora_rank + m.head_dim, dtype=m.dtype, plugin=PLUGIN
+            q_size=m.q_lora_rank,
+            kv_size=m.head_dim,
+            proj_width=m.q_lora_rank + m.head_dim,
+            dtype=m.dtype,
+            plugin=PLUGIN,
         ),
         when=~(warmreg.is_rocm & warmreg.has_feature("aiter")),
     )

@@ -1,0 +1,272 @@
+"""Fused indexer Q RoPE + FP8 quant with the q scale folded into the weights (specs section 8, FP8 path).
+
+The MXFP4 path is left for later."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+import warmreg
+
+from ._indexer_common import (
+    _SCALE_FLOOR,
+    _check_rope,
+    _cos_sin_meta,
+    _dtype_name,
+    _rep,
+    _rope_pairs,
+)
+from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
+from .model import PLUGIN
+
+__all__ = [
+    "IndexerQKey",
+    "IndexerQRopeQuant",
+    "indexer_q_rope_quant_reference",
+]
+
+
+@triton.jit(do_not_specialize_on_alignment=["positions_ptr", "cos_sin_ptr", "weights_ptr"])
+def _indexer_q_rope_quant_kernel(
+    q_ptr,
+    positions_ptr,
+    cos_sin_ptr,
+    weights_ptr,
+    q_out_ptr,
+    w_out_ptr,
+    q_stride_t,
+    q_stride_h,
+    weights_stride,
+    cos_sin_stride,
+    softmax_scale,
+    head_scale,
+    HEAD_DIM: tl.constexpr,  # index_head_dim (128): one program quantizes one whole head
+    HALF_ROT: tl.constexpr,  # rope dims / 2 (32): the interleaved pairs rotated
+    FP8_MAX: tl.constexpr,  # 448 (e4m3fn) or 224 (e4m3fnuz): the scale maps amax onto it
+    FNUZ: tl.constexpr,  # write e4m3fnuz bytes (gfx942) instead of e4m3fn
+    EXPLICIT_FMA: tl.constexpr,  # ROCm: rotate with explicit fma (the reference numerics there)
+):
+    NOPE: tl.constexpr = HEAD_DIM - 2 * HALF_ROT
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    row = q_ptr + t * q_stride_t + h * q_stride_h
+    nope = tl.load(row + tl.arange(0, NOPE)).to(tl.float32)
+    rot = tl.load(row + NOPE + tl.arange(0, 2 * HALF_ROT)).to(tl.float32)
+    even, odd = tl.split(tl.reshape(rot, (HALF_ROT, 2)))
+    cs = cos_sin_ptr + tl.load(positions_ptr + t) * cos_sin_stride + tl.arange(0, HALF_ROT)
+    cos = tl.load(cs)
+    sin = tl.load(cs + HALF_ROT)
+    if EXPLICIT_FMA:
+        even_r = tl.fma(even, cos, -(odd * sin))
+        odd_r = tl.fma(odd, cos, even * sin)
+    else:
+        even_r = even * cos - odd * sin
+        odd_r = odd * cos + even * sin
+    even_r = bf16_round(even_r)
+    odd_r = bf16_round(odd_r)
+    amax = tl.maximum(
+        tl.max(tl.abs(nope), axis=0), tl.maximum(tl.max(tl.abs(even_r), axis=0), tl.max(tl.abs(odd_r), axis=0))
+    )
+    e = ceil_log2(tl.math.div_rn(tl.maximum(amax, 1e-4), FP8_MAX))
+    inv = exp2i(-e)  # x / 2**e == x * 2**-e exactly
+    out = q_out_ptr + (t * tl.num_programs(1) + h) * HEAD_DIM
+    tl.store(out + tl.arange(0, NOPE), fp8_bits(nope * inv, FNUZ))
+    rot_q = tl.reshape(tl.join(even_r, odd_r), (2 * HALF_ROT,)) * inv
+    tl.store(out + NOPE + tl.arange(0, 2 * HALF_ROT), fp8_bits(rot_q, FNUZ))
+    w = tl.load(weights_ptr + t * weights_stride + h).to(tl.float32)
+    tl.store(w_out_ptr + t * tl.num_programs(1) + h, w * exp2i(e) * softmax_scale * head_scale)
+
+
+@attrs.frozen(kw_only=True)
+class IndexerQKey(warmreg.CompileKey):
+    """What changes the binary of the indexer Q RoPE + FP8 quant."""
+
+    dtype: str  # index_q dtype (bfloat16: also the RoPE round-trip dtype)
+    weights_dtype: str
+    head_dim: int
+    rope_dim: int
+    fp8_dtype: str  # float8_e4m3fn or float8_e4m3fnuz (gfx942)
+    fp8_max: float
+    explicit_fma: bool
+    q_stride_t: str  # int classes of the specialized strides
+    q_stride_h: str
+    weights_stride: str
+    cos_sin_stride: str
+    q_aligned: bool
+    num_warps: int
+    enable_fp_fusion: bool
+
+
+class IndexerQRopeQuant(warmreg.TritonKernel[IndexerQKey]):
+    """Indexer Q RoPE + FP8 quant with the q scale folded into the weights (specs section 8, FP8 path).
+
+    :param num_heads: ``index_n_heads`` (domains only: the launch reads the tensors).
+    :param head_dim: ``index_head_dim``.
+    :param rope_dim: ``qk_rope_head_dim``.
+    :param dtype: activation dtype name of ``index_q`` and ``index_weights``.
+    """
+
+    name = "deepseek_v4.indexer_q_rope_quant"
+    key_type = IndexerQKey
+    jit = _indexer_q_rope_quant_kernel
+
+    def __init__(
+        self, *, num_heads: int = 64, head_dim: int = 128, rope_dim: int = 64, dtype: str = "bfloat16"
+    ) -> None:
+        self.num_heads, self.head_dim, self.rope_dim = num_heads, head_dim, rope_dim
+        self.dtype = getattr(torch, dtype)
+
+    def dispatch(
+        self,
+        *,
+        index_q: torch.Tensor,
+        index_weights: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        fp8_dtype: torch.dtype,
+        explicit_fma: bool,
+    ) -> IndexerQKey:
+        return IndexerQKey(
+            dtype=_dtype_name(index_q.dtype),
+            weights_dtype=_dtype_name(index_weights.dtype),
+            head_dim=index_q.shape[-1],
+            rope_dim=cos_sin_cache.shape[-1],
+            fp8_dtype=_dtype_name(fp8_dtype),
+            fp8_max=224.0 if fp8_dtype == torch.float8_e4m3fnuz else 448.0,
+            explicit_fma=explicit_fma,
+            q_stride_t=warmreg.int_class(index_q.stride(0)),
+            q_stride_h=warmreg.int_class(index_q.stride(1)),
+            weights_stride=warmreg.int_class(index_weights.stride(0)),
+            cos_sin_stride=warmreg.int_class(cos_sin_cache.stride(0)),
+            q_aligned=warmreg.is_aligned(index_q),
+            num_warps=1,
+            enable_fp_fusion=True,
+        )
+
+    def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
+        tokens = warmreg.token_counts(config, plugin=PLUGIN)
+        return {
+            "index_q": [warmreg.meta((t, self.num_heads, self.head_dim), self.dtype) for t in tokens],
+            "index_weights": [warmreg.meta((t, self.num_heads), self.dtype) for t in tokens],
+            "cos_sin_cache": [_cos_sin_meta(config, self.rope_dim)],
+            "fp8_dtype": [torch.float8_e4m3fnuz if platform.fp8_fnuz else torch.float8_e4m3fn],
+            "explicit_fma": [platform.is_rocm],
+        }
+
+    def when(self, *, index_q: torch.Tensor, index_weights: torch.Tensor, **_: Any) -> bool:
+        return index_q.shape[0] == index_weights.shape[0]
+
+    def warmup_inputs(self, key: IndexerQKey) -> Mapping[str, Any]:
+        return {
+            "positions": warmreg.meta((1,), torch.int64),
+            "index_q": warmreg.meta(
+                (1, 1, key.head_dim),
+                getattr(torch, key.dtype),
+                stride=(_rep(key.q_stride_t), _rep(key.q_stride_h), 1),
+                offset=0 if key.q_aligned else 1,
+            ),
+            "cos_sin_cache": warmreg.meta((2, key.rope_dim), torch.float32, stride=(_rep(key.cos_sin_stride), 1)),
+            "index_weights": warmreg.meta(
+                (1, 1), getattr(torch, key.weights_dtype), stride=(_rep(key.weights_stride), 1)
+            ),
+            "softmax_scale": 1.0,
+            "head_scale": 1.0,
+            "fp8_dtype": getattr(torch, key.fp8_dtype),
+            "explicit_fma": key.explicit_fma,
+        }
+
+    @warmreg.kernel_launcher
+    def __call__(
+        self,
+        positions: torch.Tensor,
+        index_q: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        index_weights: torch.Tensor,
+        softmax_scale: float,
+        head_scale: float,
+        *,
+        fp8_dtype: torch.dtype | None = None,
+        explicit_fma: bool | None = None,
+    ) -> warmreg.LaunchSpec[IndexerQKey]:
+        """RoPE and quantize ``index_q [T, H, D]``; returns fresh ``(q_fp8 [T, H, D], w_out [T, H] float32)``.
+
+        :param positions: int64 ``[T]``.
+        :param index_q: ``[T, H, D]`` with a contiguous last dim (token and head strides are passed).
+        :param cos_sin_cache: float32 ``[P, R]``: ``R/2`` cosines then ``R/2`` sines per position.
+        :param index_weights: ``[T, H]`` with a contiguous last dim.
+        :param softmax_scale: ``D**-0.5``, folded into ``w_out``.
+        :param head_scale: ``H**-0.5``, folded into ``w_out``.
+        :param fp8_dtype: ``float8_e4m3fn`` or ``float8_e4m3fnuz`` (default: the local GPU's; e4m3fn on CPU).
+        :param explicit_fma: rotate with explicit fma (default: the local GPU is ROCm).
+        :raises warmreg.LaunchError: for shapes, dtypes or layouts the kernel cannot serve.
+        """
+        if index_q.ndim != 3 or index_q.stride(-1) != 1 or index_q.dtype != torch.bfloat16:
+            raise warmreg.LaunchError(
+                self.name,
+                f"index_q must be bfloat16 [T, H, D] with a contiguous last dim (got {index_q.dtype} {tuple(index_q.shape)})",
+            )
+        t, h, d = index_q.shape
+        if tuple(index_weights.shape) != (t, h) or index_weights.stride(-1) != 1:
+            raise warmreg.LaunchError(self.name, f"index_weights must be [T, H] = {(t, h)} with a contiguous last dim")
+        if positions.dtype != torch.int64 or tuple(positions.shape) != (t,):
+            raise warmreg.LaunchError(
+                self.name, f"positions must be int64 [{t}] (got {positions.dtype} {tuple(positions.shape)})"
+            )
+        _check_rope(self.name, cos_sin_cache, d)
+        local = warmreg.runtime_platform()
+        if fp8_dtype is None:
+            fp8_dtype = torch.float8_e4m3fnuz if local is not None and local.fp8_fnuz else torch.float8_e4m3fn
+        if fp8_dtype not in (torch.float8_e4m3fn, torch.float8_e4m3fnuz):
+            raise warmreg.LaunchError(
+                self.name, f"fp8_dtype must be float8_e4m3fn or float8_e4m3fnuz (got {fp8_dtype})"
+            )
+        if explicit_fma is None:
+            explicit_fma = local is not None and local.is_rocm
+        key = self.dispatch(
+            index_q=index_q,
+            index_weights=index_weights,
+            cos_sin_cache=cos_sin_cache,
+            fp8_dtype=fp8_dtype,
+            explicit_fma=explicit_fma,
+        )
+        q_out = torch.empty((t, h, d), dtype=torch.uint8, device=index_q.device)  # fp8 bytes, viewed on return
+        w_out = torch.empty((t, h), dtype=torch.float32, device=index_q.device)
+        kwargs = dict(
+            q_ptr=index_q, positions_ptr=positions, cos_sin_ptr=cos_sin_cache, weights_ptr=index_weights,
+            q_out_ptr=q_out, w_out_ptr=w_out, q_stride_t=index_q.stride(0), q_stride_h=index_q.stride(1),
+            weights_stride=index_weights.stride(0), cos_sin_stride=cos_sin_cache.stride(0),
+            softmax_scale=float(softmax_scale), head_scale=float(head_scale), HEAD_DIM=key.head_dim, HALF_ROT=key.rope_dim // 2,
+            FP8_MAX=key.fp8_max, FNUZ=key.fp8_dtype == "float8_e4m3fnuz", EXPLICIT_FMA=key.explicit_fma,
+        )  # fmt: skip
+        grid = (t, h) if t and h else None
+        return warmreg.LaunchSpec(key, grid, kwargs, (q_out.view(fp8_dtype), w_out))
+
+
+def indexer_q_rope_quant_reference(
+    positions: torch.Tensor,
+    index_q: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    index_weights: torch.Tensor,
+    softmax_scale: float,
+    head_scale: float,
+    *,
+    fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+    explicit_fma: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :class:`IndexerQRopeQuant`: ``(q_fp8 [T, H, D], w_out [T, H] float32)``."""
+    rope = cos_sin_cache.shape[1]
+    x = index_q.float()
+    cs = cos_sin_cache[positions][:, None, :]
+    rot = _rope_pairs(x[..., -rope:], cs[..., : rope // 2], cs[..., rope // 2 :], fma=explicit_fma)
+    y = torch.cat([x[..., :-rope], rot.to(index_q.dtype).float()], dim=-1)
+    fp8_max = 224.0 if fp8_dtype == torch.float8_e4m3fnuz else 448.0
+    _, s = pow2_scale_reference(y.abs().amax(dim=-1), _SCALE_FLOOR, fp8_max)
+    q = (y / s[..., None]).to(fp8_dtype)
+    f32 = torch.float32
+    w = index_weights.float() * s * torch.tensor(softmax_scale, dtype=f32) * torch.tensor(head_scale, dtype=f32)
+    return q, w

@@ -1,0 +1,182 @@
+"""Uniform decode flattening (specs section 18): a uniform multi-token decode as 1-token rows."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+import warmreg
+from warmreg.ops import block_table_width
+
+from ._metadata_common import (
+    _I32,
+    _TILE,
+    _check_int32,
+    _check_table,
+    _serving,
+)
+from .model import SPARSE_BLOCK_SIZE
+
+__all__ = [
+    "PrepareUniformDecode",
+    "UniformDecodeKey",
+    "prepare_uniform_decode_reference",
+]
+
+# -- section 18: uniform decode flattening --------------------------------------------------------
+
+
+@triton.jit(
+    do_not_specialize_on_alignment=[
+        "seq_lens_ptr", "block_table_ptr", "decode_seq_lens_ptr", "expanded_block_table_ptr", "decode_lens_ptr"
+    ]
+)  # fmt: skip
+def _prepare_uniform_decode_kernel(
+    seq_lens_ptr,
+    block_table_ptr,
+    decode_seq_lens_ptr,
+    expanded_block_table_ptr,
+    decode_lens_ptr,
+    block_table_stride,
+    expanded_bt_stride,
+    max_decode_len,
+    TILE: tl.constexpr,  # table columns per loop iteration
+):
+    i = tl.program_id(0)
+    req = i // max_decode_len
+    j = i % max_decode_len
+    seq_len = tl.load(seq_lens_ptr + req)
+    tl.store(decode_seq_lens_ptr + i, tl.maximum(seq_len - max_decode_len + j + 1, 0))
+    src = block_table_ptr + req.to(tl.int64) * block_table_stride
+    dst = expanded_block_table_ptr + i.to(tl.int64) * expanded_bt_stride
+    for c0 in range(0, expanded_bt_stride, TILE):
+        c = c0 + tl.arange(0, TILE)
+        tl.store(dst + c, tl.load(src + c, mask=c < expanded_bt_stride), mask=c < expanded_bt_stride)
+    tl.store(decode_lens_ptr + i, 1)
+
+
+@attrs.frozen(kw_only=True)
+class UniformDecodeKey(warmreg.CompileKey):
+    """What changes the binary of the uniform decode flattening."""
+
+    tile: int
+    block_table_stride: warmreg.IntClass
+    expanded_bt_stride: warmreg.IntClass
+    max_decode_len: warmreg.IntClass
+    num_warps: int
+
+
+class PrepareUniformDecode(warmreg.TritonKernel[UniformDecodeKey]):
+    """Flattens a uniform decode batch (every request has ``D`` tokens) into one row per token for
+    the indexer's decode logits (section 18). Token ``i`` of request ``r = i // D``, ``j = i % D``::
+
+        decode_seq_lens[i] = max(seq_lens[r] - D + j + 1, 0)
+        expanded_block_table[i, :EW] = block_table[r, :EW];  decode_lens[i] = 1
+
+    ``EW`` is the expanded table's row width. DSv4 warm space: both strides are the indexer group's
+    table width (``block_table_width(max_model_len, 256)``), and ``D`` ranges over
+    ``1 .. 1 + num_speculative_tokens`` (a decode request carries 1 to 1 + k tokens; ``D = 1``
+    happens in a step where no request has drafts). Only that class, not the full {1, 2, 16}^3 set.
+    """
+
+    name = "deepseek_v4.prepare_uniform_decode"
+    key_type = UniformDecodeKey
+    jit = _prepare_uniform_decode_kernel
+
+    def __init__(self, *, cache_block_size: int = SPARSE_BLOCK_SIZE) -> None:
+        self.cache_block_size = cache_block_size
+
+    def dispatch(
+        self, *, block_table: torch.Tensor, expanded_block_table: torch.Tensor, max_decode_len: int
+    ) -> UniformDecodeKey:
+        return UniformDecodeKey(
+            tile=_TILE,
+            block_table_stride=warmreg.int_class(block_table.stride(0)),
+            expanded_bt_stride=warmreg.int_class(expanded_block_table.stride(0)),
+            max_decode_len=warmreg.int_class(max_decode_len),
+            num_warps=4,
+        )
+
+    def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
+        width = block_table_width(_serving(config, "max_model_len"), self.cache_block_size)
+        return {
+            "block_table": [warmreg.meta((1, width), _I32)],
+            "expanded_block_table": [warmreg.meta((1, width), _I32)],
+            "max_decode_len": range(1, _serving(config, "num_speculative_tokens", 0) + 2),
+        }
+
+    def warmup_inputs(self, key: UniformDecodeKey) -> Mapping[str, Any]:
+        width = warmreg.int_class_rep(key.expanded_bt_stride)
+        return {
+            "seq_lens": warmreg.meta((2,), _I32),
+            "block_table": warmreg.meta((2, width), _I32, stride=(warmreg.int_class_rep(key.block_table_stride), 1)),
+            "expanded_block_table": warmreg.meta((64, width), _I32),
+            "max_decode_len": warmreg.int_class_rep(key.max_decode_len),
+        }
+
+    @warmreg.kernel_launcher
+    def __call__(
+        self,
+        seq_lens: torch.Tensor,
+        block_table: torch.Tensor,
+        *,
+        max_decode_len: int,
+        decode_seq_lens: torch.Tensor | None = None,
+        expanded_block_table: torch.Tensor | None = None,
+        decode_lens: torch.Tensor | None = None,
+    ) -> warmreg.LaunchSpec[UniformDecodeKey]:
+        """Fill rows ``[0, num_decodes * D)`` of the outputs; returns ``(decode_seq_lens,
+        expanded_block_table, decode_lens)`` (the given persistent buffers, or fresh ones of that many rows).
+
+        :param seq_lens: int32 ``[num_decodes]``.
+        :param block_table: int32 ``[>= num_decodes, >= EW]`` with contiguous rows.
+        :param max_decode_len: ``D``, the tokens of every decode request.
+        :raises LaunchError: for wrong dtypes, short buffers, or an expanded table narrower rows than its stride.
+        """
+        _check_int32(self.name, seq_lens=seq_lens)
+        num_decodes = seq_lens.shape[0]
+        _check_table(self.name, "block_table", block_table, num_decodes)
+        if max_decode_len < 1:
+            raise warmreg.LaunchError(self.name, f"max_decode_len must be >= 1 (got {max_decode_len})")
+        num_tokens = num_decodes * max_decode_len
+        if expanded_block_table is None:
+            expanded_block_table = block_table.new_empty((num_tokens, block_table.shape[1]))
+        decode_seq_lens = seq_lens.new_empty(num_tokens) if decode_seq_lens is None else decode_seq_lens
+        decode_lens = seq_lens.new_empty(num_tokens) if decode_lens is None else decode_lens
+        _check_int32(self.name, decode_seq_lens=decode_seq_lens, decode_lens=decode_lens)
+        _check_table(self.name, "expanded_block_table", expanded_block_table, num_tokens)
+        width = expanded_block_table.shape[1]
+        if expanded_block_table.stride(0) != width or block_table.shape[1] < width:
+            raise warmreg.LaunchError(
+                self.name, "expanded_block_table must be row-contiguous and no wider than block_table"
+            )
+        if min(decode_seq_lens.shape[0], decode_lens.shape[0]) < num_tokens:
+            raise warmreg.LaunchError(self.name, f"decode_seq_lens and decode_lens need {num_tokens} rows")
+        key = self.dispatch(
+            block_table=block_table, expanded_block_table=expanded_block_table, max_decode_len=max_decode_len
+        )
+        kwargs = dict(
+            seq_lens_ptr=seq_lens, block_table_ptr=block_table, decode_seq_lens_ptr=decode_seq_lens,
+            expanded_block_table_ptr=expanded_block_table, decode_lens_ptr=decode_lens,
+            block_table_stride=block_table.stride(0), expanded_bt_stride=expanded_block_table.stride(0),
+            max_decode_len=max_decode_len, TILE=key.tile,
+        )  # fmt: skip
+        outputs = (decode_seq_lens, expanded_block_table, decode_lens)
+        return warmreg.LaunchSpec(key, (num_tokens,) if num_tokens else None, kwargs, outputs)
+
+
+def prepare_uniform_decode_reference(
+    seq_lens: torch.Tensor, block_table: torch.Tensor, *, max_decode_len: int, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :class:`PrepareUniformDecode` (``width``: EW, default the table's)."""
+    d = max_decode_len
+    j = torch.arange(seq_lens.shape[0] * d) % d
+    seq = seq_lens.repeat_interleave(d)
+    table = block_table[: seq_lens.shape[0], : block_table.shape[1] if width is None else width]
+    decode_seq_lens = (seq - d + j + 1).clamp(min=0).to(_I32)
+    return decode_seq_lens, table.repeat_interleave(d, dim=0), torch.ones_like(decode_seq_lens)
