@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import pytest
 
 from warmreg import _triton
 from warmreg.monitor import KNOWLEDGE
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the shared helpers (dsv4_support.py)
 
 
 @pytest.fixture(autouse=True)

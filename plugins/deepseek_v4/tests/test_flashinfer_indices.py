@@ -3,7 +3,6 @@ on CPU) for SWA-only, C4 and C128 layers, registration, warm coverage for cuda:1
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -11,6 +10,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import triton
+from dsv4_support import ModulePlugin, example_config
 from warmreg_deepseek_v4.flashinfer_indices import (
     FlashInferMixedSparseIndices,
     flashinfer_mixed_sparse_indices_reference,
@@ -174,20 +174,12 @@ def test_empty_batch_and_bad_inputs() -> None:
 
 
 # -- registration, coverage, warm --------------------------------------------------------------------
-class _Plugin:
-    """Registers only this module's kernel."""
-
-    @warmreg.hookimpl
-    def warmreg_register_kernels(
-        self, registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform
-    ) -> None:
-        register(registry, DSV4.from_config(config), config, platform)
+def _Plugin() -> ModulePlugin:
+    """Registers only this module's kernels."""
+    return ModulePlugin(register)
 
 
-def _config(example: str, **serving: Any) -> dict[str, Any]:
-    data = json.loads((EXAMPLES / f"{example}.json").read_text())
-    data["serving"].update(serving)
-    return data
+_config = example_config
 
 
 @pytest.mark.parametrize("example", ["deepseek_v4_flash", "deepseek_v4_pro"])

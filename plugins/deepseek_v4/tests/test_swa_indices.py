@@ -3,7 +3,6 @@ PyTorch references (Triton interpreter on CPU), registration, warm coverage, rea
 
 from __future__ import annotations
 
-import json
 import random
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -11,6 +10,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import triton
+from dsv4_support import ModulePlugin, example_config
 from warmreg_deepseek_v4.model import DSV4
 from warmreg_deepseek_v4.sparse_mla import c128_active_width, c128_topk_metadata_reference
 from warmreg_deepseek_v4.swa_indices import (
@@ -197,20 +197,12 @@ def test_combine_empty_chunk_and_bad_inputs() -> None:
 
 
 # -- registration, coverage, warm --------------------------------------------------------------------
-class _Plugin:
+def _Plugin() -> ModulePlugin:
     """Registers only this module's kernels."""
-
-    @warmreg.hookimpl
-    def warmreg_register_kernels(
-        self, registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform
-    ) -> None:
-        register(registry, DSV4.from_config(config), config, platform)
+    return ModulePlugin(register)
 
 
-def _config(example: str, **serving: Any) -> dict[str, Any]:
-    data = json.loads((EXAMPLES / f"{example}.json").read_text())
-    data["serving"].update(serving)
-    return data
+_config = example_config
 
 
 @pytest.mark.parametrize("example", ["deepseek_v4_flash", "deepseek_v4_pro"])
