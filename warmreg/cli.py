@@ -15,7 +15,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from .errors import CompileFailed, WarmregError
+from .errors import WarmregError
 
 __all__ = ["main"]
 
@@ -94,19 +94,16 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
 
 def _warm_and_show(args: argparse.Namespace, warm: Callable[..., Any]) -> int:
-    try:
-        report = warm(
-            args.config,
-            target=args.target,
-            workers=args.workers,
-            on_error="continue",
-            on_plugin_error="skip" if args.skip_broken_plugins else "raise",
-            progress=not args.quiet,
-            pack=args.pack,
-            distributed=False if args.no_distributed else None,
-        )
-    except CompileFailed as exc:  # pragma: no cover - on_error="continue" returns instead
-        report = exc.report  # type: ignore[attr-defined]
+    report = warm(  # on_error="continue": failures are listed below and give exit code 1
+        args.config,
+        target=args.target,
+        workers=args.workers,
+        on_error="continue",
+        on_plugin_error="skip" if args.skip_broken_plugins else "raise",
+        progress=not args.quiet,
+        pack=args.pack,
+        distributed=False if args.no_distributed else None,
+    )
     table = Table("kernel", "keys", "compiled", "cached", "failed", "seconds", title=report.summary())
     for name, row in sorted(report.per_kernel().items()):
         table.add_row(name, str(row["keys"]), str(row["compiled"]), str(row["cached"]), str(row["failed"]), f"{row['seconds']:.2f}")
