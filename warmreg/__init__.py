@@ -19,7 +19,7 @@ from .errors import (
 )
 from .hookspecs import hookimpl
 from .kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
-from .key import CompileKey, FieldDiff, IntClass, int_class, int_class_rep, is_aligned
+from .key import CompileKey, FieldDiff, IntClass, dtype_name, int_class, int_class_rep, is_aligned
 from .monitor import JitMissError, Miss, Monitor, arm, disarm, monitor
 from .platform import (
     Platform,
@@ -69,6 +69,7 @@ __all__ = [
     "__version__",
     "arm",
     "disarm",
+    "dtype_name",
     "enumerate_keys",
     "has_feature",
     "hookimpl",

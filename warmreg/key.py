@@ -17,6 +17,7 @@ from .errors import CompileKeyError
 
 __all__ = [
     "LAUNCH_OPTIONS",
+    "dtype_name",
     "CompileKey",
     "FieldDiff",
     "IntClass",
@@ -50,8 +51,10 @@ def int_class(value: int) -> IntClass:
     return f"{base}_i64" if wide else base  # type: ignore[return-value]
 
 
-def int_class_rep(cls: IntClass) -> int:
+def int_class_rep(cls: IntClass | str) -> int:
     """A representative integer of a specialization class, for building warmup inputs.
+
+    Accepts the class as stored in a key field (a plain ``str`` in JSON-typed keys).
 
     :raises CompileKeyError: for an unknown class name.
     """
@@ -59,6 +62,11 @@ def int_class_rep(cls: IntClass) -> int:
     if cls not in reps:
         raise CompileKeyError(repr(cls), "is not an integer class", fix=f"use one of {sorted(reps)}")
     return reps[cls]
+
+
+def dtype_name(dtype: Any) -> str:
+    """The name keys store for a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def is_aligned(tensor: Any) -> bool:

@@ -24,7 +24,7 @@ from ..config import WarmConfig
 from ..domains import next_pow2, runtime_platform, token_counts
 from ..errors import LaunchError
 from ..kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
-from ..key import CompileKey, IntClass, int_class, int_class_rep, is_aligned
+from ..key import CompileKey, IntClass, dtype_name, int_class, int_class_rep, is_aligned
 from ..platform import Platform
 
 __all__ = ["FusedQKVRMSNorm", "QKVRMSNormKey", "fused_qkv_rmsnorm_reference"]
@@ -85,9 +85,6 @@ class QKVRMSNormKey(CompileKey):
     launch_pdl: bool
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
 
 class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
     """The fused Q/KV RMSNorm, configured with one model's projection layout.
@@ -127,8 +124,8 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
         q_size, kv_size = qr.shape[-1], kv.shape[-1]
         block = next_pow2(max(q_size, kv_size))
         return QKVRMSNormKey(
-            dtype=_dtype_name(qr.dtype),
-            weight_dtype=_dtype_name(q_weight.dtype),
+            dtype=dtype_name(qr.dtype),
+            weight_dtype=dtype_name(q_weight.dtype),
             q_size=q_size,
             kv_size=kv_size,
             block_size=block,

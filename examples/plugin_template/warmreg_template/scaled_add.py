@@ -62,9 +62,6 @@ class ScaledAddKey(warmreg.CompileKey):
     num_warps: int  # a launch option: passed to Triton from the key, never in the kwargs
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
 
 class ScaledAdd(warmreg.TritonKernel[ScaledAddKey]):
     """``out = x + alpha * y``, configured with one deployment's hidden size and dtype.
@@ -100,8 +97,8 @@ class ScaledAdd(warmreg.TritonKernel[ScaledAddKey]):
 
     def dispatch(self, *, x: torch.Tensor, y: torch.Tensor) -> ScaledAddKey:
         return ScaledAddKey(
-            dtype=_dtype_name(x.dtype),
-            y_dtype=_dtype_name(y.dtype),
+            dtype=warmreg.dtype_name(x.dtype),
+            y_dtype=warmreg.dtype_name(y.dtype),
             hidden=x.shape[-1],
             block_size=BLOCK_SIZE,
             y_row_stride=warmreg.int_class(y.stride(0)),

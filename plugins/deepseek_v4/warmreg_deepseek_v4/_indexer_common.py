@@ -13,13 +13,6 @@ _K_FP8_MAX = 448.0
 _SCALE_BYTES = 4  # one fp32 (or UE8M0 x4 int32) scale per 128-dim token
 
 
-def _rep(cls: str) -> int:
-    """A representative of an int class stored in a key (``warmreg.int_class_rep``)."""
-    return warmreg.int_class_rep(cls)  # type: ignore[arg-type]  # key fields hold the class as str
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _is_pow2(n: int) -> bool:

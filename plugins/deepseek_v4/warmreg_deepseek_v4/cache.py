@@ -166,7 +166,7 @@ class DequantGatherKCache(warmreg.TritonKernel[DequantGatherKey]):
         }
 
     def warmup_inputs(self, key: DequantGatherKey) -> Mapping[str, Any]:
-        bs, offset = key.cache_block_size, warmreg.int_class_rep(key.offset)  # type: ignore[arg-type]
+        bs, offset = key.cache_block_size, warmreg.int_class_rep(key.offset)
         rows = offset + 1
         stride1 = value_in_class(key.out_stride1, HEAD_DIM)
         stride0 = value_in_class(key.out_stride0, rows * stride1)

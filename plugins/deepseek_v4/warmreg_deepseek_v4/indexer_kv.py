@@ -18,9 +18,7 @@ from ._indexer_common import (
     _SCALE_FLOOR,
     _check_rope,
     _cos_sin_meta,
-    _dtype_name,
     _is_pow2,
-    _rep,
     _rope_pairs,
 )
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
@@ -187,7 +185,7 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
         head = norm_weight.shape[0]
         width = state_cache.shape[-1] // 2
         return IndexerKVInsertKey(
-            weight_dtype=_dtype_name(norm_weight.dtype),
+            weight_dtype=warmreg.dtype_name(norm_weight.dtype),
             head_size=head,
             rope_dim=cos_sin_cache.shape[-1],
             state_width=width,
@@ -226,7 +224,7 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
         row = key.head_size + _SCALE_BYTES
         ids = warmreg.meta((1,), torch.int64)
         return {
-            "state_cache": warmreg.meta((2, _rep(key.state_block_size), 2 * key.state_width), torch.float32),
+            "state_cache": warmreg.meta((2, warmreg.int_class_rep(key.state_block_size), 2 * key.state_width), torch.float32),
             "state_block_table": warmreg.meta((1, 1), torch.int32),
             "token_to_req_indices": warmreg.meta((1,), torch.int32),
             "positions": ids,
@@ -237,7 +235,7 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
             ),
             "cos_sin_cache": warmreg.meta((2, key.rope_dim), torch.float32),
             "kv_cache": warmreg.meta(
-                (2, _rep(key.kv_block_size), row),
+                (2, warmreg.int_class_rep(key.kv_block_size), row),
                 torch.uint8,
                 stride=(key.kv_block_stride, row, 1),
                 offset=0 if key.kv_cache_aligned else 4,  # scales need 4-byte alignment

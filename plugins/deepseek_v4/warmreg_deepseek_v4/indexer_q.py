@@ -18,8 +18,6 @@ from ._indexer_common import (
     _SCALE_FLOOR,
     _check_rope,
     _cos_sin_meta,
-    _dtype_name,
-    _rep,
     _rope_pairs,
 )
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
@@ -132,11 +130,11 @@ class IndexerQRopeQuant(warmreg.TritonKernel[IndexerQKey]):
         explicit_fma: bool,
     ) -> IndexerQKey:
         return IndexerQKey(
-            dtype=_dtype_name(index_q.dtype),
-            weights_dtype=_dtype_name(index_weights.dtype),
+            dtype=warmreg.dtype_name(index_q.dtype),
+            weights_dtype=warmreg.dtype_name(index_weights.dtype),
             head_dim=index_q.shape[-1],
             rope_dim=cos_sin_cache.shape[-1],
-            fp8_dtype=_dtype_name(fp8_dtype),
+            fp8_dtype=warmreg.dtype_name(fp8_dtype),
             fp8_max=224.0 if fp8_dtype == torch.float8_e4m3fnuz else 448.0,
             explicit_fma=explicit_fma,
             q_stride_t=warmreg.int_class(index_q.stride(0)),
@@ -167,12 +165,12 @@ class IndexerQRopeQuant(warmreg.TritonKernel[IndexerQKey]):
             "index_q": warmreg.meta(
                 (1, 1, key.head_dim),
                 getattr(torch, key.dtype),
-                stride=(_rep(key.q_stride_t), _rep(key.q_stride_h), 1),
+                stride=(warmreg.int_class_rep(key.q_stride_t), warmreg.int_class_rep(key.q_stride_h), 1),
                 offset=0 if key.q_aligned else 1,
             ),
-            "cos_sin_cache": warmreg.meta((2, key.rope_dim), torch.float32, stride=(_rep(key.cos_sin_stride), 1)),
+            "cos_sin_cache": warmreg.meta((2, key.rope_dim), torch.float32, stride=(warmreg.int_class_rep(key.cos_sin_stride), 1)),
             "index_weights": warmreg.meta(
-                (1, 1), getattr(torch, key.weights_dtype), stride=(_rep(key.weights_stride), 1)
+                (1, 1), getattr(torch, key.weights_dtype), stride=(warmreg.int_class_rep(key.weights_stride), 1)
             ),
             "softmax_scale": 1.0,
             "head_scale": 1.0,

@@ -130,13 +130,6 @@ class InvRopeQuantKey(warmreg.CompileKey):
     launch_pdl: bool
 
 
-def _rep(cls: str) -> int:
-    """A representative of an int class stored in a key (``warmreg.int_class_rep``)."""
-    return warmreg.int_class_rep(cls)  # type: ignore[arg-type]  # key fields hold the class as str
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def fp8_checkpoint(config: warmreg.WarmConfig) -> bool:
@@ -189,7 +182,7 @@ class InvRopeFP8Quant(warmreg.TritonKernel[InvRopeQuantKey]):
         launch_pdl: bool,
     ) -> InvRopeQuantKey:
         return InvRopeQuantKey(
-            dtype=_dtype_name(o.dtype),
+            dtype=warmreg.dtype_name(o.dtype),
             heads_per_group=o.shape[1] // n_groups,
             head_dim=o.shape[2],
             rope_dim=cos_sin_cache.shape[1],
@@ -223,11 +216,11 @@ class InvRopeFP8Quant(warmreg.TritonKernel[InvRopeQuantKey]):
             "o": warmreg.meta(
                 (1, key.heads_per_group, key.head_dim),
                 getattr(torch, key.dtype),
-                stride=(_rep(key.o_stride_t), _rep(key.o_stride_h), 1),
+                stride=(warmreg.int_class_rep(key.o_stride_t), warmreg.int_class_rep(key.o_stride_h), 1),
                 offset=0 if key.o_aligned else 1,
             ),
             "positions": warmreg.meta((1,), torch.int64),
-            "cos_sin_cache": warmreg.meta((2, key.rope_dim), torch.float32, stride=(_rep(key.cos_sin_stride), 1)),
+            "cos_sin_cache": warmreg.meta((2, key.rope_dim), torch.float32, stride=(warmreg.int_class_rep(key.cos_sin_stride), 1)),
             "n_groups": 1,
             "quantize": key.quantize,
             "tma_aligned_scales": key.tma_aligned_scales,

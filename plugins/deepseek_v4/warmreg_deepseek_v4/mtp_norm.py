@@ -88,9 +88,6 @@ def _mtp_shared_head_rmsnorm_kernel(
     _rms_row(x_ptr + t * HIDDEN, w_ptr, out_ptr + t * HIDDEN, eps, t >= 0, HIDDEN, BLOCK_SIZE)  # no masked rows
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
 
 def _check_weights(kernel: str, hidden: int, *weights: torch.Tensor) -> None:
     for w in weights:
@@ -148,8 +145,8 @@ class MTPInputRMSNorm(warmreg.TritonKernel[MTPInputNormKey]):
     ) -> MTPInputNormKey:
         hidden = inputs_embeds.shape[-1]
         return MTPInputNormKey(
-            dtype=_dtype_name(inputs_embeds.dtype),
-            weight_dtype=_dtype_name(enorm_weight.dtype),
+            dtype=warmreg.dtype_name(inputs_embeds.dtype),
+            weight_dtype=warmreg.dtype_name(enorm_weight.dtype),
             hidden=hidden,
             hc_mult=math.prod(prev_hidden.shape[1:]) // max(hidden, 1),
             block_size=warmreg.next_pow2(hidden),
@@ -260,8 +257,8 @@ class MTPSharedHeadRMSNorm(warmreg.TritonKernel[MTPSharedHeadNormKey]):
 
     def dispatch(self, *, x: torch.Tensor, weight: torch.Tensor) -> MTPSharedHeadNormKey:
         return MTPSharedHeadNormKey(
-            dtype=_dtype_name(x.dtype),
-            weight_dtype=_dtype_name(weight.dtype),
+            dtype=warmreg.dtype_name(x.dtype),
+            weight_dtype=warmreg.dtype_name(weight.dtype),
             hidden=x.shape[-1],
             block_size=warmreg.next_pow2(x.shape[-1]),
             x_aligned=warmreg.is_aligned(x),

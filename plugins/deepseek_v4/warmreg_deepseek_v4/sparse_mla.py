@@ -219,9 +219,9 @@ class C128ATopkMetadata(warmreg.TritonKernel[C128ATopkMetadataKey]):
             "block_table": warmreg.meta((1, 1), torch.int32),
             "slot_mapping": warmreg.meta((2,), torch.int64),
             "num_decode_tokens": 1,
-            "compress_ratio": warmreg.int_class_rep(key.compress_ratio),  # type: ignore[arg-type]
-            "max_compressed_tokens": warmreg.int_class_rep(key.max_compressed_tokens),  # type: ignore[arg-type]
-            "block_size": warmreg.int_class_rep(key.block_size),  # type: ignore[arg-type]
+            "compress_ratio": warmreg.int_class_rep(key.compress_ratio),
+            "max_compressed_tokens": warmreg.int_class_rep(key.max_compressed_tokens),
+            "block_size": warmreg.int_class_rep(key.block_size),
         }
 
     @warmreg.kernel_launcher

@@ -146,7 +146,7 @@ class SavePartialStates(warmreg.TritonKernel[SavePartialStatesKey]):
 
     def warmup_inputs(self, key: SavePartialStatesKey) -> Mapping[str, Any]:
         def rep(cls: str) -> int:
-            return warmreg.int_class_rep(cls)  # type: ignore[arg-type]
+            return warmreg.int_class_rep(cls)
 
         h = key.head_size
         return {

@@ -154,9 +154,9 @@ class DecodeSwaIndices(warmreg.TritonKernel[DecodeSwaIndicesKey]):
             "block_table": warmreg.meta((1, 1), torch.int32),
             "replay_start": warmreg.meta((1,), torch.int32),
             "num_tokens": 1,
-            "window_size": warmreg.int_class_rep(key.window_size),  # type: ignore[arg-type]
-            "index_width": warmreg.int_class_rep(key.index_width),  # type: ignore[arg-type]
-            "block_size": warmreg.int_class_rep(key.block_size),  # type: ignore[arg-type]
+            "window_size": warmreg.int_class_rep(key.window_size),
+            "index_width": warmreg.int_class_rep(key.index_width),
+            "block_size": warmreg.int_class_rep(key.block_size),
             "left_visible": vis,
             "right_visible": vis,
         }

@@ -131,9 +131,6 @@ class KDARecurrentKey(warmreg.CompileKey):
     num_warps: int
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
 
 def _block_v(v_dim: int) -> int:
     return min(warmreg.next_pow2(v_dim), MAX_BLOCK_V)
@@ -198,9 +195,9 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
         heads, k_dim, v_dim = q.shape[1], q.shape[2], v.shape[2]
         block_k, block_v = warmreg.next_pow2(k_dim), _block_v(v_dim)
         return KDARecurrentKey(
-            dtype=_dtype_name(q.dtype),
-            gate_dtype=_dtype_name(g.dtype),
-            beta_dtype=_dtype_name(beta.dtype),
+            dtype=warmreg.dtype_name(q.dtype),
+            gate_dtype=warmreg.dtype_name(g.dtype),
+            beta_dtype=warmreg.dtype_name(beta.dtype),
             num_heads=heads,
             head_k_dim=k_dim,
             head_v_dim=v_dim,
