@@ -149,7 +149,7 @@ class ScaledAdd(warmreg.TritonKernel[ScaledAddKey]):
         if x.device != y.device:
             raise warmreg.LaunchError(self.name, f"x and y are on {x.device} and {y.device}")
         key = self.dispatch(x=x, y=y)
-        out = torch.empty_like(x)
+        out = x.new_empty(x.shape)  # not empty_like: on warm's meta tensors it imports sympy
         n = x.numel()
         kwargs = dict(
             x_ptr=x, y_ptr=y, out_ptr=out, n_elements=n, y_row_stride=y.stride(0), alpha=float(alpha),

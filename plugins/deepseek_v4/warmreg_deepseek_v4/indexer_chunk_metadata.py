@@ -216,7 +216,7 @@ class IndexerPrefillChunkMetadata(warmreg.TritonKernel[PrefillChunkMetadataKey])
         )  # fmt: skip
         token_to_seq = query_start_loc.new_empty(num_compressed_rows)
         ks = query_start_loc.new_empty(max(query_slice_stop - query_slice_start, 0))
-        ke = torch.empty_like(ks)
+        ke = ks.new_empty(ks.shape)  # not empty_like: on meta tensors it imports sympy
         kwargs = dict(
             query_start_loc_ptr=query_start_loc, seq_lens_ptr=uncompressed_seq_lens,
             cu_compressed_ptr=cu_compressed_seq_lens, row_start_cu_ptr=row_start_cu, token_to_seq_ptr=token_to_seq,

@@ -213,7 +213,9 @@ class MTPInputRMSNorm(warmreg.TritonKernel[MTPInputNormKey]):
             )
         _check_weights(self.name, hidden, enorm_weight, hnorm_weight)
         key = self.dispatch(inputs_embeds=inputs_embeds, prev_hidden=prev_hidden, enorm_weight=enorm_weight)
-        enorm_out, hnorm_out = torch.empty_like(inputs_embeds), torch.empty_like(prev_hidden)
+        # new_empty, not empty_like: on warm's meta tensors empty_like runs PyTorch's Python reference,
+        # which imports sympy (seconds in a fresh process); the inputs are contiguous, so this is the same
+        enorm_out, hnorm_out = inputs_embeds.new_empty(inputs_embeds.shape), prev_hidden.new_empty(prev_hidden.shape)
         kwargs = dict(
             embeds_ptr=inputs_embeds, positions_ptr=positions, hidden_ptr=prev_hidden, enorm_w_ptr=enorm_weight,
             hnorm_w_ptr=hnorm_weight, enorm_out_ptr=enorm_out, hnorm_out_ptr=hnorm_out, eps=eps,
@@ -291,7 +293,7 @@ class MTPSharedHeadRMSNorm(warmreg.TritonKernel[MTPSharedHeadNormKey]):
             )
         _check_weights(self.name, x.shape[1], weight)
         key = self.dispatch(x=x, weight=weight)
-        out = torch.empty_like(x)
+        out = x.new_empty(x.shape)  # contiguous x; see MTPInputRMSNorm on empty_like
         kwargs = dict(x_ptr=x, w_ptr=weight, out_ptr=out, eps=eps, HIDDEN=key.hidden, BLOCK_SIZE=key.block_size)
         return warmreg.LaunchSpec(key, (x.shape[0],) if x.shape[0] else None, kwargs, out)
 
