@@ -22,3 +22,15 @@ def triton_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     yield cache
     _triton.forget_compiled()
     KNOWLEDGE.clear()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` run only where CUDA is available (the device host); elsewhere they skip."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable, Iterable, Mapping
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 import attrs
 import torch
 
-from . import _triton
+from . import _triton, _triton_fast
 from .errors import KernelContractError
 from .key import LAUNCH_OPTIONS, CompileKey
 
@@ -58,7 +59,7 @@ def meta(
     return base.as_strided(shape, stride, offset)
 
 
-@attrs.frozen
+@attrs.define  # not frozen: a frozen attrs class costs ~0.4 us more per launch; nothing mutates it
 class LaunchSpec(Generic[K]):
     """What launch code returns: the key, the grid, the kernel's arguments and the outputs.
 
@@ -85,6 +86,10 @@ WARM_SESSION: ContextVar[_WarmSession | None] = ContextVar("warmreg_warm_session
 LAUNCH: ContextVar[tuple[str, CompileKey] | None] = ContextVar("warmreg_launch", default=None)
 #: Set by the monitor while armed: called with (kernel name, key) for every runtime launch.
 ON_LAUNCH: list[Callable[[str, CompileKey], None]] = []
+#: Launch a key's compiled kernel directly (guarded, see :mod:`warmreg._triton_fast`) after its first
+#: launch through Triton. Set ``WARMREG_FAST_LAUNCH=0`` in the environment (read at import) to always
+#: take Triton's ``JITFunction.run``.
+FAST_LAUNCH: bool = os.environ.get("WARMREG_FAST_LAUNCH", "1") != "0"
 
 
 def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
@@ -105,24 +110,44 @@ def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
             return session.capture(self, spec)
         if spec.grid is None:
             return spec.outputs
+        if ON_LAUNCH:  # a monitor is armed: count the launch (a fast launch cannot compile or load)
+            for listener in ON_LAUNCH:
+                listener(self.name, spec.key)
+        fast = self.__dict__.get("_warmreg_fast")
+        if fast is not None:
+            entry = fast.get(spec.key)
+            if entry is not None and entry.launch(spec.grid, spec.kwargs):
+                return spec.outputs
         options = spec.key.launch_options()
         jit = self.jit_for(spec.key)
         if _on_cpu(spec.kwargs):
-            jit = _triton.interpreted(jit)
-        if not ON_LAUNCH:
-            jit[spec.grid](**spec.kwargs, **options)
+            _triton.interpreted(jit)[spec.grid](**spec.kwargs, **options)
             return spec.outputs
-        for listener in ON_LAUNCH:
-            listener(self.name, spec.key)
-        token = LAUNCH.set((self.name, spec.key))
+        token = LAUNCH.set((self.name, spec.key)) if ON_LAUNCH else None
         try:
-            jit[spec.grid](**spec.kwargs, **options)
+            compiled = jit[spec.grid](**spec.kwargs, **options)
         finally:
-            LAUNCH.reset(token)
+            if token is not None:
+                LAUNCH.reset(token)
+        if FAST_LAUNCH:
+            _remember(self, spec, jit, options, compiled)
         return spec.outputs
 
     launch.__warmreg_launcher__ = True  # type: ignore[attr-defined]
     return launch
+
+
+def _remember(kernel: TritonKernel[Any], spec: LaunchSpec[Any], jit: Any, options: Mapping[str, Any], compiled: Any) -> None:
+    """Keep the guarded fast launch of a key Triton just launched (see :mod:`warmreg._triton_fast`).
+
+    One entry per key: an entry launches only on the device it was built on, so a key launched on
+    another device takes Triton's path once and then replaces the entry.
+    """
+    if compiled is None or not isinstance(spec.grid, tuple):
+        return
+    entry = _triton_fast.build(jit, spec.kwargs, options, compiled, _triton.current_device())
+    if entry is not None:
+        kernel.__dict__.setdefault("_warmreg_fast", {})[spec.key] = entry
 
 
 def _on_cpu(kwargs: Mapping[str, Any]) -> bool:

@@ -44,11 +44,12 @@ def int_class(value: int) -> IntClass:
     :param value: the runtime integer.
     :returns: ``"one"``, ``"div16"`` or ``"other"`` (``_i64`` appended past the int32 range).
     """
-    if value == 1:
-        return "one"
-    wide = not (-(2**31) <= value < 2**31)
-    base = "div16" if value % 16 == 0 else "other"
-    return f"{base}_i64" if wide else base  # type: ignore[return-value]
+    # ``& 15`` is ``% 16`` for Python ints, negative ones included; branches ordered for the hot path
+    if -2147483648 <= value < 2147483648:
+        if not value & 15:
+            return "div16"
+        return "one" if value == 1 else "other"
+    return "other_i64" if value & 15 else "div16_i64"
 
 
 def int_class_rep(cls: IntClass | str) -> int:
@@ -64,9 +65,15 @@ def int_class_rep(cls: IntClass | str) -> int:
     return reps[cls]
 
 
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
 def dtype_name(dtype: Any) -> str:
     """The name keys store for a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    return str(dtype).removeprefix("torch.")
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    return name
 
 
 def is_aligned(tensor: Any) -> bool:
@@ -74,7 +81,7 @@ def is_aligned(tensor: Any) -> bool:
 
     Works for meta tensors: an offset view reports its offset in ``data_ptr()``.
     """
-    return int(tensor.data_ptr()) % 16 == 0
+    return not tensor.data_ptr() & 15
 
 
 def _check_value(name: str, value: Any) -> None:

@@ -1,0 +1,227 @@
+"""The guarded fast launch (warmreg._triton_fast) against Triton 3.6.0's own specialization.
+
+On the CPU the guards are checked against Triton's binder (the code ``JITFunction.run`` specializes
+with) under a cross-target driver, with a recording stand-in for the compiled kernel's launcher, which
+exists only on a GPU. On a GPU the real path is checked end to end.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import warmreg
+from warmreg import _triton, _triton_fast
+from warmreg.platform import Platform
+
+H100 = Platform.parse("cuda:90")
+
+_GLOBAL_SCALE: tl.constexpr = tl.constexpr(2)
+
+
+@triton.jit(do_not_specialize=["loose_n"], do_not_specialize_on_alignment=["loose_ptr"])
+def _probe(x_ptr, y_ptr, loose_ptr, n, loose_n, scale, flag, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    if flag:
+        x = x * scale
+    tl.store(y_ptr + offs, x + tl.load(loose_ptr) + loose_n, mask=offs < n)
+
+
+@triton.jit
+def _reads_global(x_ptr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs) * _GLOBAL_SCALE)
+
+
+class _Recorder:
+    """Stands in for a CompiledKernel: records what the launcher is called with."""
+
+    function, packed_metadata = "fn", (4, 1, 0)
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def run(self, *args: Any) -> None:
+        self.calls.append(args)
+
+
+def _tensor(dtype: torch.dtype, offset: int) -> torch.Tensor:
+    return torch.zeros(64, dtype=dtype)[offset:]
+
+
+def _kwargs(**over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = dict(
+        x_ptr=_tensor(torch.float32, 0), y_ptr=_tensor(torch.float32, 0), loose_ptr=_tensor(torch.float32, 0),
+        n=32, loose_n=32, scale=0.5, flag=True, BLOCK=64,
+    )  # fmt: skip
+    base.update(over)
+    return base
+
+
+def _specialization(jit: Any, kwargs: dict[str, Any]) -> list[Any]:
+    device = _triton.current_device()
+    return jit.device_caches[device][4](**kwargs, num_warps=4)[1]
+
+
+def test_guards_accept_exactly_the_launches_triton_specializes_the_same_way() -> None:
+    variants: dict[str, list[Any]] = {
+        "x_ptr": [_tensor(torch.float32, 0), _tensor(torch.float32, 1), _tensor(torch.float32, 4), _tensor(torch.float16, 0), _tensor(torch.bfloat16, 8)],
+        "y_ptr": [_tensor(torch.float32, 0), _tensor(torch.float32, 2)],
+        "loose_ptr": [_tensor(torch.float32, 0), _tensor(torch.float32, 3), _tensor(torch.int32, 0)],
+        "n": [0, 1, 16, 17, 32, -16, -1, 2**31 - 16, 2**31, 2**31 + 1, 2**63, 2**63 + 16, -(2**40)],
+        "loose_n": [0, 1, 16, 17, 2**31],
+        "scale": [0.5, 2.0, 3],
+        "flag": [True, False],
+        "BLOCK": [64, 128],
+    }  # fmt: skip
+    with _triton.cross_target(H100):
+        device = _triton.current_device()
+        for base_n, base_loose in [(32, 32), (17, 1), (2**31 + 16, 5)]:
+            base = _kwargs(n=base_n, loose_n=base_loose)
+            want = _specialization(_probe, base)
+            rec = _Recorder()
+            entry = _triton_fast.build(_probe, base, {"num_warps": 4}, rec, device)
+            assert entry is not None
+            assert entry.launch((3,), base) is True
+            checked = agreed = 0
+            for name, values in variants.items():
+                for value in values:
+                    kw = {**base, name: value}
+                    same = _specialization(_probe, kw) == want
+                    assert entry.launch((3,), kw) is same, (name, value, entry.source)
+                    checked += 1
+                    agreed += same
+            assert 0 < agreed < checked
+            g0, g1, g2, stream, fn, packed, meta, enter, leave, *args = rec.calls[-1]
+            assert (g0, g1, g2, stream) == (3, 1, 1, 0) and (fn, packed) == ("fn", (4, 1, 0)) and (meta, enter, leave) == (None, None, None)
+            assert args == [base[p.name] for p in _probe.params]
+
+
+def test_pairs_of_changes_never_slip_through() -> None:
+    """Two changes at once (e.g. dtype and alignment) still fail the guard unless Triton agrees."""
+    with _triton.cross_target(H100):
+        base = _kwargs()
+        want = _specialization(_probe, base)
+        entry = _triton_fast.build(_probe, base, {"num_warps": 4}, _Recorder(), _triton.current_device())
+        assert entry is not None
+        pool = [("x_ptr", _tensor(torch.float16, 1)), ("x_ptr", _tensor(torch.float32, 2)), ("n", 33), ("n", 1),
+                ("flag", False), ("scale", 1), ("loose_n", 1), ("BLOCK", 32)]  # fmt: skip
+        for (a, va), (b, vb) in itertools.combinations(pool, 2):
+            kw = {**base, a: va, b: vb}
+            assert entry.launch((1,), kw) is (_specialization(_probe, kw) == want)
+
+
+def test_a_changed_call_shape_device_or_hook_takes_tritons_path() -> None:
+    with _triton.cross_target(H100):
+        device = _triton.current_device()
+        base = _kwargs()
+        rec = _Recorder()
+        entry = _triton_fast.build(_probe, base, {"num_warps": 4}, rec, device)
+        assert entry is not None
+        assert entry.launch((1, 2), base)
+        assert rec.calls[-1][:3] == (1, 2, 1)
+        assert not entry.launch((1,), {k: v for k, v in base.items() if k != "flag"})
+        assert not entry.launch((1,), {**base, "extra": 1})
+        other = _triton_fast.build(_probe, base, {"num_warps": 4}, rec, device + 1)
+        assert other is not None and not other.launch((1,), base)
+        hook = lambda metadata: None  # noqa: E731
+        triton.knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            assert not entry.launch((1,), base)
+        finally:
+            triton.knobs.runtime.launch_enter_hook.remove(hook)
+        assert entry.launch((1,), base)
+
+
+def test_a_changed_global_takes_tritons_path() -> None:
+    global _GLOBAL_SCALE
+    with _triton.cross_target(H100):
+        kw = {"x_ptr": _tensor(torch.float32, 0), "BLOCK": 16}
+        _reads_global.warmup(grid=(1,), **kw)  # records the globals the kernel reads
+        entry = _triton_fast.build(_reads_global, kw, {}, _Recorder(), _triton.current_device())
+        assert entry is not None and entry.launch((1,), kw)
+        saved = _GLOBAL_SCALE
+        _GLOBAL_SCALE = tl.constexpr(3)
+        try:
+            assert not entry.launch((1,), kw)
+        finally:
+            _GLOBAL_SCALE = saved
+        assert entry.launch((1,), kw)
+
+
+def test_arguments_without_a_cheap_guard_get_no_fast_path() -> None:
+    with _triton.cross_target(H100):
+        kw = _kwargs(scale=(1.0, 2.0))
+        assert _triton_fast.build(_probe, kw, {"num_warps": 4}, _Recorder(), _triton.current_device()) is None
+
+
+@pytest.mark.gpu
+def test_gpu_second_launch_is_fast_and_correct(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.runtime.jit import JITFunction
+
+    from warmreg.ops import FusedQKVRMSNorm, fused_qkv_rmsnorm_reference
+
+    op = FusedQKVRMSNorm(q_size=96, kv_size=64, proj_width=160)
+    dev = torch.device("cuda")
+    proj = torch.randn(5, 160, device=dev, dtype=torch.bfloat16)
+    qw = torch.rand(96, device=dev, dtype=torch.bfloat16) + 0.5
+    kvw = torch.rand(64, device=dev, dtype=torch.bfloat16) + 0.5
+    runs: list[int] = []
+    real_run = JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: runs.append(1) or real_run(self, *a, **k))
+    for step in range(3):
+        x = proj * (step + 1)
+        q, kv = op(x[:, :96], x[:, 96:], qw, kvw, 1e-6)
+        q_ref, kv_ref = fused_qkv_rmsnorm_reference(x[:, :96], x[:, 96:], qw, kvw, 1e-6)
+        torch.testing.assert_close(q, q_ref, atol=0, rtol=2**-7)
+        torch.testing.assert_close(kv, kv_ref, atol=0, rtol=2**-7)
+    assert len(runs) == 1  # only the first launch went through JITFunction.run
+    shifted = torch.randn(5 * 160 + 1, device=dev, dtype=torch.bfloat16)[1:].view(5, 160)
+    q, _ = op(shifted[:, :96], shifted[:, 96:], qw, kvw, 1e-6)  # another key: Triton's path again
+    torch.testing.assert_close(q, fused_qkv_rmsnorm_reference(shifted[:, :96], shifted[:, 96:], qw, kvw, 1e-6)[0], atol=0, rtol=2**-7)
+    assert len(runs) == 2
+    with warmreg.monitor("error") as mon:  # armed: the fast path still serves, and every launch is counted
+        op(proj[:, :96], proj[:, 96:], qw, kvw, 1e-6)
+        op(shifted[:, :96], shifted[:, 96:], qw, kvw, 1e-6)
+    assert len(runs) == 2 and not mon.misses
+    assert sum(row["launches"] for row in mon.counters().values()) == 2, mon.counters()
+
+
+class _Capture:
+    def __init__(self) -> None:
+        self.spec: Any = None
+
+    def capture(self, kernel: Any, spec: Any) -> None:
+        self.spec = spec
+
+
+@pytest.mark.parametrize("config", ["deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3"])
+def test_every_planned_key_gets_a_fast_path(config: str) -> None:
+    """Each key of the example configs: the guard built from its launch accepts that launch again."""
+    from pathlib import Path
+
+    from warmreg.kernel import WARM_SESSION
+
+    plan = warmreg.plan(Path(__file__).parents[1] / "examples" / f"{config}.json", target="cuda:90")
+    missing = []
+    with _triton.cross_target(plan.platform):
+        for kp, key in plan.items():
+            kernel = kp.kernel_for(key)
+            session = _Capture()
+            token = WARM_SESSION.set(session)
+            try:
+                kernel.launch_for_warm(key)
+            finally:
+                WARM_SESSION.reset(token)
+            spec = session.spec
+            jit = kernel.jit_for(key)
+            entry = _triton_fast.build(jit, spec.kwargs, key.launch_options(), _Recorder(), _triton.current_device())
+            if entry is None or not entry.launch(spec.grid or (1,), spec.kwargs):
+                missing.append(f"{kp.name}: {key}")
+    assert not missing, missing

@@ -1,0 +1,164 @@
+"""The guarded fast launch: a warmed key's compiled kernel, launched without Triton's per-call binding.
+
+Part of the Triton adapter (checked against Triton 3.6.0, tested in ``tests/test_fast_launch.py``).
+
+``JITFunction.run`` spends most of a small launch's host time on work that repeats identically for
+every call of one compile key: binding the arguments, specializing each one, formatting the cache key
+as a string, checking globals, building launch metadata and calling two empty launch-hook chains
+from C. A warmreg launch already knows its compile key, so after the first launch of a key on a device
+(which goes through ``JITFunction.run`` and therefore through the monitor, the cache and the
+compiler like any launch), :func:`build` records what Triton chose for it and returns a
+:class:`FastLaunch`: one generated function that re-checks, per call, every property of the arguments
+Triton specializes on (tensor class, dtype and 16-byte alignment; integer width, divisibility by 16
+and the value 1; the type of floats and bools; constexpr values and arguments Triton turned into
+constants) and then calls the compiled kernel's launcher directly. If any check fails, a launch hook
+is installed (a profiler) or a global the kernel read has changed, it returns ``False`` and the caller
+takes Triton's ordinary path: the fast path can be slower than needed, never wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import triton
+import triton.language as tl
+from triton.knobs import HookChain
+from triton.runtime.driver import driver as _driver
+from triton.runtime.jit import JITFunction
+
+__all__ = ["FastLaunch", "build"]
+
+#: Triton 3.6.0's width of a specialized int: i32 when it fits, u64 from 2**63, i64 otherwise.
+_WIDTH = {
+    "i32": "-2147483648 <= {v} < 2147483648",
+    "i64": "-9223372036854775808 <= {v} < 9223372036854775808 and not -2147483648 <= {v} < 2147483648",
+    "u64": "9223372036854775808 <= {v} < 18446744073709551616",
+}
+
+
+class FastLaunch:
+    """A compiled kernel with the guards of one specialization.
+
+    :ivar launch: ``launch(grid, kwargs) -> bool``: checks the guards and launches, or returns
+        ``False`` without launching.
+    :ivar device: the device id whose loaded module it launches.
+    :ivar source: the generated guard-and-launch function's source (for review and tests).
+    """
+
+    __slots__ = ("device", "launch", "source")
+
+    def __init__(self, launch: Callable[[tuple[int, ...], Mapping[str, Any]], bool], device: int, source: str) -> None:
+        self.launch = launch
+        self.device = device
+        self.source = source
+
+
+def _device_getter() -> Callable[[], int]:
+    """Triton's current-device function, or torch's C getter behind it once CUDA is initialized
+    (``torch.cuda.current_device`` re-checks lazy initialization on every call)."""
+    import torch
+
+    getter = _driver.active.get_current_device
+    if getter is torch.cuda.current_device and torch.cuda.is_initialized():
+        return torch._C._cuda_getDevice
+    return getter
+
+
+def build(
+    jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str, Any], compiled: Any, device: int
+) -> FastLaunch | None:
+    """The guarded fast launch of ``compiled``, which ``jit`` just launched with ``kwargs`` on ``device``.
+
+    Returns ``None`` where the arguments hold something the guards cannot check cheaply (tuples,
+    tensor descriptors, objects other than tensors and scalars) or the jit function has pre-run hooks:
+    such launches always take Triton's path.
+    """
+    if jit.pre_run_hooks or not hasattr(compiled, "packed_metadata"):
+        return None
+    full = dict(kwargs)
+    full.update(options)
+    full["debug"] = full.get("debug", jit.debug) or triton.knobs.runtime.debug
+    full["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
+    binder = jit.device_caches[device][4]
+    bound, specialization, _ = binder(**full)
+    runtime = triton.knobs.runtime
+    env: dict[str, Any] = {"_run": compiled.run, "_fn": compiled.function, "_packed": compiled.packed_metadata}
+    env.update(_rt=runtime, _enter=runtime.launch_enter_hook, _exit=runtime.launch_exit_hook)
+    env.update(_device_of=_device_getter(), _stream_of=_driver.active.get_current_stream)
+    fetch, checks, args = [], [], []
+    for i, (param, (ty, spec)) in enumerate(zip(jit.params, specialization)):
+        value, var = bound[param.name], f"a{i}"
+        args.append(var)
+        if param.name in kwargs:
+            fetch.append(f"        {var} = kw[{param.name!r}]")
+        else:  # a default Triton filled in: the launcher did not pass it
+            env[f"_d{i}"] = value
+            checks.append(f"{param.name!r} not in kw")
+            fetch.append(f"        {var} = _d{i}")
+        check = _guard(var, i, param, ty, spec, value, env)
+        if check is None:
+            return None
+        checks.append(f"({check})")
+    for j, ((name, _), (val, globals_dict)) in enumerate(jit.used_global_vals.items()):
+        env[f"_g{j}"], env[f"_gd{j}"] = val, globals_dict
+        checks.append(f"_gd{j}.get({name!r}, _run) == _g{j}")
+    hooks_idle = [f"_rt.{h} is {v}" + (f" and not {v}.calls" if isinstance(env[v], HookChain) else "")
+                  for h, v in (("launch_enter_hook", "_enter"), ("launch_exit_hook", "_exit"))]  # fmt: skip
+    checks += hooks_idle + [f"_device_of() == {int(device)}"]
+    lines = [
+        "def launch(grid, kw):",
+        f"    if len(kw) != {len(kwargs)}: return False",
+        "    try:",
+        *fetch,
+        "    except KeyError:",
+        "        return False",
+        "    if not (" + "\n            and ".join(checks) + "):",
+        "        return False",
+        "    n = len(grid)",
+        "    _run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, "
+        f"_stream_of({int(device)}), _fn, _packed, None, None, None, {', '.join(args)})",
+        "    return True",
+    ]
+    source = "\n".join(lines) + "\n"
+    exec(compile(source, f"<warmreg fast launch of {jit.fn.__qualname__}>", "exec"), env)
+    return FastLaunch(env["launch"], int(device), source)
+
+
+def _guard(var: str, i: int, param: Any, ty: str, spec: Any, value: Any, env: dict[str, Any]) -> str | None:
+    """The Python condition under which Triton 3.6.0 specializes ``var`` exactly as it did ``value``
+    (``""`` for no condition, ``None`` when there is no cheap exact condition)."""
+    cls = type(value)
+    if not isinstance(ty, str):  # tuples of arguments
+        return None
+    if param.is_constexpr or ty == "constexpr":  # constexpr params, ints equal to 1, None
+        if not isinstance(value, (int, float, str, bool, type(None), tl.dtype)):
+            return None
+        if value is None:
+            return f"{var} is None"
+        env[f"_c{i}"] = value
+        env[f"_cc{i}"] = cls
+        return f"{var}.__class__ is _cc{i} and {var} == _c{i}"
+    if ty.startswith("*"):
+        if not hasattr(value, "data_ptr") or not hasattr(value, "dtype"):
+            return None
+        env[f"_t{i}"], env[f"_dt{i}"] = cls, value.dtype
+        cond = f"{var}.__class__ is _t{i} and {var}.dtype is _dt{i}"
+        if spec == "D":
+            return cond + f" and not ({var}.data_ptr() & 15)"
+        if param.do_not_specialize or param.do_not_specialize_on_alignment:
+            return cond
+        return cond + f" and ({var}.data_ptr() & 15)"
+    if ty in _WIDTH and cls is int:
+        cond = f"{var}.__class__ is int and " + _WIDTH[ty].format(v=var)
+        if param.do_not_specialize:
+            return cond
+        cond += f" and {var} != 1"
+        if spec == "D":
+            return cond + f" and not ({var} & 15)"
+        if param.do_not_specialize_on_alignment:
+            return cond
+        return cond + f" and ({var} & 15)"
+    if ty in ("fp32", "u1") and cls in (float, bool):
+        return f"{var}.__class__ is {cls.__name__}"
+    return None
