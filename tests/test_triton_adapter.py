@@ -141,3 +141,53 @@ def test_recorded_library_paths_do_not_travel(triton_cache: Path) -> None:
     assert data["options"]["extern_libs"]  # Triton records absolute paths here
     data["options"]["extern_libs"] = [["libdevice", "/elsewhere/python3.12/libdevice.10.bc"]]
     assert _triton.local_cache_hash(_scale_kernel, json.dumps(data), H100) == compiled.hash
+
+
+def test_triton_key_prefetch_fills_tritons_own_cache() -> None:
+    from triton.runtime import cache
+
+    _triton.prefetch_triton_key()
+    _triton.prefetch_triton_key()  # once per process
+    _triton.wait_triton_key()
+    assert cache.triton_key.cache_info().currsize == 1
+    hits = cache.triton_key.cache_info().hits
+    assert cache.triton_key().startswith(triton.__version__)
+    assert cache.triton_key.cache_info().hits == hits + 1
+
+
+def test_loads_that_share_a_launcher_take_turns_and_others_run_in_parallel() -> None:
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    spans: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
+
+    class FakeCompiled:  # stands in for CompiledKernel: _init_handles builds the launcher
+        module = None
+
+        def __init__(self, group: str, sig: dict[str, str]) -> None:
+            self.group = group
+            self.src = SimpleNamespace(signature=sig, constants={(3,): 64})
+            self.metadata = SimpleNamespace()
+
+        def _init_handles(self) -> None:
+            start = time.perf_counter()
+            time.sleep(0.05)
+            spans[self.group].append((start, time.perf_counter()))
+            self.module = object()
+
+    kernels = [FakeCompiled("a", {"x": "*fp32", "n": "i32"}) for _ in range(3)]
+    kernels += [FakeCompiled("b", {"x": "*bf16", "n": "i32"}) for _ in range(3)]
+    threads = [threading.Thread(target=_triton.finish_load, args=(k,)) for k in kernels]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for group in spans.values():
+        ordered = sorted(group)
+        assert len(ordered) == 3
+        assert all(prev_end <= start for (_, prev_end), (start, _) in zip(ordered, ordered[1:]))  # one at a time
+    a, b = sorted(spans["a"]), sorted(spans["b"])
+    assert any(sa < eb and sb < ea for sa, ea in a for sb, eb in b)  # the two launchers built side by side
+    _triton.finish_load(kernels[0])  # loaded: a no-op
+    assert len(spans["a"]) == 3

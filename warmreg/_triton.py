@@ -130,6 +130,33 @@ def cross_target(platform: Platform) -> Iterator[None]:
             _driver._active = previous
 
 
+_key_thread: threading.Thread | None = None
+
+
+def prefetch_triton_key() -> None:
+    """Start computing Triton's ``triton_key()`` on a background thread, once per process.
+
+    Triton 3.6.0 hashes its own sources and the 415 MB ``libtriton.so`` the first time any compile or
+    cache lookup needs the key (~0.35 s on an H200 host); ``hashlib`` releases the GIL, so a warm
+    overlaps it with loading plugins and planning. :func:`wait_triton_key` joins it.
+    """
+    global _key_thread
+    with _ids_lock:
+        if _key_thread is None:
+            from triton.runtime import cache
+
+            _key_thread = threading.Thread(target=cache.triton_key, name="warmreg-triton-key", daemon=True)
+            _key_thread.start()
+
+
+def wait_triton_key() -> None:
+    """Wait for :func:`prefetch_triton_key` (a no-op when it never started or has finished), so the
+    key is computed once rather than again on the calling thread."""
+    thread = _key_thread
+    if thread is not None:
+        thread.join()
+
+
 def current_device() -> int:
     """The device id Triton's ``JITFunction.run`` uses right now."""
     return int(_driver.active.get_current_device())
@@ -190,10 +217,30 @@ def forget_compiled() -> None:
         jit.device_caches.clear()
 
 
+_launcher_locks: dict[str, threading.Lock] = {}
+
+
 def finish_load(compiled: Any) -> None:
     """Do at warm what Triton 3.6.0 otherwise leaves to the first launch: build the C launcher and
-    load the binary onto the device (``CompiledKernel._init_handles``)."""
-    compiled._init_handles()
+    load the binary onto the device (``CompiledKernel._init_handles``).
+
+    Triton builds one C launcher per distinct signature and constants (23 for the 71 DeepSeek-V4-Flash
+    keys) and caches it on disk, but concurrent first loads of one signature each run the C compiler.
+    Loads that share a launcher therefore take turns: the first builds it, the others load it.
+    """
+    if getattr(compiled, "module", None) is not None:
+        return
+    src = compiled.src
+    signature, constants = getattr(src, "signature", None), getattr(src, "constants", None)
+    if signature is None or constants is None:  # not an ASTSource: no way to tell launchers apart
+        compiled._init_handles()
+        return
+    tensordesc = getattr(compiled.metadata, "tensordesc_meta", None)
+    identity = repr((sorted(signature.items()), sorted(constants.items(), key=repr), tensordesc))
+    with _ids_lock:
+        lock = _launcher_locks.setdefault(identity, threading.Lock())
+    with lock:
+        compiled._init_handles()
 
 
 def _interpreted(jit: JITFunction) -> InterpretedFunction[Any]:
@@ -451,6 +498,7 @@ def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platf
     includes ``triton_key()``, a digest of the Triton installation, so it differs between Python
     builds of one release and must be recomputed where a pack is installed.
     """
+    wait_triton_key()
     import hashlib
     import json
 

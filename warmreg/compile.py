@@ -183,6 +183,7 @@ def compile_keys(
     :returns: one :class:`KeyResult` per item, in order.
     """
     tasks = [_Task(kp, key) for kp, key in items]
+    _triton.wait_triton_key()
     on_done = (lambda task: advance(task.result())) if advance is not None else None
     session = _Session()
     previous_listener = knobs.compilation.listener

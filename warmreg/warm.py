@@ -126,6 +126,7 @@ def warm(
         ``report`` attribute holds the full report.
     """
     start = time.perf_counter()
+    _triton.prefetch_triton_key()  # overlaps hashing Triton's install with plugin loading and planning
     on_error = check_on_error(on_error)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise WarmregError(f"workers={workers!r} must be an int >= 1", fix="pass e.g. workers=8, or None for all CPUs")
