@@ -42,8 +42,18 @@ def median(values: list[float]) -> float:
 
 
 def write(name: str, data: dict[str, Any]) -> Path:
-    """Write ``benchmarks/results/<name>.json`` (and a copy under $OUT when set)."""
+    """Write ``benchmarks/results/<name>.json`` (and a copy under $OUT when set).
+
+    Under ``benchmarks/run_gpu.py`` (``WARMREG_BENCH_DIR`` set) the file goes to that directory
+    instead, and the entry script gathers every step into one results file.
+    """
     data = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "machine": machine(), **data}
+    staging = os.environ.get("WARMREG_BENCH_DIR")
+    if staging:
+        Path(staging).mkdir(parents=True, exist_ok=True)
+        path = Path(staging, f"{name}.json")
+        path.write_text(json.dumps(data, indent=2, default=str))
+        return path
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(data, indent=2, default=str))

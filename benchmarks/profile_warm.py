@@ -1,38 +1,123 @@
-"""Where a warm from a warm disk cache spends its time (cProfile), on the local GPU.
+"""Where a warm spends its time, stage by stage and thread by thread (all threads, unlike cProfile).
 
-Runs one cold warm in a subprocess to fill a fresh cache, then profiles a second warm from that
-cache in another subprocess (CUDA context created before the timer, as in an engine).
+Runs a cold warm (fresh Triton cache) and then a warm from that cache, each in its own subprocess,
+with timers around Triton's and warmreg's stages: warmreg's bind (launch code on meta tensors) and
+specialization, ``JITFunction._do_compile`` (main thread), ``compile`` (the pool), its frontend and
+each backend stage, ``triton_key``, C-launcher builds, module loads. Each timer records its thread
+and its interval, so the JSON shows both CPU-seconds per stage and how much ran concurrently.
+A CUDA context is created before the timer starts, as in an engine. Writes
+``benchmarks/results/profile_warm_<tag>.json``.
 
-    python benchmarks/profile_warm.py examples/deepseek_v4_flash.json > profile.txt
+    python benchmarks/profile_warm.py examples/deepseek_v4_flash.json [--workers N] [--target cuda:90] [--tag h200]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
-_CODE = """
-import cProfile, pstats, sys, time, torch, warmreg
-torch.empty(1, device="cuda")
-prof = cProfile.Profile()
-t = time.perf_counter()
-prof.enable()
-r = warmreg.warm({config!r}, progress=False)
-prof.disable()
-print(r.summary(), "wall", round(time.perf_counter() - t, 3), "plan", round(r.plan_seconds, 3))
-pstats.Stats(prof, stream=sys.stdout).sort_stats("cumulative").print_stats(40)
-pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(20)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write
+
+_CHILD = r"""
+import functools, json, sys, threading, time
+import torch, triton
+import triton.compiler.compiler as cc
+import triton.runtime.cache as rc
+import triton.runtime.jit as rj
+from triton.backends.nvidia import compiler as nvc, driver as nvd
+import warmreg
+import warmreg.compile as wc
+from warmreg import _triton
+
+if torch.cuda.is_available():
+    torch.empty(1, device="cuda")
+events = []
+lock = threading.Lock()
+
+def timed(name, fn):
+    @functools.wraps(fn)
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return fn(*a, **k)
+        finally:
+            t1 = time.perf_counter()
+            with lock:
+                events.append((name, threading.current_thread().name, t0, t1))
+    return wrapper
+
+def patch(owner, attr, name, static=False):
+    fn = getattr(owner, attr)
+    w = timed(name, fn)
+    setattr(owner, attr, staticmethod(w) if static else w)
+
+rc.triton_key = timed("triton_key", rc.triton_key)
+patch(cc, "compile", "compile (pool)")
+triton.compiler.compile = cc.compile
+patch(cc.ASTSource, "make_ir", "frontend make_ir")
+for stage in ("make_ttir", "make_ttgir"):
+    patch(nvc.CUDABackend, stage, "stage " + stage, static=True)
+for stage in ("make_llir", "make_ptx", "make_cubin"):
+    patch(nvc.CUDABackend, stage, "stage " + stage)
+patch(nvd, "compile_module_from_src", "launcher build/load")
+patch(cc.CompiledKernel, "_init_handles", "init_handles (load)")
+patch(rj.JITFunction, "_do_compile", "_do_compile (submit)")
+patch(wc, "_bind", "warmreg bind (launch code + submit)")
+patch(_triton, "specialize", "warmreg specialize")
+patch(warmreg, "plan", "warmreg plan")
+
+t0 = time.perf_counter()
+r = warmreg.warm(CONFIG, target=TARGET, workers=WORKERS, on_error="continue", progress=False)
+wall = time.perf_counter() - t0
+stages = {}
+for name, thread, a, b in events:
+    row = stages.setdefault(name, {"calls": 0, "seconds": 0.0, "threads": set(), "first": a - t0, "last": b - t0})
+    row["calls"] += 1
+    row["seconds"] += b - a
+    row["threads"].add(thread)
+    row["first"] = min(row["first"], a - t0)
+    row["last"] = max(row["last"], b - t0)
+for row in stages.values():
+    row["threads"] = len(row["threads"])
+print(json.dumps({"wall": wall, "summary": r.summary(), "plan_seconds": r.plan_seconds,
+                  "sympy_imported": "sympy" in sys.modules, "stages": stages}))
 """
 
 
+def _run(config: str, workers: int, target: str | None, cache: str) -> dict:
+    code = _CHILD.replace("CONFIG", repr(config)).replace("WORKERS", str(workers)).replace("TARGET", repr(target))
+    out = subprocess.run(
+        [sys.executable, "-c", code], env={**os.environ, "TRITON_CACHE_DIR": cache}, capture_output=True, text=True
+    )
+    if out.returncode:
+        raise SystemExit(out.stderr[-4000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
-    config = sys.argv[1]
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    ap.add_argument("--target", default=None, help="cross-compile target (default: the local GPU)")
+    ap.add_argument("--tag", default="h200")
+    args = ap.parse_args()
     with tempfile.TemporaryDirectory() as cache:
-        env = {**os.environ, "TRITON_CACHE_DIR": cache}
-        subprocess.run([sys.executable, "-c", f"import warmreg; print(warmreg.warm({config!r}).summary())"], env=env, check=True)
-        subprocess.run([sys.executable, "-c", _CODE.format(config=config)], env=env, check=True)
+        cold = _run(args.config, args.workers, args.target, cache)
+        warm = _run(args.config, args.workers, args.target, cache)
+    result = {"config": args.config, "target": args.target or "local", "workers": args.workers, "cold": cold, "warm_cache": warm}
+    path = write(f"profile_warm_{args.tag}", result)
+    for name, run in (("cold", cold), ("warm cache", warm)):
+        print(f"{name}: {run['summary']} wall {run['wall']:.2f} s (sympy imported: {run['sympy_imported']})")
+        for stage, row in sorted(run["stages"].items(), key=lambda kv: -kv[1]["seconds"]):
+            print(f"  {stage:40s} {row['calls']:4d} calls {row['seconds']:7.2f} s on {row['threads']:2d} threads, "
+                  f"{row['first']:5.2f}..{row['last']:5.2f} s")  # fmt: skip
+    print("->", path)
 
 
 if __name__ == "__main__":

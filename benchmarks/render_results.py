@@ -1,4 +1,5 @@
-"""Render the README's Results section from benchmarks/results/*.json.
+"""Render the README's Results section from benchmarks/results/h200.json (``benchmarks/run_gpu.py``)
+and the CPU machine's and the 2-GPU run's result files.
 
     python benchmarks/render_results.py          # rewrites the block between the markers in README.md
 """
@@ -25,46 +26,89 @@ def _machine(d: dict[str, Any]) -> str:
     return f"{gpu}, {m['cpus']} CPUs, Python {m['python']}, torch {m['torch']}, Triton {m['triton']} ({d['time']})"
 
 
-def warm_table(d: dict[str, Any]) -> list[str]:
-    v = d["variants"]
-    rows = [
-        ("cold, 1 worker", v["cold_serial"]),
-        (f"cold, {d['cpus']} threads (Triton async compile)", v["cold_threads"]),
-        (f"cold, {d['cpus']} processes + load", v["cold_processes"]),
-        ("warm Triton disk cache", v["warm_disk_cache"]),
+_VARIANTS = [("cold_serial", "cold, 1 worker"), ("cold_threads", "cold, all cores (threads)"),
+             ("cold_processes", "cold, all cores (processes)"), ("warm_disk_cache", "warm disk cache"),
+             ("from_pack", "from a pack built on the CPU machine")]  # fmt: skip
+
+
+def warm_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """One row per (machine, config): wall seconds of each warm variant, side by side."""
+    out = ["Warm time in seconds (each variant a fresh process with its own Triton cache; CUDA context created "
+           "before the timer, as in an engine):", "",
+           "| machine | config | keys / kernels | " + " | ".join(label for _, label in _VARIANTS) + " |",
+           "| --- | --- | --- |" + " ---: |" * len(_VARIANTS)]  # fmt: skip
+    for where, d in runs:
+        v = d["variants"]
+        cells = [f"{v[k]['wall']:.2f}" if k in v else "-" for k, _ in _VARIANTS]
+        first = v["cold_serial"]
+        out.append(f"| {where} | `{Path(d['config']).stem}` | {first['keys']} / {first['kernels']} | " + " | ".join(cells) + " |")
+    return out + [""]
+
+
+def profile_lines(d: dict[str, Any]) -> list[str]:
+    def top(run: dict[str, Any], n: int) -> str:
+        rows = sorted(run["stages"].items(), key=lambda kv: -kv[1]["seconds"])[:n]
+        return "; ".join(f"{name} {row['seconds']:.2f} s over {row['threads']} threads" for name, row in rows)
+
+    cold, warm = d["cold"], d["warm_cache"]
+    return [
+        f"Where the time goes (`benchmarks/profile_warm.py`, {d['workers']} workers, CPU-seconds summed over threads): "
+        f"cold {cold['wall']:.2f} s wall: {top(cold, 5)}. From the warm cache {warm['wall']:.2f} s wall: {top(warm, 4)}. "
+        f"sympy imported during warm: {cold['sympy_imported'] or warm['sympy_imported']}.",
+        "",
     ]
-    if "from_pack" in v:
-        rows.append(("from a pack built on the CPU machine (Python 3.11)", v["from_pack"]))
-    out = [f"Warm time, {v['cold_serial']['keys']} keys over {v['cold_serial']['kernels']} kernels, `{d['config']}` on {d['target']}; {_machine(d)}", "",
-           "| variant | wall s | compiled | from cache |", "| --- | ---: | ---: | ---: |"]
-    for name, row in rows:
-        load = row.get("load", row)
-        out.append(f"| {name} | {row['wall']:.2f} | {load.get('compiled', '-')} | {load.get('from_cache', '-')} |")
-    r = d["ratios"]
-    out += ["", "Ratios: " + ", ".join(f"{k} {val:.2f}" for k, val in r.items()), ""]
-    return out
 
 
 def proof_lines(d: dict[str, Any]) -> list[str]:
     s, lo = d["sweep"], d["launch_overhead_us"]
     return [
-        f"GPU proof ({_machine(d)}): {d['warm']['summary']}; then {s['launches']} real Q/KV RMSNorm launches, T = {s['token_counts'][0]}..{s['token_counts'][1]}, "
-        f"monitor armed: **{len(s['misses'])} misses**; max |error| vs the PyTorch reference {s['max_abs_err_vs_reference']:g} (bf16); first launch after warm {s['first_launch_ms']:.3f} ms.",
+        f"RMSNorm proof: {d['warm']['summary']}; then {s['launches']} real Q/KV RMSNorm launches, T = {s['token_counts'][0]}..{s['token_counts'][1]}, "
+        f"monitor armed: **{len(s['misses'])} misses**; max |error| vs the PyTorch reference {s['max_abs_err_vs_reference']:g} (bf16); "
+        f"first launch after warm {s['first_launch_ms']:.3f} ms.",
         "",
-        f"Host cost per launch (T = 1): warmreg {lo['median_warmreg']:.1f} µs, Triton `kernel[grid](...)` {lo['median_triton_direct']:.1f} µs "
-        f"(ratio {lo['ratio']:.2f}), Triton with the same two output allocations {lo.get('median_triton_direct_with_output_alloc', float('nan')):.1f} µs "
-        f"(ratio {lo.get('ratio_same_work', float('nan')):.2f}).",
+        "Host cost per launch (T = 1, median of 7 interleaved rounds):",
+        "",
+        "| path | µs per call | ratio to Triton with the same allocations |",
+        "| --- | ---: | ---: |",
+        f"| warmreg op (validate, dispatch, allocate 2 outputs, guarded fast launch) | {lo['median_warmreg']:.1f} | **{lo['ratio_same_work']:.2f}** |",
+        f"| warmreg op through `JITFunction.run` (fast launch off) | {lo['median_warmreg_via_triton_run']:.1f} | {lo['ratio_same_work_via_triton_run']:.2f} |",
+        f"| Triton `kernel[grid](...)`, same 2 allocations | {lo['median_triton_direct_with_output_alloc']:.1f} | 1.00 |",
+        f"| Triton `kernel[grid](...)`, preallocated outputs | {lo['median_triton_direct']:.1f} | - |",
         "",
     ]
 
 
-def all_keys_table(d: dict[str, Any]) -> list[str]:
-    out = [f"Every warmed key launched for real ({_machine(d)}):", "", "| config | warm | keys launched | launch failures | misses |", "| --- | --- | ---: | ---: | ---: |"]
+def sweep_table(d: dict[str, Any]) -> list[str]:
+    out = ["Zero-JIT sweep (`benchmarks/sweep.py`): per config, `warm()`, monitor in `error`, then randomized "
+           "decode / prefill / mixed steps through every registered kernel with real tensors:", "",
+           "| config | steps | tokens | kernels driven | launches | misses | failures |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for c in d["configs"]:
-        launched = sum(k["launched"] for k in c["kernels"].values())
-        failures = sum(len(k["failures"]) for k in c["kernels"].values())
+        kernels = c["kernels"]
+        launches = sum(k["launches"] for k in kernels.values())
+        misses = sum(len(k["misses"]) for k in kernels.values())
+        failures = sum(len(k["failures"]) for k in kernels.values())
+        out.append(f"| `{Path(c['config']).stem}` | {c['steps']} | {c['tokens']} | {sum(1 for k in kernels.values() if k['launches'])}/{len(kernels)} "
+                   f"| {launches} | **{misses}** | {failures} |")  # fmt: skip
+    return out + [""]
+
+
+def all_keys_table(d: dict[str, Any]) -> list[str]:
+    import statistics
+
+    out = ["Every warmed key launched for real (`benchmarks/gpu_all_keys.py`, monitor recording), first launch after "
+           "warm against the median of 20 steady-state launches (ms, synchronized, medians over keys):", "",
+           "| config | warm | keys launched | launch failures | misses | first launch ms | steady launch ms |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for c in d["configs"]:
+        kernels = c["kernels"].values()
+        launched = sum(k["launched"] for k in kernels)
+        failures = sum(len(k["failures"]) for k in kernels)
+        first = [x for k in kernels for x in k["first_ms"]]
+        steady = [x for k in kernels for x in k["steady_ms"]]
         src = " (from pack)" if c.get("pack") else ""
-        out.append(f"| `{c['config']}`{src} | {c['warm_summary']} | {launched} | {failures} | {len(c['misses'])} |")
+        out.append(f"| `{Path(c['config']).stem}`{src} | {c['warm_summary']} | {launched} | {failures} | {len(c['misses'])} "
+                   f"| {statistics.median(first):.3f} | {statistics.median(steady):.3f} |")  # fmt: skip
     return out + [""]
 
 
@@ -113,16 +157,28 @@ def multi_gpu_lines(d: dict[str, Any]) -> list[str]:
 
 def render() -> str:
     lines: list[str] = []
+    gpu = _load("h200")
+    steps = {name: st["result"] for name, st in (gpu or {}).get("steps", {}).items() if st.get("result")}
     if (ROOT / "docs" / "warm_time.png").exists():
         lines += ["![warm time](docs/warm_time.png)", ""]
-    for name, fn in (("warm_time_h200", warm_table), ("warm_time_cpu2core_cuda90", warm_table), ("gpu_proof_h200", proof_lines), ("gpu_all_keys_h200", all_keys_table), ("multi_gpu_h200x2", multi_gpu_lines)):
-        data = _load(name)
-        if data is not None:
-            lines += fn(data)
-    for name, title in (("kernels_dsv4_index_h200", "DeepSeek-V4 index and metadata kernels"), ("kernels_numeric_h200", "Numeric kernels (DeepSeek-V4, shared Q/KV RMSNorm, Kimi-K3 KDA)")):
-        data = _load(name)
-        if data is not None:
-            lines += kernels_table(data, title)
+    if gpu is not None:
+        status = ", ".join(f"{name} {'ok' if st['rc'] == 0 else 'rc ' + str(st['rc'])} ({st['wall_s']:.0f} s)" for name, st in gpu["steps"].items())
+        lines += [f"GPU run: `{gpu['command']}` on {_machine(gpu)}; steps: {status}.", ""]
+    runs = [("H200 host", steps[name]) for name in steps if name.startswith("warm_time:")]
+    cpu = _load("warm_time_cpu2core_cuda90")
+    if cpu is not None:
+        runs.append(("CPU machine, 2 cores, cross cuda:90", cpu))
+    if runs:
+        lines += warm_table(runs)
+    for name, fn in (("profile_warm", profile_lines), ("gpu_proof", proof_lines), ("sweep", sweep_table), ("gpu_all_keys", all_keys_table)):
+        if name in steps:
+            lines += fn(steps[name])
+    multi = _load("multi_gpu_h200x2")
+    if multi is not None:
+        lines += multi_gpu_lines(multi)
+    for name, title in (("kernels_dsv4_index", "DeepSeek-V4 index and metadata kernels"), ("kernels_numeric", "Numeric kernels (DeepSeek-V4, shared Q/KV RMSNorm, Kimi-K3 KDA)")):
+        if name in steps:
+            lines += kernels_table(steps[name], title)
     return "\n".join(lines)
 
 
@@ -135,10 +191,9 @@ def chart() -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    runs = [(name, _load(f"warm_time_{name}")) for name in ("h200", "cpu2core_cuda90")]
-    runs = [(n, d) for n, d in runs if d is not None]
-    if not runs:
-        return None
+    gpu = _load("h200")
+    flash = ((gpu or {}).get("steps", {}).get("warm_time:deepseek_v4_flash") or {}).get("result")
+    runs = [(n, d) for n, d in (("h200", flash), ("cpu2core_cuda90", _load("warm_time_cpu2core_cuda90"))) if d is not None]
     labels = ["cold, 1 worker", "cold, threads", "cold, processes", "warm disk cache", "from pack"]
     keys = ["cold_serial", "cold_threads", "cold_processes", "warm_disk_cache", "from_pack"]
     fig, ax = plt.subplots(figsize=(8, 3.6))
