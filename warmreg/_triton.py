@@ -460,6 +460,13 @@ def cache_dir() -> str:
     return str(path)
 
 
+def memory_kernel(jit: JITFunction, triton_key: str, platform: Platform) -> Any:
+    """The CompiledKernel a warm left in ``jit``'s in-memory cache for ``platform`` (or ``None``)."""
+    device = current_device() if platform.local else _device_id(platform)
+    caches = jit.device_caches.get(device)  # a plain get: a missing device must not create a binder
+    return caches[0].get(triton_key) if caches is not None else None
+
+
 def cache_subdir(binary_hash: str) -> str:
     """Directory name of one cache entry: base32 of the hash (``triton.runtime.cache._base32``)."""
     from triton.runtime.cache import _base32

@@ -18,9 +18,13 @@ _out = Console()
 def cmd_build(args: argparse.Namespace) -> int:
     from .pack import build
 
-    manifest = build(args.config, args.output, target=args.target, workers=args.workers, force=args.force)
+    pythons = [] if args.no_launchers else args.launcher_python  # None: this interpreter, if it can
+    manifest = build(args.config, args.output, target=args.target, workers=args.workers, force=args.force, launcher_pythons=pythons)
     kernels = {e.kernel for e in manifest.entries}
     _out.print(f"wrote {args.output}: {len(manifest.entries)} keys over {len(kernels)} kernels for {manifest.target} (Triton {manifest.triton_version})")
+    if manifest.launchers:
+        versions = sorted({x.python for x in manifest.launchers})
+        _out.print(f"  with {len(manifest.launchers)} prebuilt C launchers for Python {', '.join(versions)}")
     return 0
 
 
@@ -38,6 +42,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     for name, (n, size) in sorted(rows.items()):
         table.add_row(name, str(n), str(size))
     _out.print(table)
+    if m.launchers:
+        by_python: dict[str, int] = {}
+        for x in m.launchers:
+            by_python[x.python] = by_python.get(x.python, 0) + 1
+        _out.print("prebuilt C launchers: " + ", ".join(f"{n} for Python {v}" for v, n in sorted(by_python.items())))
     return 0
 
 
@@ -53,7 +62,10 @@ def cmd_install(args: argparse.Namespace) -> int:
     from .pack import install
 
     r = install(args.pack, target=args.target, all_or_nothing=args.all_or_nothing)
-    _out.print(f"{args.pack}: {r.installed} installed, {r.present} already present, {len(r.refused)} refused in {r.seconds:.2f} s")
+    _out.print(
+        f"{args.pack}: {r.installed} installed, {r.present} already present, {len(r.refused)} refused, "
+        f"{r.launchers} C launchers in {r.seconds:.2f} s"
+    )
     for what, why in r.refused:
         _out.print(f"[yellow]refused[/] {what}: {why}", highlight=False)
     return 1 if r.refused else 0
@@ -66,6 +78,12 @@ def _install(sub: Any) -> None:
     b.add_argument("-o", "--output", required=True, help="a directory, or a .tar / .tar.gz / .zip file")
     b.add_argument("--workers", type=int, default=None)
     b.add_argument("--force", action="store_true", help="replace an existing output")
+    b.add_argument(
+        "--launcher-python", action="append", default=None, metavar="PYTHON",
+        help="CUDA targets: also carry Triton's C launchers built for this interpreter's ABI (name or path; "
+        "repeatable; default: this interpreter), e.g. the serving host's python3.12",
+    )  # fmt: skip
+    b.add_argument("--no-launchers", action="store_true", help="carry no prebuilt C launchers")
     b.set_defaults(func=cmd_build)
     p = sub.add_parser("pack", help="inspect, verify or install a pack")
     psub = p.add_subparsers(dest="pack_command", required=True)

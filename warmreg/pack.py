@@ -1,7 +1,9 @@
 """Packs: warm caches built ahead of time (on any machine), verified, and installed into Triton's cache.
 
-A pack is a directory or a single ``.tar`` / ``.tar.gz`` / ``.zip`` file holding ``manifest.json`` and
-``files/<builder hash>/<kernel>.{json,cubin|hsaco}``. The manifest names the warmreg, Triton and
+A pack is a directory or a single ``.tar`` / ``.tar.gz`` / ``.zip`` file holding ``manifest.json``,
+``files/<builder hash>/<kernel>.{json,cubin|hsaco}`` and, for CUDA targets, Triton's C launchers
+prebuilt for named Python versions, ``launchers/<Triton's launcher key>/__triton_launcher<ABI suffix>``
+(see :mod:`warmreg._triton_launchers`; installed only where the platform and Python ABI match). The manifest names the warmreg, Triton and
 ptxas versions, the target, each entry's kernel, key, source hash and Triton specialization, and
 each file's size and sha256; it carries a digest of itself, so an edited manifest is refused. No
 pickle anywhere: JSON and raw binaries only.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import sys
@@ -35,7 +38,7 @@ from typing import Any
 import attrs
 import triton
 
-from . import _triton
+from . import _triton, _triton_launchers
 from .compile import compile_keys
 from .errors import WarmregError
 from .key import CompileKey
@@ -43,9 +46,11 @@ from .platform import Platform
 from .report import KeyResult
 from .warm import default_workers, plan, resolve_platform
 
-__all__ = ["FORMAT", "InstallReport", "Manifest", "PackError", "build", "install", "verify"]
+__all__ = ["FORMAT", "InstallReport", "Manifest", "PackError", "PackLauncher", "build", "install", "verify"]
 
-FORMAT = 1
+log = logging.getLogger("warmreg.pack")
+
+FORMAT = 2  # 2: optional prebuilt C launchers (format 1 packs still install)
 _ARCHIVES = (".tar", ".tar.gz", ".tgz", ".zip")
 _MAX_MEMBER = 256 * 1024 * 1024
 
@@ -59,6 +64,10 @@ class PackError(WarmregError):
 
 
 def _files(items: Any) -> tuple[PackFile, ...]:
+    return tuple(items)
+
+
+def _launchers(items: Any) -> tuple[PackLauncher, ...]:
     return tuple(items)
 
 
@@ -96,6 +105,19 @@ class PackEntry:
 
 
 @attrs.frozen(kw_only=True)
+class PackLauncher:
+    """A C launcher Triton would otherwise build on the serving host, for one Python ABI."""
+
+    cache_key: str  # Triton's: sha256(launcher source + platform key)
+    platform_key: str
+    python: str
+    file: PackFile
+
+    def member(self) -> str:
+        return f"launchers/{self.cache_key}/{self.file.name}"
+
+
+@attrs.frozen(kw_only=True)
 class Manifest:
     """The manifest of a pack."""
 
@@ -109,10 +131,12 @@ class Manifest:
     model_type: str
     entries: tuple[PackEntry, ...] = attrs.field(converter=_entries)
     complete: bool = True
+    launchers: tuple[PackLauncher, ...] = attrs.field(default=(), converter=_launchers)
 
     def to_json(self) -> dict[str, Any]:
         body = attrs.asdict(self)
         body["entries"] = [attrs.asdict(e) for e in self.entries]
+        body["launchers"] = [attrs.asdict(x) for x in self.launchers]
         return {"body": body, "sha256": _sha256(_canonical(body))}
 
     @classmethod
@@ -132,7 +156,8 @@ class Manifest:
             entries = [
                 PackEntry(**{**e, "files": [PackFile(**f) for f in e["files"]]}) for e in body["entries"]
             ]
-            return cls(**{**body, "entries": entries})
+            launchers = [PackLauncher(**{**x, "file": PackFile(**x["file"])}) for x in body.get("launchers", [])]
+            return cls(**{**body, "entries": entries, "launchers": launchers})
         except (TypeError, KeyError) as exc:
             raise PackError(pack, f"manifest.json has a malformed entry ({exc})", fix="rebuild the pack") from exc
 
@@ -226,17 +251,24 @@ class _Reader:
                     raise PackError(self.name, f"lists {member} twice (duplicate entries)", fix="rebuild the pack")
                 seen.add(member)
                 self._safe(member)
+        for launcher in manifest.launchers:
+            member = launcher.member()
+            if member in seen:
+                raise PackError(self.name, f"lists {member} twice (duplicate launchers)", fix="rebuild the pack")
+            seen.add(member)
+            self._safe(member)
         return manifest
 
 
-def _check_file(reader: _Reader, entry: PackEntry, f: PackFile) -> bytes:
-    data = reader.read(entry.member(f))
+def _check_file(reader: _Reader, entry: PackEntry | PackLauncher, f: PackFile) -> bytes:
+    member = entry.member(f) if isinstance(entry, PackEntry) else entry.member()
+    data = reader.read(member)
     if data is None:
-        raise PackError(reader.name, f"lists {entry.member(f)}, which is missing", fix="rebuild the pack")
+        raise PackError(reader.name, f"lists {member}, which is missing", fix="rebuild the pack")
     if len(data) != f.size:
-        raise PackError(reader.name, f"{entry.member(f)} has {len(data)} bytes, the manifest says {f.size}", fix="rebuild the pack")
+        raise PackError(reader.name, f"{member} has {len(data)} bytes, the manifest says {f.size}", fix="rebuild the pack")
     if _sha256(data) != f.sha256:
-        raise PackError(reader.name, f"{entry.member(f)} does not match its sha256 (corrupt)", fix="rebuild the pack")
+        raise PackError(reader.name, f"{member} does not match its sha256 (corrupt)", fix="rebuild the pack")
     return data
 
 
@@ -269,6 +301,8 @@ def verify(path: str | Path, *, target: str | Platform | None = None) -> Manifes
     for entry in manifest.entries:
         for f in entry.files:
             _check_file(reader, entry, f)
+    for launcher in manifest.launchers:
+        _check_file(reader, launcher, launcher.file)
     return manifest
 
 
@@ -289,6 +323,8 @@ class InstallReport:
     present: int
     refused: tuple[tuple[str, str], ...]
     seconds: float
+    #: prebuilt C launchers written into the cache (those for this machine's Python ABI, not yet there)
+    launchers: int = 0
 
 
 def install(path: str | Path, *, target: str | Platform | None = None, all_or_nothing: bool = False) -> InstallReport:
@@ -309,8 +345,11 @@ def install(path: str | Path, *, target: str | Platform | None = None, all_or_no
             blobs.append((entry, {f.name: _check_file(reader, entry, f) for f in entry.files}))
         except WarmregError as exc:
             blobs.append((entry, exc))
+    fitting = [x for x in manifest.launchers if _triton_launchers.fits_here(x.platform_key, x.file.name)]
+    launcher_blobs = [(x, _check_file(reader, x, x.file)) for x in fitting]  # verified before anything is written
     installed, present, refused = install_entries(blobs, platform, pack=reader.name, all_or_nothing=all_or_nothing)
-    return InstallReport(reader.name, installed, present, tuple(refused), time.perf_counter() - start)
+    launchers = sum(_triton_launchers.install(x.cache_key, x.file.name, data) for x, data in launcher_blobs)
+    return InstallReport(reader.name, installed, present, tuple(refused), time.perf_counter() - start, launchers)
 
 
 def install_entries(
@@ -432,12 +471,18 @@ def build(
     plugins: Iterable[Any] = (),
     entry_points: bool = True,
     force: bool = False,
+    launcher_pythons: Iterable[str | None] | None = None,
 ) -> Manifest:
     """Compile every key of ``config`` for ``target`` and write a pack (no GPU needed for a cross target).
 
     :param output: a directory, or a file ending in ``.tar``, ``.tar.gz`` or ``.zip``.
     :param force: replace an existing output.
-    :raises PackError: if a key failed to compile (no pack is written) or the output exists.
+    :param launcher_pythons: for CUDA targets, Python interpreters (names or paths; ``None`` is this
+        one) whose ABI the pack carries Triton's C launchers for, so that a serving host with that
+        Python neither runs a C compiler nor waits for one; empty for none. Default: this interpreter
+        when a C compiler and its headers are at hand (the pack then simply has none otherwise).
+    :raises PackError: if a key failed to compile (no pack is written), a launcher could not be built,
+        or the output exists.
     """
     out = Path(output)
     if out.exists() and not force:
@@ -460,16 +505,48 @@ def build(
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     dest.write_bytes(data)
                 entries.append(entry)
+            pythons = [None] if launcher_pythons is None else list(launcher_pythons)
+            launchers = _build_launchers(
+                results, platform, pythons, staged, str(out), workers or default_workers(), required=launcher_pythons is not None
+            )
         from . import __version__
 
         manifest = Manifest(
             format=FORMAT, warmreg_version=__version__, triton_version=triton.__version__, ptxas_version=_triton.ptxas_version(platform),
             target=platform.target, python=sys.version.split()[0], created=time.time(), model_type=the_plan.config.model_type,
-            entries=entries,
+            entries=entries, launchers=launchers,
         )  # fmt: skip
         (staged / "manifest.json").write_text(json.dumps(manifest.to_json(), indent=1))
         _publish_pack(staged, out)
     return manifest
+
+
+def _build_launchers(
+    results: list[KeyResult], platform: Platform, pythons: list[str | None], staged: Path, out: str, workers: int, *, required: bool
+) -> list[PackLauncher]:
+    if not pythons or platform.backend != "cuda":
+        return []
+    compiled = []
+    for r in results:
+        kernel = _triton.memory_kernel(_triton.import_jit(r.jit_name or ""), r.triton_key or "", platform)
+        if kernel is None:
+            raise PackError(out, f"the compiled kernel of {r.kernel} {r.key} is not in memory", fix="report this as a warmreg bug")
+        compiled.append(kernel)
+    try:
+        built = _triton_launchers.build(compiled, pythons, workers=workers)
+    except _triton_launchers.LauncherError as exc:
+        if not required:
+            log.warning("pack %s carries no C launchers: %s", out, exc)
+            return []
+        raise PackError(out, f"cannot build Triton's C launchers: {exc}", fix="fix the above, or pass --no-launchers") from exc
+    launchers = []
+    for x in built:
+        launcher = PackLauncher(cache_key=x.cache_key, platform_key=x.platform_key, python=x.python, file=PackFile(x.name, len(x.data), _sha256(x.data)))
+        dest = staged / launcher.member()
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(x.data)
+        launchers.append(launcher)
+    return launchers
 
 
 def _publish_pack(staged: Path, out: Path) -> None:

@@ -1,0 +1,142 @@
+"""Prebuilt C launchers in packs (warmreg._triton_launchers): the same source and cache key Triton
+3.6.0 uses, carried per Python ABI, verified, and installed only where they fit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+import triton.backends.nvidia.driver as nvd
+from triton.runtime.cache import get_cache_manager
+
+import warmreg
+from tests.helpers import CONFIG, Plugin, Scale, _scale_kernel
+from warmreg import _triton, _triton_launchers
+from warmreg import pack as packs
+from warmreg.pack import PackError
+from warmreg.platform import Platform
+
+H100 = Platform.parse("cuda:90")
+PY312 = next(iter(sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))), None) or shutil.which("python3.12")
+
+
+class _Captured(Exception):
+    pass
+
+
+def test_launcher_source_and_key_are_the_ones_triton_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    with _triton.cross_target(H100):
+        x = torch.empty(64, device="meta")
+        compiled = _scale_kernel.warmup(x, x, 64, 2.0, BLOCK=64, grid=(1,))
+    seen: dict[str, str] = {}
+
+    def capture(src: str, name: str, **_: object) -> None:
+        seen["src"], seen["name"] = src, name
+        raise _Captured
+
+    monkeypatch.setattr(nvd, "compile_module_from_src", capture)
+    monkeypatch.setattr(nvd, "library_dirs", lambda: [])  # it looks for libcuda.so.1, absent without a GPU
+    with pytest.raises(_Captured):
+        nvd.CudaLauncher(compiled.src, compiled.metadata)
+    key, src = _triton_launchers.launcher_source(compiled)
+    assert src == seen["src"] and seen["name"] == "__triton_launcher"
+    import hashlib
+
+    from triton.runtime.build import platform_key
+
+    assert key == hashlib.sha256((seen["src"] + platform_key()).encode()).hexdigest()
+
+
+@pytest.fixture
+def with_launchers(tmp_path: Path) -> Path:
+    out = tmp_path / "scale.tar"
+    pythons = [None, PY312] if PY312 else [None]
+    packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2, launcher_pythons=pythons)
+    return out
+
+
+def test_a_pack_carries_one_launcher_per_signature_and_python(with_launchers: Path) -> None:
+    manifest = packs.verify(with_launchers)
+    here = _triton_launchers.local_abi()
+    mine = [x for x in manifest.launchers if x.file.name.endswith(here.ext_suffix)]
+    assert len(mine) == 2  # three keys, two signatures (n == 1 is a constexpr), hence two launchers
+    assert {x.python for x in manifest.launchers} == ({here.version, "3.12"} if PY312 else {here.version})
+    with tarfile.open(with_launchers) as tar:
+        data = tar.extractfile(mine[0].member()).read()  # type: ignore[union-attr]
+    assert data.startswith(b"\x7fELF") and b"libcuda.so.1" in data  # links the driver by soname
+
+
+def test_install_puts_the_fitting_launcher_where_triton_looks(with_launchers: Path, triton_cache: Path) -> None:
+    manifest = packs.inspect_pack(with_launchers)
+    report = packs.install(with_launchers)
+    assert report.installed == 3 and report.launchers == 2
+    fitting = [x for x in manifest.launchers if _triton_launchers.fits_here(x.platform_key, x.file.name)]
+    assert len(fitting) == 2
+    for x in fitting:
+        path = get_cache_manager(x.cache_key).get_file(x.file.name)
+        assert path is not None and Path(path).is_relative_to(triton_cache)
+    others = [x for x in manifest.launchers if x not in fitting]
+    assert all(get_cache_manager(x.cache_key).get_file(x.file.name) is None for x in others)
+    assert packs.install(with_launchers).launchers == 0  # already there
+
+
+def test_a_corrupt_launcher_is_refused_before_anything_is_written(with_launchers: Path, tmp_path: Path, triton_cache: Path) -> None:
+    unpacked = tmp_path / "unpacked"
+    with tarfile.open(with_launchers) as tar:
+        tar.extractall(unpacked, filter="data")
+    manifest = packs.inspect_pack(unpacked)
+    here = next(x for x in manifest.launchers if _triton_launchers.fits_here(x.platform_key, x.file.name))
+    target = unpacked / here.member()
+    data = bytearray(target.read_bytes())
+    data[200] ^= 0xFF
+    target.write_bytes(bytes(data))
+    with pytest.raises(PackError, match=r"launchers/.*does not match its sha256"):
+        packs.verify(unpacked)
+    with pytest.raises(PackError, match="does not match its sha256"):
+        packs.install(unpacked)
+    assert not [p for p in triton_cache.rglob("*") if p.is_file()]
+
+
+def test_a_format_1_pack_without_launchers_still_installs(tmp_path: Path, triton_cache: Path) -> None:
+    out = tmp_path / "old"
+    packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False, launcher_pythons=[])
+    doc = json.loads((out / "manifest.json").read_text())
+    body = {k: v for k, v in doc["body"].items() if k != "launchers"}
+    body["format"] = 1
+    doc = {"body": body, "sha256": packs._sha256(packs._canonical(body))}
+    (out / "manifest.json").write_text(json.dumps(doc))
+    report = packs.install(out)
+    assert report.installed == 1 and report.launchers == 0
+
+
+def test_an_interpreter_without_headers_is_named(tmp_path: Path) -> None:
+    with pytest.raises(PackError, match="no-such-python"):
+        packs.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False,
+                    launcher_pythons=["no-such-python"])  # fmt: skip
+    assert not (tmp_path / "p").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_warm_from_a_pack_with_launchers_runs_no_c_compiler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+    import triton.runtime.build as tb
+
+    out = tmp_path / "local.tar"
+    packs.build(CONFIG, out, plugins=[Plugin(Scale())], entry_points=False)  # the local GPU, this Python
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "fresh"))
+    _triton.forget_compiled()
+    builds: list[str] = []
+    real = tb._build
+    monkeypatch.setattr(tb, "_build", lambda name, *a, **k: builds.append(name) or real(name, *a, **k))
+    report = warmreg.warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False, pack=out)
+    assert report.compiled == 0 and report.ok
+    assert builds == []  # launchers came from the pack
+    scale = Scale()
+    x = torch.randn(48, device="cuda", dtype=torch.float16)  # the key of size 16: div16, fp16
+    with warmreg.monitor("error"):
+        torch.testing.assert_close(scale(x, 2.0), x * 2.0)

@@ -1,0 +1,195 @@
+"""Triton's C launchers, built ahead of time for a pack (part of the Triton adapter, checked against
+Triton 3.6.0's CUDA backend; tested in ``tests/test_pack_launchers.py``).
+
+Before a compiled kernel's first launch, Triton 3.6.0 generates a small C extension per distinct
+signature (``make_launcher``), compiles it with the host's C compiler and caches the shared object
+under ``sha256(source + platform_key())`` as ``__triton_launcher<EXT_SUFFIX>``. A warm does that on
+the GPU host: 23 compiler runs for the 71 DeepSeek-V4-Flash keys, about a second on 16 cores, more
+than everything else a warm from a pack does, and a serving image may have no C compiler at all.
+
+So a pack can carry them. The source depends only on the kernel's signature and constants, and the
+file name carries the Python ABI, so :func:`build` can compile them anywhere, for any Python whose
+headers it can read (``--launcher-python``): against Triton's own ``cuda.h``, linked to a stub that
+only names ``libcuda.so.1`` (the soname the real driver library resolves at load time, exactly as
+CUDA's own link stubs work). :func:`install` writes each one where Triton looks for it when the
+machine's ABI and platform match. A carried launcher that fails to load anyway is not a risk:
+Triton logs it and rebuilds, as for any damaged cache file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import attrs
+
+from .errors import WarmregError
+
+__all__ = ["Launcher", "LauncherError", "PythonABI", "build", "fits_here", "install", "launcher_source", "local_abi", "python_abi"]
+
+_NAME = "__triton_launcher"
+
+
+class LauncherError(WarmregError):
+    """A C launcher could not be built for a pack."""
+
+
+@attrs.frozen
+class PythonABI:
+    """A Python build launchers are compiled for: its header directory and extension suffix."""
+
+    version: str  # "3.12"
+    include: str
+    ext_suffix: str  # ".cpython-312-x86_64-linux-gnu.so"
+
+
+@attrs.frozen
+class Launcher:
+    """One built launcher: Triton's cache key for its source, its file name and its bytes."""
+
+    cache_key: str
+    platform_key: str
+    python: str
+    name: str
+    data: bytes = attrs.field(repr=False)
+
+
+def platform_key() -> str:
+    """Triton's ``platform_key()`` (machine, system, architecture), part of the launcher cache key."""
+    from triton.runtime.build import platform_key as key
+
+    return str(key())
+
+
+def launcher_source(compiled: Any) -> tuple[str, str]:
+    """``(cache key, C source)`` of the launcher Triton builds for a compiled CUDA kernel, computed as
+    ``CudaLauncher.__init__`` and ``compile_module_from_src`` do (Triton 3.6.0)."""
+    from triton.backends.nvidia.driver import make_launcher
+
+    src = compiled.src
+    arg_names = src.fn.arg_names
+    constants = {((arg_names.index(k),) if isinstance(k, str) else k): v for k, v in src.constants.items()}
+    text = make_launcher(constants, dict(src.signature), getattr(compiled.metadata, "tensordesc_meta", None))
+    return hashlib.sha256((text + platform_key()).encode("utf-8")).hexdigest(), text
+
+
+def local_abi() -> PythonABI:
+    """This interpreter's ABI, with the header directory Triton's own build uses."""
+    scheme = sysconfig.get_default_scheme()
+    if scheme == "posix_local":  # Debian's scheme; Triton 3.6.0 maps it the same way
+        scheme = "posix_prefix"
+    return PythonABI(
+        f"{sys.version_info[0]}.{sys.version_info[1]}",
+        sysconfig.get_paths(scheme=scheme)["include"],
+        str(sysconfig.get_config_var("EXT_SUFFIX")),
+    )
+
+
+_PROBE = (
+    "import json, sys, sysconfig\n"
+    "s = sysconfig.get_default_scheme()\n"
+    "s = 'posix_prefix' if s == 'posix_local' else s\n"
+    "print(json.dumps(['%d.%d' % sys.version_info[:2], sysconfig.get_paths(scheme=s)['include'], sysconfig.get_config_var('EXT_SUFFIX')]))"
+)
+
+
+def python_abi(python: str | None) -> PythonABI:
+    """The ABI of ``python`` (an interpreter name or path; ``None``: this one).
+
+    :raises LauncherError: when the interpreter cannot be run or has no ``Python.h``.
+    """
+    if python is None:
+        abi = local_abi()
+    else:
+        exe = shutil.which(python) or python
+        fix = "pass the path of the serving host's Python, e.g. /usr/bin/python3.12"
+        try:
+            out = subprocess.run([exe, "-c", _PROBE], capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError) as exc:
+            raise LauncherError(f"cannot run Python {python!r} to ask for its headers ({exc})", fix=fix) from exc
+        try:
+            abi = PythonABI(*json.loads(out.stdout.strip().splitlines()[-1]))
+        except (ValueError, TypeError, IndexError) as exc:
+            said = (out.stderr.strip().splitlines() or ["no output"])[-1]
+            raise LauncherError(f"Python {python!r} did not report its headers (exit {out.returncode}: {said})", fix=fix) from exc
+    if not os.path.isfile(os.path.join(abi.include, "Python.h")):
+        raise LauncherError(
+            f"Python {abi.version} ({python or sys.executable}) has no Python.h in {abi.include}",
+            fix=f"install its headers (e.g. apt install python{abi.version}-dev) or leave it out of --launcher-python",
+        )
+    return abi
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise LauncherError("no C compiler found to build Triton's launchers", fix="install gcc, set CC, or pass --no-launchers")
+    return cc
+
+
+def _run(cmd: list[str]) -> None:
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode:
+        raise LauncherError(f"{' '.join(cmd[:3])} ... failed: {out.stderr.strip()[-800:]}", fix="check the C compiler and headers")
+
+
+def build(compiled: Iterable[Any], pythons: Iterable[str | None], *, workers: int = 4) -> list[Launcher]:
+    """Build the distinct launchers of ``compiled`` (CUDA kernels) for each Python in ``pythons``.
+
+    :raises LauncherError: naming the interpreter or the compiler error.
+    """
+    from triton.backends.nvidia.driver import include_dirs
+
+    sources = dict(launcher_source(c) for c in compiled)
+    abis = [python_abi(p) for p in pythons]
+    cc = _compiler()
+    pkey = platform_key()
+    with tempfile.TemporaryDirectory(prefix="warmreg-launchers-") as tmp:
+        stub_dir = os.path.join(tmp, "stub")
+        os.makedirs(stub_dir)
+        with open(os.path.join(tmp, "stub.c"), "w") as f:
+            f.write("int warmreg_libcuda_link_stub;\n")
+        _run([cc, os.path.join(tmp, "stub.c"), "-shared", "-fPIC", "-Wl,-soname,libcuda.so.1", "-o", os.path.join(stub_dir, "libcuda.so.1")])
+
+        def one(job: tuple[str, PythonABI]) -> Launcher:
+            key, abi = job
+            work = os.path.join(tmp, f"{key}-{abi.version}")
+            os.makedirs(work)
+            src = os.path.join(work, f"{_NAME}.c")
+            with open(src, "w") as f:
+                f.write(sources[key])
+            so = os.path.join(work, f"{_NAME}{abi.ext_suffix}")
+            includes = [f"-I{d}" for d in (*include_dirs, work, abi.include)]
+            _run([cc, src, "-O3", "-shared", "-fPIC", "-Wno-psabi", "-o", so, "-Wl,--no-as-needed", f"-L{stub_dir}", "-l:libcuda.so.1", *includes])
+            with open(so, "rb") as f:
+                return Launcher(key, pkey, abi.version, os.path.basename(so), f.read())
+
+        jobs = [(key, abi) for key in sorted(sources) for abi in abis]
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="warmreg-launcher") as pool:
+            return list(pool.map(one, jobs))
+
+
+def install(cache_key: str, name: str, data: bytes) -> bool:
+    """Put a launcher where Triton's ``compile_module_from_src`` looks for it (its cache manager
+    writes atomically). Returns ``False`` if one is there already."""
+    from triton.runtime.cache import get_cache_manager
+
+    manager = get_cache_manager(cache_key)
+    if manager.get_file(name) is not None:
+        return False
+    manager.put(data, name, binary=True)
+    return True
+
+
+def fits_here(launcher_platform_key: str, name: str) -> bool:
+    """Whether a carried launcher is for this machine's platform and Python ABI."""
+    return launcher_platform_key == platform_key() and name == f"{_NAME}{local_abi().ext_suffix}"
