@@ -124,10 +124,23 @@ def main() -> None:
         samples["triton_direct"].append(_host_us(direct))
         samples["triton_direct_with_output_alloc"].append(_host_us(direct_alloc))
     med = {name: median(values) for name, values in samples.items()}
+    # where warmreg's call spends its host time (each part alone, same host, same tensors)
+    body = type(kernel).__call__.__wrapped__
+    spec = body(kernel, a, b, qw, kvw, 1e-6)
+    entry = kernel.__dict__["_warmreg_fast"][spec.key]
+    parts = {
+        "launch_code (checks, dispatch, 2 allocations, LaunchSpec)": lambda: body(kernel, a, b, qw, kvw, 1e-6),
+        "dispatch (the key)": lambda: kernel.dispatch(qr=a, kv=b, q_weight=qw, kv_weight=kvw, launch_pdl=key.launch_pdl),
+        "2 allocations": lambda: (a.new_empty(a.shape), b.new_empty(b.shape)),
+        "fast launch (guards + launcher call)": lambda: entry.launch(spec.grid, spec.kwargs),
+        "fast-path table lookup (key hash)": lambda: kernel.__dict__["_warmreg_fast"].get(spec.key),
+    }
+    breakdown = {name: median([_host_us(fn) for _ in range(3)]) for name, fn in parts.items()}
     out["launch_overhead_us"] = {
         **samples,
         **{f"median_{name}": value for name, value in med.items()},
         "fast_entries": fast_entries,
+        "breakdown_us": breakdown,
         "ratio": med["warmreg"] / med["triton_direct"],
         "ratio_same_work": med["warmreg"] / med["triton_direct_with_output_alloc"],
         "ratio_same_work_via_triton_run": med["warmreg_via_triton_run"] / med["triton_direct_with_output_alloc"],

@@ -163,7 +163,8 @@ def render() -> str:
         lines += ["![warm time](docs/warm_time.png)", ""]
     if gpu is not None:
         status = ", ".join(f"{name} {'ok' if st['rc'] == 0 else 'rc ' + str(st['rc'])} ({st['wall_s']:.0f} s)" for name, st in gpu["steps"].items())
-        lines += [f"GPU run: `{gpu['command']}` on {_machine(gpu)}; steps: {status}.", ""]
+        commands = " and ".join(f"`{c}`" for c in gpu.get("commands", [gpu["command"]]))
+        lines += [f"GPU run: {commands} on {_machine(gpu)}; steps: {status}.", ""]
     runs = [("H200 host", steps[name]) for name in steps if name.startswith("warm_time:")]
     cpu = _load("warm_time_cpu2core_cuda90")
     if cpu is not None:

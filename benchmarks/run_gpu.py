@@ -80,16 +80,21 @@ def main() -> None:
     ap.add_argument("--pack", action="append", default=[], help="CONFIG=PACK: a pack built elsewhere for that config")
     ap.add_argument("--only", default=None, help="comma-separated step names (prefixes) to run")
     ap.add_argument("--step-timeout", type=float, default=400.0, help="seconds before a step is stopped")
+    ap.add_argument("--merge", action="store_true", help="keep the other steps of an existing results file (a run split in parts)")
     args = ap.parse_args()
     packs = dict(p.split("=", 1) for p in args.pack)
     slug = _gpu_slug()
     only = args.only.split(",") if args.only else None
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    path = RESULTS / f"{slug}.json"
+    previous = json.loads(path.read_text()) if args.merge and path.exists() else {}
     out: dict[str, Any] = {
-        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "command": command,
+        "commands": [*previous.get("commands", []), command],
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": machine(),
-        "packs": packs,
-        "steps": {},
+        "packs": {**previous.get("packs", {}), **packs},
+        "steps": dict(previous.get("steps", {})),
     }
     with tempfile.TemporaryDirectory() as tmp:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "OUT")}
@@ -117,7 +122,6 @@ def main() -> None:
             print(f"== {name}: rc {rc} in {wall:.1f} s", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     text = json.dumps(out, indent=1, default=str)
-    path = RESULTS / f"{slug}.json"
     path.write_text(text)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], f"{slug}.json").write_text(text)

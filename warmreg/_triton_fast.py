@@ -9,7 +9,7 @@ from C. A warmreg launch already knows its compile key, so after the first launc
 (which goes through ``JITFunction.run`` and therefore through the monitor, the cache and the
 compiler like any launch), :func:`build` records what Triton chose for it and returns a
 :class:`FastLaunch`: one generated function that re-checks, per call, every property of the arguments
-Triton specializes on (tensor class, dtype and 16-byte alignment; integer width, divisibility by 16
+Triton specializes on (a tensor's dtype and 16-byte alignment; integer width, divisibility by 16
 and the value 1; the type of floats and bools; constexpr values and arguments Triton turned into
 constants) and then calls the compiled kernel's launcher directly. If any check fails, a launch hook
 is installed (a profiler) or a global the kernel read has changed, it returns ``False`` and the caller
@@ -111,9 +111,9 @@ def build(
         f"    if len(kw) != {len(kwargs)}: return False",
         "    try:",
         *fetch,
-        "    except KeyError:",
-        "        return False",
-        "    if not (" + "\n            and ".join(checks) + "):",
+        "        if not (" + "\n                and ".join(checks) + "):",
+        "            return False",
+        "    except (KeyError, AttributeError, TypeError):  # a missing argument, or not tensor-like",
         "        return False",
         "    n = len(grid)",
         "    _run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, "
@@ -142,8 +142,8 @@ def _guard(var: str, i: int, param: Any, ty: str, spec: Any, value: Any, env: di
     if ty.startswith("*"):
         if not hasattr(value, "data_ptr") or not hasattr(value, "dtype"):
             return None
-        env[f"_t{i}"], env[f"_dt{i}"] = cls, value.dtype
-        cond = f"{var}.__class__ is _t{i} and {var}.dtype is _dt{i}"
+        env[f"_dt{i}"] = value.dtype  # Triton reads only dtype and data_ptr() of a tensor-like
+        cond = f"{var}.dtype is _dt{i}"
         if spec == "D":
             return cond + f" and not ({var}.data_ptr() & 15)"
         if param.do_not_specialize or param.do_not_specialize_on_alignment:
