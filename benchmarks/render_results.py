@@ -79,17 +79,29 @@ def proof_lines(d: dict[str, Any]) -> list[str]:
 
 
 def sweep_table(d: dict[str, Any]) -> list[str]:
-    out = ["Zero-JIT sweep (`benchmarks/sweep.py`): per config, `warm()`, monitor in `error`, then randomized "
-           "decode / prefill / mixed steps through every registered kernel with real tensors:", "",
-           "| config | steps | tokens | kernels driven | launches | misses | failures |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
-    for c in d["configs"]:
-        kernels = c["kernels"]
-        launches = sum(k["launches"] for k in kernels.values())
-        misses = sum(len(k["misses"]) for k in kernels.values())
-        failures = sum(len(k["failures"]) for k in kernels.values())
-        out.append(f"| `{Path(c['config']).stem}` | {c['steps']} | {c['tokens']} | {sum(1 for k in kernels.values() if k['launches'])}/{len(kernels)} "
-                   f"| {launches} | **{misses}** | {failures} |")  # fmt: skip
+    runs = d["configs"]
+    out = ["Zero-JIT sweep (`benchmarks/sweep.py`): per config, `warm()` from the CPU-built pack, monitor in `error`, "
+           "then randomized decode-only / prefill-only / mixed engine steps (token counts 1..max_num_batched_tokens, "
+           "sequence lengths up to max_model_len, every layer type) through every registered kernel with real tensors:", "",
+           "| config | steps (decode / prefill / mixed) | tokens | longest sequence | kernels launched | launches | misses | failures |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for c in runs:
+        k = c["kernels"].values()
+        kinds = c["step_kinds"]
+        mix = " / ".join(str(kinds.get(x, 0)) for x in ("decode", "prefill", "mixed"))
+        failures = sum(x["failures"] for x in k) + len(c.get("step_failures", []))
+        out.append(f"| `{Path(c['config']).stem}` | {c['steps']} ({mix}) | {c['tokens']} | {c['max_seq_len_seen']} "
+                   f"| {sum(1 for x in k if x['launches'])}/{len(c['kernels'])} | {sum(x['launches'] for x in k)} "
+                   f"| **{sum(x['misses'] for x in k)}** | {failures} |")  # fmt: skip
+    for crash in d.get("crashed", []):
+        out.append(f"| `{Path(crash['config']).stem}` | crashed: {crash['error'][:120]} | | | | | | |")
+    names = sorted({n for c in runs for n in c["kernels"]})
+    out += ["", "Launches (misses) per kernel:", "",
+            "| kernel | " + " | ".join(f"`{Path(c['config']).stem}`" for c in runs) + " |",
+            "| --- |" + " ---: |" * len(runs)]  # fmt: skip
+    for n in names:
+        cells = [f"{c['kernels'][n]['launches']} ({c['kernels'][n]['misses']})" if n in c["kernels"] else "-" for c in runs]
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
     return out + [""]
 
 
@@ -178,8 +190,9 @@ def render() -> str:
     if multi is not None:
         lines += multi_gpu_lines(multi)
     for name, title in (("kernels_dsv4_index", "DeepSeek-V4 index and metadata kernels"), ("kernels_numeric", "Numeric kernels (DeepSeek-V4, shared Q/KV RMSNorm, Kimi-K3 KDA)")):
-        if name in steps:
-            lines += kernels_table(steps[name], title)
+        data = steps.get(name) or _load(f"{name}_h200")  # an earlier separate run, if this one lacks it
+        if data is not None:
+            lines += kernels_table(data, title)
     return "\n".join(lines)
 
 

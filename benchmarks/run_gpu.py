@@ -38,7 +38,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
-from _common import RESULTS, machine
+from _common import RESULTS, machine  # noqa: E402
 
 CONFIGS = ["examples/deepseek_v4_flash.json", "examples/deepseek_v4_pro.json", "examples/kimi_k3.json"]
 
@@ -46,7 +46,14 @@ CONFIGS = ["examples/deepseek_v4_flash.json", "examples/deepseek_v4_pro.json", "
 def _steps(packs: dict[str, str]) -> list[tuple[str, str, list[str]]]:
     """(step name, result file stem, command) in run order."""
     py = sys.executable
-    steps: list[tuple[str, str, list[str]]] = []
+    pack_args = [a for c, p in packs.items() for a in ("--pack", f"{c}={p}")]
+    steps: list[tuple[str, str, list[str]]] = [  # the zero-JIT proof first: a run cut short keeps it
+        ("sweep", "sweep_run", [py, "benchmarks/sweep.py", *CONFIGS, "--tag", "run", *pack_args]),
+    ]
+    proof = [py, "benchmarks/gpu_proof.py", CONFIGS[0], "--tag", "run"]
+    if CONFIGS[0] in packs:
+        proof += ["--pack", packs[CONFIGS[0]]]
+    steps.append(("gpu_proof", "gpu_proof_run", proof))
     for config in CONFIGS:
         stem = Path(config).stem
         cmd = [py, "benchmarks/warm_time.py", config, "--tag", f"run_{stem}"]
@@ -54,12 +61,6 @@ def _steps(packs: dict[str, str]) -> list[tuple[str, str, list[str]]]:
             cmd += ["--pack", packs[config]]
         steps.append((f"warm_time:{stem}", f"warm_time_run_{stem}", cmd))
     steps.append(("profile_warm", "profile_warm_run", [py, "benchmarks/profile_warm.py", CONFIGS[0], "--tag", "run"]))
-    proof = [py, "benchmarks/gpu_proof.py", CONFIGS[0], "--tag", "run"]
-    if CONFIGS[0] in packs:
-        proof += ["--pack", packs[CONFIGS[0]]]
-    steps.append(("gpu_proof", "gpu_proof_run", proof))
-    pack_args = [a for c, p in packs.items() for a in ("--pack", f"{c}={p}")]
-    steps.append(("sweep", "sweep_run", [py, "benchmarks/sweep.py", *CONFIGS, "--tag", "run", *pack_args]))
     steps.append(("gpu_all_keys", "gpu_all_keys_run", [py, "benchmarks/gpu_all_keys.py", *CONFIGS, "--tag", "run", *pack_args]))
     steps.append(("kernels_dsv4_index", "kernels_dsv4_index_run", [py, "benchmarks/kernels_dsv4_index.py", "--tag", "run"]))
     steps.append(("kernels_numeric", "kernels_numeric_run", [py, "benchmarks/kernels_numeric.py", "--tag", "run"]))
@@ -114,18 +115,22 @@ def main() -> None:
             except subprocess.TimeoutExpired as exc:
                 rc, tail = "timeout", str(exc.stdout or "")[-3000:]
             wall = time.perf_counter() - start
-            path = Path(env["WARMREG_BENCH_DIR"], f"{stem}.json")
-            result = json.loads(path.read_text()) if path.exists() else None
+            staged = Path(env["WARMREG_BENCH_DIR"], f"{stem}.json")
+            result = json.loads(staged.read_text()) if staged.exists() else None
             out["steps"][name] = {"command": " ".join(cmd), "rc": rc, "wall_s": wall, "result": result,
                                   "output_tail": tail if rc != 0 or result is None else tail[-600:]}  # fmt: skip
             print(tail[-1500:], flush=True)
             print(f"== {name}: rc {rc} in {wall:.1f} s", flush=True)
+            _save(out, path)  # after every step: a later crash or timeout loses nothing measured
+    print("->", path)
+
+
+def _save(out: dict[str, Any], path: Path) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     text = json.dumps(out, indent=1, default=str)
     path.write_text(text)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], f"{slug}.json").write_text(text)
-    print("->", path)
+        Path(os.environ["OUT"], path.name).write_text(text)
 
 
 if __name__ == "__main__":

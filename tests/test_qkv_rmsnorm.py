@@ -100,3 +100,21 @@ def test_dsv4_and_kimi_registrations_share_one_kernel(triton_cache: Path) -> Non
     cfg = {"model": {"model_type": "mixed"}, "serving": {"max_num_batched_tokens": 256}}
     report = warmreg.warm(cfg, target="cuda:90", plugins=[Both()], entry_points=False)
     assert report.declared == 1 and report.compiled == 1
+
+
+def test_memoized_dispatch_equals_the_computed_key_for_every_input_class() -> None:
+    from warmreg.ops import FusedQKVRMSNorm
+
+    op = FusedQKVRMSNorm(q_size=96, kv_size=64, proj_width=160)
+    for dtype in (torch.bfloat16, torch.float16):
+        for offset in (0, 1, 8):
+            for width in (160, 161):
+                proj = torch.zeros(3 * width + offset, dtype=dtype)[offset:].view(3, width)
+                qw, kvw = torch.ones(96, dtype=dtype), torch.ones(64, dtype=dtype)
+                for pdl in (False, True):
+                    args = dict(qr=proj[:, :96], kv=proj[:, 96:160], q_weight=qw, kv_weight=kvw, launch_pdl=pdl)
+                    first = op.dispatch(**args)
+                    assert first == op._dispatch(**args)
+                    assert op.dispatch(**args) is first  # served from the memo
+    # offsets 0 and 8 elements (16 bytes) share residues, so one memo entry: 2 dtypes x 2 x 2 widths x 2
+    assert len({k.q_in_aligned for k in op._keys.values()}) == 2 and len(op._keys) == 16

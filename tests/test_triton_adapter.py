@@ -156,6 +156,7 @@ def test_triton_key_prefetch_fills_tritons_own_cache() -> None:
 
 
 def test_loads_that_share_a_launcher_take_turns_and_others_run_in_parallel() -> None:
+    import itertools
     import threading
     import time
     from types import SimpleNamespace
@@ -186,7 +187,7 @@ def test_loads_that_share_a_launcher_take_turns_and_others_run_in_parallel() -> 
     for group in spans.values():
         ordered = sorted(group)
         assert len(ordered) == 3
-        assert all(prev_end <= start for (_, prev_end), (start, _) in zip(ordered, ordered[1:]))  # one at a time
+        assert all(prev_end <= start for (_, prev_end), (start, _) in itertools.pairwise(ordered))  # one at a time
     a, b = sorted(spans["a"]), sorted(spans["b"])
     assert any(sa < eb and sb < ea for sa, ea in a for sb, eb in b)  # the two launchers built side by side
     _triton.finish_load(kernels[0])  # loaded: a no-op

@@ -1,9 +1,12 @@
 """Compiling a plan's keys: in parallel on a bounded pool, each key isolated, each timed.
 
-Keys are bound and specialized on the calling thread through the kernel's own launch code (the
-warm session turns the launch into ``JITFunction.warmup``); the compiles themselves run on a
-thread pool through Triton's async compile mode (``triton.runtime._async_compile``). Triton's
-compilation listener says whether each binary came from its disk cache.
+Two phases. First every key is bound and specialized on the calling thread through the kernel's own
+launch code (the warm session captures the launch instead of running it); that needs neither the
+disk cache nor ``triton_key()``, so it overlaps the background hash of Triton's installation and
+comes before a pack is installed. Then each captured launch becomes ``JITFunction.warmup``, whose
+compiles run on a thread pool through Triton's async compile mode
+(``triton.runtime._async_compile``). Triton's compilation listener says whether each binary came
+from its disk cache.
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ class _Task:
         self.jit_name: str | None = None
         self.specialization_data: str | None = None
         self.compiled: Any = None
+        #: the captured launch (jit, grid, kwargs, options), compiled in the second phase
+        self.launch: tuple[Any, tuple[int, ...], Any, dict[str, Any]] | None = None
 
     def result(self) -> KeyResult:
         return KeyResult(
@@ -92,14 +97,28 @@ class _Session:
         cache = jit.device_caches[_triton.current_device()][0]
         # Status before the compile starts: async compiles report through the listener at any time.
         task.status = "memory" if task.triton_key in cache else "pending"
-        _tls.task = task
-        start = time.perf_counter()
-        try:
-            task.compiled = _triton.warmup(jit, spec.grid or (1,), spec.kwargs, options)
-        finally:
-            _tls.task = None
-        task.seconds += time.perf_counter() - start
+        task.launch = (jit, spec.grid or (1,), spec.kwargs, options)
         return spec.outputs
+
+
+def _compile(task: _Task) -> None:
+    """The second phase for one key: ``JITFunction.warmup`` of its captured launch (submitted to
+    the pool under the async compile mode, inline otherwise)."""
+    if task.launch is None:
+        return
+    jit, grid, kwargs, options = task.launch
+    task.launch = None
+    _tls.task = task
+    token = _CURRENT.set(task)
+    start = time.perf_counter()
+    try:
+        task.compiled = _triton.warmup(jit, grid, kwargs, options)
+    except Exception as exc:
+        task.status, task.error = "failed", _describe(exc)
+    finally:
+        _tls.task = None
+        _CURRENT.reset(token)
+        task.seconds += time.perf_counter() - start
 
 
 class _TimedExecutor(Executor):
@@ -173,6 +192,7 @@ def compile_keys(
     workers: int,
     on_error: OnError = "raise",
     advance: Callable[[KeyResult], None] | None = None,
+    before_compile: Callable[[], None] | None = None,
 ) -> list[KeyResult]:
     """Compile every ``(kernel, key)``; one failure never stops the others unless ``on_error="stop"``.
 
@@ -180,10 +200,11 @@ def compile_keys(
     :param platform: the target; a cross target swaps in Triton's stand-in driver for the duration.
     :param workers: compile threads (1 compiles inline).
     :param advance: called with each key's result as it completes (progress display).
+    :param before_compile: called between binding every key and compiling them (a pack install:
+        it runs after the launch code, before any cache lookup); what it raises propagates.
     :returns: one :class:`KeyResult` per item, in order.
     """
     tasks = [_Task(kp, key) for kp, key in items]
-    _triton.wait_triton_key()
     on_done = (lambda task: advance(task.result())) if advance is not None else None
     session = _Session()
     previous_listener = knobs.compilation.listener
@@ -193,11 +214,15 @@ def compile_keys(
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="warmreg-compile") if workers > 1 else None
     try:
         with _triton.cross_target(platform):
+            stopped = _bind_all(tasks, on_error, on_done)
+            if before_compile is not None:
+                before_compile()
+            _triton.wait_triton_key()
             if pool is None:
-                _run_serial(tasks, on_error, advance)
+                _run_serial(tasks, on_error, advance, stopped)
             else:
                 load_device = _triton.current_device() if platform.local else None
-                _run_async(tasks, _TimedExecutor(pool, on_done, load_device), on_error, on_done)
+                _run_async(tasks, _TimedExecutor(pool, on_done, load_device), on_error, on_done, stopped)
         if platform.local:
             _finish_loads(tasks, workers)
     finally:
@@ -219,27 +244,46 @@ def _bind(task: _Task) -> None:
         _CURRENT.reset(token)
 
 
-def _run_serial(tasks: list[_Task], on_error: OnError, advance: Callable[[KeyResult], None] | None) -> None:
+def _bind_all(tasks: list[_Task], on_error: OnError, on_done: Callable[[_Task], None] | None) -> bool:
+    """First phase: run every key's launch code; returns whether ``on_error="stop"`` stopped it."""
     for task in tasks:
         _bind(task)
+        if task.status == "failed":
+            if on_done is not None:
+                on_done(task)
+            if on_error == "stop":
+                _cancel_rest(tasks, task)
+                return True
+    return False
+
+
+def _run_serial(
+    tasks: list[_Task], on_error: OnError, advance: Callable[[KeyResult], None] | None, stopped: bool
+) -> None:
+    for task in tasks:
+        if task.launch is None and task.status == "failed":
+            continue  # failed (and reported) while binding
+        _compile(task)
         if task.status == "pending":
             task.status = "compiled"
         if advance is not None:
             advance(task.result())
-        if task.status == "failed" and on_error == "stop":
+        if task.status == "failed" and on_error == "stop" and not stopped:
             _cancel_rest(tasks, task)
             return
 
 
 def _run_async(
-    tasks: list[_Task], executor: Executor, on_error: OnError, on_done: Callable[[_Task], None] | None
+    tasks: list[_Task], executor: Executor, on_error: OnError, on_done: Callable[[_Task], None] | None, stopped: bool
 ) -> None:
     with AsyncCompileMode(executor, ignore_errors=True):
         for task in tasks:
-            _bind(task)
+            if task.launch is None and task.status == "failed":
+                continue  # failed (and reported) while binding
+            _compile(task)
             if on_done is not None and task.status in ("memory", "failed"):  # nothing was submitted
                 on_done(task)
-            if task.status == "failed" and on_error == "stop":
+            if task.status == "failed" and on_error == "stop" and not stopped:
                 _cancel_rest(tasks, task)
                 break
     for task in tasks:
@@ -254,9 +298,11 @@ def _run_async(
 
 
 def _cancel_rest(tasks: list[_Task], failed: _Task) -> None:
+    """``on_error="stop"``: keys not bound yet, or bound but not compiled yet, are not attempted."""
     for task in tasks:
-        if task.status == "memory" and task.compiled is None and task is not failed and task.triton_key is None:
-            task.status, task.error = "failed", f"not attempted: stopped after {failed.kp.name} failed"
+        unbound = task.status == "memory" and task.compiled is None and task.triton_key is None
+        if task is not failed and (unbound or task.launch is not None):
+            task.status, task.error, task.launch = "failed", f"not attempted: stopped after {failed.kp.name} failed", None
 
 
 def _load(task: _Task, compiled: Any, device: int) -> None:

@@ -31,6 +31,7 @@ import time
 import uuid
 import zipfile
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -383,13 +384,11 @@ def install_entries(
     if refused and all_or_nothing:
         raise PackError(pack, f"{len(refused)} entries refused (all-or-nothing): {refused[0][1]}", fix="rebuild the pack")
     cache = Path(_triton.cache_dir())
-    installed = present = 0
-    for entry, blobs, local_hash in ready:
-        if _publish(cache, entry, blobs, local_hash):
-            installed += 1
-        else:
-            present += 1
-    return installed, present, tuple(refused)
+    # entries are independent, and each file's fsync waits on the disk with the GIL released
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(ready))), thread_name_prefix="warmreg-install") as pool:
+        published = list(pool.map(lambda item: _publish(cache, *item), ready))
+    installed = sum(published)
+    return installed, len(published) - installed, tuple(refused)
 
 
 def entry_from_result(result: KeyResult, kernel: Any) -> tuple[PackEntry, dict[str, bytes]]:

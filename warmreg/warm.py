@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import triton
@@ -135,21 +135,32 @@ def warm(
     shard_group = resolve_group(group, distributed)
     the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points, on_plugin_error=on_plugin_error)
     _check_cache_writable()
-    if pack is not None:
+    pack_note: list[str] = []
+
+    def install_pack() -> None:
+        # between binding and compiling (compile_keys' before_compile): the launch code of every key
+        # runs while Triton's installation is still being hashed; the install needs that hash
         from .pack import install
 
-        installed = install(os.fspath(pack), target=the_plan.platform)
-        pack_note = f"{pack}: {installed.installed} installed, {installed.present} present, {len(installed.refused)} refused"
+        r = install(os.fspath(pack), target=the_plan.platform)  # type: ignore[arg-type]
+        pack_note.append(
+            f"{pack}: {r.installed} installed, {r.present} present, {len(r.refused)} refused, "
+            f"{r.launchers} C launchers in {r.seconds:.2f} s"
+        )
+
     plan_seconds = time.perf_counter() - start
     n_workers = workers or default_workers()
     show = sys.stderr.isatty() if progress is None else progress
+    before = install_pack if pack is not None else None
     shard = None
     if shard_group is not None:
+        if before is not None:
+            before()
         results, shard = sharded_compile(the_plan, group=shard_group, workers=n_workers, on_error=on_error)
     elif show:
-        results = _compile_with_progress(the_plan, n_workers, on_error)
+        results = _compile_with_progress(the_plan, n_workers, on_error, before)
     else:
-        results = compile_keys(the_plan.items(), platform=the_plan.platform, workers=n_workers, on_error=on_error)
+        results = compile_keys(the_plan.items(), platform=the_plan.platform, workers=n_workers, on_error=on_error, before_compile=before)
     report = WarmReport(
         platform=the_plan.platform.target,
         model_type=the_plan.config.model_type,
@@ -161,7 +172,7 @@ def warm(
         plugins=the_plan.plugins,
         skipped=tuple(f"{s.kernel} ({s.plugin}): {s.reason}" for s in the_plan.skipped),
         plugin_problems=the_plan.plugin_problems,
-        pack=pack_note if pack is not None else None,
+        pack=pack_note[0] if pack_note else None,
         rank=shard.rank if shard else 0,
         world_size=shard.world_size if shard else 1,
         shard_compiled=shard.compiled_here if shard else None,
@@ -196,7 +207,9 @@ def _check_cache_writable() -> None:
         ) from exc
 
 
-def _compile_with_progress(the_plan: Plan, workers: int, on_error: OnError) -> list[KeyResult]:
+def _compile_with_progress(
+    the_plan: Plan, workers: int, on_error: OnError, before_compile: Callable[[], None] | None = None
+) -> list[KeyResult]:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -209,4 +222,5 @@ def _compile_with_progress(the_plan: Plan, workers: int, on_error: OnError) -> l
             workers=workers,
             on_error=on_error,
             advance=lambda _r: bar.advance(task),
+            before_compile=before_compile,
         )

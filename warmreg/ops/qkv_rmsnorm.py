@@ -66,7 +66,7 @@ def _fused_qkv_rmsnorm_kernel(
         _rms_row(kv_in_ptr + t * kv_in_stride, kv_w_ptr, kv_out_ptr + t * KV_SIZE, eps, KV_SIZE, BLOCK_SIZE, USE_PDL)
 
 
-@attrs.frozen(kw_only=True)
+@attrs.frozen(kw_only=True, cache_hash=True)  # dispatch hands out memoized keys: hash them once
 class QKVRMSNormKey(CompileKey):
     """What changes the binary of the fused Q/KV RMSNorm."""
 
@@ -117,8 +117,25 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
         self.dtype = getattr(torch, dtype)
         self.weight_dtype = getattr(torch, weight_dtype or dtype)
         self.plugin = plugin
+        self._keys: dict[tuple[Any, ...], QKVRMSNormKey] = {}
 
     def dispatch(
+        self, *, qr: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor, launch_pdl: bool
+    ) -> QKVRMSNormKey:
+        # Memoized on exactly what the key is computed from (a pure function stays pure): on the
+        # decode hot path a tuple lookup replaces building a 13-field key, and the key's hash is cached.
+        inputs = (
+            qr.dtype, q_weight.dtype, qr.shape[-1], kv.shape[-1], qr.stride(0), kv.stride(0),
+            qr.data_ptr() & 15, kv.data_ptr() & 15, q_weight.data_ptr() & 15, kv_weight.data_ptr() & 15, launch_pdl,
+        )  # fmt: skip
+        key = self._keys.get(inputs)
+        if key is None:
+            key = self._dispatch(qr=qr, kv=kv, q_weight=q_weight, kv_weight=kv_weight, launch_pdl=launch_pdl)
+            if len(self._keys) < 4096:
+                self._keys[inputs] = key
+        return key
+
+    def _dispatch(
         self, *, qr: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor, launch_pdl: bool
     ) -> QKVRMSNormKey:
         q_size, kv_size = qr.shape[-1], kv.shape[-1]

@@ -1,0 +1,1084 @@
+"""The zero-JIT sweep: every registered kernel of a deployment, driven like an engine, with the monitor in ``error``.
+
+For each config: ``warmreg.warm(config)``, arm the JIT monitor in ``error`` mode, then run engine steps of a
+randomized request mix through EVERY kernel of ``warmreg.plan(config).kernels``. A plan kernel without a driver
+here stops the sweep before anything runs (:class:`SweepError` names it); a driver whose kernel the plan lacks
+(the combine under Pro's FlashInfer backend) is skipped.
+
+Steps are decode-only, prefill-only or mixed (the first three one of each, then 5:2:3 at random), decode requests
+first as engines schedule them. A decode request carries ``1 + num_speculative_tokens`` tokens (70% of steps), 1
+(15%) or either (15%: no uniform decode); token counts run from 1 to ``max_num_batched_tokens`` and sequence
+lengths to ``max_model_len`` (each step first draws its longest sequence: log-uniform and uniform draws and both
+extremes); a fifth of the requests replay a bounded SWA window. Inputs are built as an engine builds them and go
+through the plugins' launchers (``plan.kernel(name).kernel``): ``query_start_loc``/``seq_lens``/``positions`` from
+the batch; persistent block tables ``[max_num_seqs, width(max_model_len)]`` of random, valid block ids of caches of
+a few hundred pages; ``fp8_ds_mla`` pages of e4m3 bytes, bf16 RoPE parts and UE8M0 scales; FP8 indexer pages at
+the allocator's page stride; fp32 compressor states; random bf16/fp32 activations; and each kernel's outputs feed
+the next. A launch that raises :class:`warmreg.JitMissError` (error mode refuses the compile) or fails is recorded
+with its batch and the step goes on; the metadata it should have produced is then computed in PyTorch for the
+kernels downstream.
+
+Per step, once: the block-table slot mapping of each KV-cache group of the plan (DeepSeek-V4: SWA 64, compressed
+and indexer caches 256, compressor states 4 and 8; Kimi-K3: MLA 64), the compressed slot mappings (sparse-MLA
+builder per ratio, and the C4 indexer's site), the C128A metadata, the decode SWA indices, the sparse-SWA prefill
+metadata and the uniform-decode flattening. Then ONE launch per layer TYPE, not per layer (the layers of a type
+launch the same keys):
+
+- DeepSeek-V4, each type: Q/KV RMSNorm, its sparse prefill chunk by chunk (dequant-gather of its compressed cache
+  and of the SWA cache, then the combine), inverse RoPE + FP8 quant. C4 adds its compressor's save, and the
+  indexer (save, compress + insert, Q RoPE + quant, global top-k of the decode tokens (and of the prefill tokens
+  under FlashInfer), prefill chunk metadata, cut along M above the logits budget); C128 adds its compressor's
+  save. The MTP layer's two norms run around the attention type of the MTP layer (SWA-only: with the SWA-only
+  layers when the model has them, else as a type of its own).
+- Kimi-K3: the MLA layers' Q/KV RMSNorm (over either registered projection width) and the KDA layers' recurrent
+  step over the decode requests (q, k, v as separate tensors or views of one projection; prefill tokens take the
+  chunked KDA kernel, which no plugin registers).
+
+Reported per config and kernel: launches, misses (explanations), failures, the monitor's counters as a cross-check,
+and every key launched that the plan does not hold; plus steps, tokens and the mix of step kinds.
+
+``--device cpu`` runs the same drivers on CPU tensors through Triton's interpreter: no warm (nothing compiles
+there), the plan for ``cuda:90`` (the H200), sizes capped (``--max-tokens``, ``--max-seq-len``, ``--max-seqs``),
+and the first launch of each kernel that has a PyTorch reference checked against it.
+
+    python benchmarks/sweep.py [configs...] [--steps 60] [--seed 0] [--tag h200] [--pack CONFIG=PACK]
+    python benchmarks/sweep.py --device cpu [--steps 3] [--max-tokens 4] [--max-seq-len 256] [--max-seqs 4]
+"""
+
+from __future__ import annotations
+
+import abc
+import argparse
+import math
+import random
+import sys
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write
+from warmreg_deepseek_v4 import DSV4
+from warmreg_deepseek_v4.compressed_slot_mapping import compressed_slot_mapping_reference
+from warmreg_deepseek_v4.fp8_ds_mla import FP8_MAX, HEAD_DIM, NOPE_DIM, ROPE_DIM, SCALE_BYTES, TOKEN_BYTES, page_bytes
+from warmreg_deepseek_v4.indexer import indexer_page_stride
+from warmreg_deepseek_v4.inv_rope_quant import fp8_checkpoint
+from warmreg_deepseek_v4.metadata import C4_STATE_BLOCK_SIZE, C128_STATE_BLOCK_SIZE
+from warmreg_deepseek_v4.model import SPARSE_BLOCK_SIZE, SWA_PAGE_SIZE
+from warmreg_deepseek_v4.sparse_mla import (
+    FLASHINFER_SPARSE,
+    attention_backend,
+    c128_active_width,
+    c128_max_width,
+    c128_topk_metadata_reference,
+    compressed_block_size,
+    global_topk_indices_reference,
+)
+from warmreg_deepseek_v4.swa_indices import combine_topk_swa_indices_reference, decode_swa_indices_reference
+from warmreg_deepseek_v4.swa_prefill_metadata import sparse_swa_prefill_metadata_reference
+from warmreg_kimi_k3.kda import kda_recurrent_reference
+
+import warmreg
+from warmreg.ops import block_table_slot_mapping_reference, block_table_width, fused_qkv_rmsnorm_reference
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = tuple(str(ROOT / "examples" / f"{n}.json") for n in ("deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3"))
+KINDS = ("decode", "prefill", "mixed")
+CPU_TARGET = "cuda:90"  # the plan a CPU run drives: the H200's
+I32, I64, BF16, F32, U8 = torch.int32, torch.int64, torch.bfloat16, torch.float32, torch.uint8
+
+SLOTS, NORM = "warmreg.ops.block_table_slot_mapping", "warmreg.ops.fused_qkv_rmsnorm"
+KDA = "kimi_k3.kda_recurrent"
+DSV4_PREFIX = "deepseek_v4."
+CSLOTS, GATHER, COMBINE, SAVE = (
+    DSV4_PREFIX + n
+    for n in ("compressed_slot_mapping", "dequant_gather_k_cache", "combine_topk_swa_indices", "save_partial_states")
+)
+#: Every kernel the sweep can drive.
+DRIVERS = frozenset(
+    [SLOTS, NORM, KDA, CSLOTS, GATHER, COMBINE, SAVE]
+    + [
+        DSV4_PREFIX + n
+        for n in (
+            "c128a_topk_metadata",
+            "decode_swa_indices",
+            "global_topk_indices",
+            "indexer_kv_compress_insert",
+            "indexer_prefill_chunk_metadata",
+            "indexer_q_rope_quant",
+            "inv_rope_fp8_quant",
+            "mtp_input_rmsnorm",
+            "mtp_shared_head_rmsnorm",
+            "prepare_uniform_decode",
+            "sparse_swa_prefill_metadata",
+        )
+    ]
+)
+#: DeepSeek-V4 KV-cache groups by block size: the SWA cache (64-token pages), the compressed and indexer caches
+#: (256 raw tokens a block: their uncompressed slots) and the compressor states of C4 and C128 layers.
+SWA, KV, STATE = SWA_PAGE_SIZE, SPARSE_BLOCK_SIZE, {4: C4_STATE_BLOCK_SIZE, 128: C128_STATE_BLOCK_SIZE}
+#: Key fields a CPU run takes from its own (absent) platform rather than from the planned target.
+PLATFORM_FIELDS = frozenset({"launch_pdl"})
+
+
+class SweepError(RuntimeError):
+    """The sweep cannot run a config: a plan kernel without a driver, or ``--device cuda`` without a GPU."""
+
+
+# -- sizes and request mixes ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Limits:
+    """Sizes of one run: the serving limits, capped for the CPU; block tables keep ``max_model_len``'s width."""
+
+    max_tokens: int  # tokens per step
+    max_seqs: int  # requests per step
+    max_seq_len: int  # longest sequence drawn
+    max_model_len: int  # the configured one: table widths and C128 buffers, so that keys are the deployment's
+    spec: int  # num_speculative_tokens
+    num_blocks: int  # pages of each KV / state cache
+    workspace_rows: int  # sparse-prefill gather workspace per chunk, in rows of 512 bf16
+    logits_bytes: int  # indexer logits budget of a prefill chunk (a request over it alone is cut along M)
+
+    @classmethod
+    def of(
+        cls, cfg: warmreg.WarmConfig, cuda: bool, max_tokens: int | None, max_seq_len: int | None, max_seqs: int | None
+    ) -> Limits:
+        """The config's serving values, capped by the arguments (CPU defaults: 4 tokens, 4 requests, length 256;
+        and small workspace and logits budgets, so that chunking and cuts along M happen at those sizes)."""
+        serving, big = cfg.serving, 1 << 62
+        mml, spec = int(serving["max_model_len"]), int(serving.get("num_speculative_tokens", 0) or 0)
+        return cls(
+            max_tokens=min(int(serving["max_num_batched_tokens"]), max_tokens or (big if cuda else 4)),
+            max_seqs=min(int(serving["max_num_seqs"]), max_seqs or (big if cuda else 4)),
+            max_seq_len=min(mml, max(max_seq_len or (big if cuda else 256), 2 + spec)),  # room for a decode
+            max_model_len=mml,
+            spec=spec,
+            num_blocks=256 if cuda else 16,
+            workspace_rows=1 << 19 if cuda else 512,
+            logits_bytes=512 << 20 if cuda else 512,
+        )
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One step's requests, decode requests first: sequence and query lengths, and SWA replay starts."""
+
+    kind: str
+    seqs: tuple[int, ...]
+    qlens: tuple[int, ...]
+    replay: tuple[int, ...]
+    num_decodes: int
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.qlens)
+
+    @property
+    def decode_tokens(self) -> int:
+        return sum(self.qlens[: self.num_decodes])
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.qlens) - self.num_decodes
+
+    @property
+    def uniform_decode_len(self) -> int | None:
+        """``D`` when every decode request has ``D`` tokens (the uniform-decode flattening applies), else None."""
+        lens = set(self.qlens[: self.num_decodes])
+        return lens.pop() if len(lens) == 1 else None
+
+    def describe(self) -> str:
+        d = self.uniform_decode_len or "mixed"
+        return (
+            f"{self.kind}: {self.num_decodes} decode reqs ({self.decode_tokens} tok, D={d}) + {self.num_prefills} "
+            f"prefill reqs ({self.tokens - self.decode_tokens} tok), T={self.tokens}, max seq {max(self.seqs)}"
+        )
+
+
+def _count(rng: random.Random, lo: int, hi: int) -> int:
+    """An integer in ``[lo, hi]``: each extreme 10% of the time, else log-uniform."""
+    r = rng.random()
+    if hi <= lo or r < 0.1:
+        return lo
+    if r < 0.2:
+        return hi
+    return min(hi, max(lo, int(math.exp(rng.uniform(math.log(lo + 1), math.log(hi + 2)))) - 1))
+
+
+def _length(rng: random.Random, lo: int, hi: int) -> int:
+    """A sequence length in ``[lo, hi]``: 10% the longest, half log-uniform, 40% uniform."""
+    r = rng.random()
+    if hi <= lo or r < 0.1:
+        return hi
+    return _count(rng, lo, hi) if r < 0.6 else rng.randint(lo, hi)
+
+
+def make_batch(rng: random.Random, kind: str, lim: Limits) -> Batch:
+    """A decode-first batch of ``kind`` within the limits, as an engine's scheduler emits it.
+
+    The step first draws its longest sequence, so that steps of short sequences only occur too (the C128 width
+    and the sparse-prefill workspace follow a step's longest sequence).
+    """
+    if kind == "mixed" and (lim.max_tokens < 2 or lim.max_seqs < 2):
+        kind = "decode"
+    d, seqs, qlens = 1 + lim.spec, [], []
+    cap = _length(rng, min(d + 1, lim.max_seq_len), lim.max_seq_len)  # this step's longest: W varies by step
+    if kind != "prefill":
+        room = lim.max_tokens - (kind == "mixed")
+        n_dec = _count(rng, 1, max(1, min(lim.max_seqs - (kind == "mixed"), room // d)))
+        mode = rng.random()
+        for _ in range(n_dec):
+            qlens.append(min(room, d if mode < 0.7 else 1 if mode < 0.85 else rng.randint(1, d)))
+            seqs.append(_length(rng, qlens[-1] + 1, cap))  # some context before the drafts
+    n_dec = len(qlens)
+    if kind != "decode":
+        left = _count(rng, 1, lim.max_tokens - sum(qlens))
+        while left > 0 and len(qlens) < lim.max_seqs:  # chunks of prompts, after a context (none for a fifth)
+            q = min(left, _count(rng, 1, lim.max_tokens), cap)
+            qlens.append(q)
+            seqs.append(q + _length(rng, 0, cap - q) if rng.random() < 0.8 else q)
+            left -= q
+    replay = tuple(0 if rng.random() < 0.8 else rng.randint(0, s - q) for s, q in zip(seqs, qlens))
+    return Batch(kind, tuple(seqs), tuple(qlens), replay, n_dec)
+
+
+def _chunks(rows: list[int], budget: int) -> list[tuple[int, int]]:
+    """Chunks ``[a, b)`` of consecutive requests with ``count * max(rows) <= budget`` (one request always fits)."""
+    out: list[tuple[int, int]] = []
+    start, widest = 0, 0
+    for i, r in enumerate(rows):
+        if i > start and (i - start + 1) * max(widest, r) > budget:
+            out.append((start, i))
+            start, widest = i, 0
+        widest = max(widest, r)
+    if rows:
+        out.append((start, len(rows)))
+    return out
+
+
+# -- per-kernel accounting -----------------------------------------------------------------------------------------
+@dataclass
+class KernelStats:
+    """What one kernel did in a config's sweep."""
+
+    launches: int = 0
+    misses: dict[str, dict[str, Any]] = field(default_factory=dict)  # explanation -> count, first batch
+    failures: dict[str, dict[str, Any]] = field(default_factory=dict)  # error -> count, first batch
+    checks: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def note(where: dict[str, dict[str, Any]], text: str, batch: str) -> None:
+        where.setdefault(text, {"count": 0, "first_batch": batch})["count"] += 1
+
+    def to_json(self, monitor: dict[str, int] | None) -> dict[str, Any]:
+        misses = sum(e["count"] for e in self.misses.values())
+        return {
+            "launches": self.launches,
+            "misses": misses,
+            "failures": sum(e["count"] for e in self.failures.values()),
+            "miss_explanations": [{"explain": k, **v} for k, v in self.misses.items()],
+            "failure_messages": [{"error": k, **v} for k, v in self.failures.items()],
+            "checks": self.checks,
+            "monitor": monitor,  # launches counted before Triton compiles, so a miss is a launch there too
+            "monitor_agrees": monitor is not None and monitor["launches"] == self.launches + misses,
+        }
+
+
+def _compare(got: Any, want: Any, atol: float, rtol: float) -> str | None:
+    """None when the outputs equal the reference's: integers exactly, floats within ``atol``/``rtol``."""
+    pairs = list(zip(got, want)) if isinstance(got, tuple) else [(got, want)]
+    for i, (g, w) in enumerate(pairs):
+        if g is None:
+            continue
+        g, w = g.cpu(), w.cpu()
+        if g.dtype.is_floating_point:
+            try:
+                torch.testing.assert_close(g, w, atol=atol, rtol=rtol)
+            except AssertionError as exc:
+                return f"output {i}: {str(exc).splitlines()[0]}"
+        elif g.shape != w.shape or not torch.equal(g, w):
+            return f"output {i} differs from the reference (shapes {tuple(g.shape)} and {tuple(w.shape)})"
+    return None
+
+
+# -- what an engine keeps and builds -------------------------------------------------------------------------------
+def fp8_ds_mla_cache(pages: int, block_size: int, gen: torch.Generator, dev: torch.device) -> torch.Tensor:
+    """``fp8_ds_mla`` pages (uint8 ``[pages, page_bytes]``): e4m3 NoPE bytes, bf16 RoPE part, UE8M0 scales near 1."""
+    cache = torch.zeros(pages, page_bytes(block_size), dtype=U8, device=dev)
+    tokens = cache[:, : block_size * TOKEN_BYTES].view(pages, block_size, TOKEN_BYTES)
+    nope = torch.randn(pages, block_size, NOPE_DIM, generator=gen, device=dev).mul_(64)
+    tokens[..., :NOPE_DIM] = nope.clamp_(-FP8_MAX[False], FP8_MAX[False]).to(torch.float8_e4m3fn).view(U8)
+    tokens[..., NOPE_DIM:] = torch.randn(pages, block_size, ROPE_DIM, generator=gen, device=dev).to(BF16).view(U8)
+    scales = cache[:, block_size * TOKEN_BYTES : block_size * (TOKEN_BYTES + SCALE_BYTES)]
+    exponents = torch.randint(117, 137, (pages, block_size, SCALE_BYTES - 1), generator=gen, device=dev)
+    scales.view(pages, block_size, SCALE_BYTES)[..., :-1] = exponents.to(U8)  # the pad byte stays 0
+    return cache
+
+
+def rope_cache(rows: int, rope_dim: int, theta: float, dev: torch.device) -> torch.Tensor:
+    """float32 ``[rows, rope_dim]``: cosines, then sines, of ``p * theta**(-2i / rope_dim)``.
+
+    YaRN's scaling of the compressed layers' cache is left out: it changes the values, not the shapes.
+    """
+    inv = theta ** (-torch.arange(0, rope_dim, 2, dtype=F32, device=dev) / rope_dim)
+    angles = torch.arange(rows, dtype=F32, device=dev)[:, None] * inv[None, :]
+    return torch.cat([angles.cos(), angles.sin()], dim=1)
+
+
+@dataclass
+class Step:
+    """One step's device tensors and the per-step metadata its layers share."""
+
+    batch: Batch
+    qsl: torch.Tensor  # int32 [R + 1] query_start_loc
+    seq_lens: torch.Tensor  # int32 [R]
+    positions: torch.Tensor  # int64 [T]
+    token_to_req: torch.Tensor  # int32 [T]
+    replay: torch.Tensor  # int32 [R] first position SWA may replay (0: no bounded replay)
+    gather_host: list[int]  # the prefills' sparse-SWA gather lens (the builder's CPU copy)
+    slots: dict[int, torch.Tensor] = field(default_factory=dict)  # KV-group block size -> int64 [T]
+    cslots: dict[str, torch.Tensor] = field(default_factory=dict)  # call site -> compressed slots, int64 [T]
+    gather_lens: torch.Tensor | None = None  # int32 [num_prefills]
+    prefill_local: torch.Tensor | None = None  # C128A local indices of the prefill tokens, int32 [T - nd, W]
+    topk: torch.Tensor | None = None  # the C4 indexer's local top-k, int32 [T, index_topk]
+
+
+def step_tensors(b: Batch, window: int, dev: torch.device) -> Step:
+    """``query_start_loc``, ``seq_lens``, ``positions`` and ``token_to_req`` of a batch, as an engine builds them."""
+    qlens, seqs = torch.tensor(b.qlens, dtype=I64), torch.tensor(b.seqs, dtype=I64)
+    qsl = torch.zeros(len(b.qlens) + 1, dtype=I64)
+    qsl[1:] = torch.cumsum(qlens, 0)
+    req = torch.repeat_interleave(torch.arange(len(b.qlens)), qlens)
+    positions = (seqs - qlens)[req] + torch.arange(b.tokens) - qsl[:-1][req]
+    nd = b.num_decodes
+    gather = [q + min(max(s - q - r, 0), window - 1) for s, q, r in zip(b.seqs[nd:], b.qlens[nd:], b.replay[nd:])]
+    return Step(
+        batch=b,
+        qsl=qsl.to(I32).to(dev),
+        seq_lens=seqs.to(I32).to(dev),
+        positions=positions.to(dev),
+        token_to_req=req.to(I32).to(dev),
+        replay=torch.tensor(b.replay, dtype=I32).to(dev),
+        gather_host=gather,
+    )
+
+
+# -- the engine: persistent state, launches and their accounting ---------------------------------------------------
+class Sweep(abc.ABC):
+    """One config's engine: the plan, persistent tables, caches and buffers, and what each kernel did.
+
+    A model family subclasses it: its constructor sets up the family's caches and ``layers`` (the layer types),
+    and :meth:`run` launches one step.
+    """
+
+    def __init__(self, plan: warmreg.Plan, dev: torch.device, lim: Limits, seed: int) -> None:
+        self.plan, self.cfg, self.dev, self.lim = plan, plan.config, dev, lim
+        self.cuda = dev.type == "cuda"
+        self.gen = torch.Generator(device=dev).manual_seed(seed)
+        self.rng = random.Random(seed + 1)
+        self.names = frozenset(kp.name for kp in plan.kernels)
+        self.stats = {name: KernelStats() for name in sorted(self.names)}
+        self.where, self.window = "", 128
+        self.step_failures: list[str] = []
+        self.layers: list[tuple[str, int]] = []
+        keys = plan.kernel(SLOTS).keys if SLOTS in self.names else ()
+        self.groups = sorted({k.block_size for k in keys})  # type: ignore[attr-defined]
+        self.tables = {bs: self.block_table(block_table_width(lim.max_model_len, bs)) for bs in self.groups}
+        self.slot_buf = {bs: torch.full((lim.max_tokens,), -1, dtype=I64, device=dev) for bs in self.groups}
+
+    @abc.abstractmethod
+    def run(self, st: Step) -> None:
+        """Launch every kernel of one step."""
+
+    def layer_types(self) -> list[str]:
+        """The layer types a step launches (each once)."""
+        return [kind for kind, _ in self.layers]
+
+    # -- helpers -------------------------------------------------------------------------------------------------
+    def kernel(self, name: str) -> Any:
+        return self.plan.kernel(name).kernel
+
+    def randn(self, *shape: int, dtype: torch.dtype = BF16, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(shape, generator=self.gen, device=self.dev).mul_(scale).to(dtype)
+
+    def block_table(self, width: int) -> torch.Tensor:
+        """A persistent block table ``[max_seqs, width]`` of random, valid page ids (request ``r`` owns row ``r``)."""
+        shape = (self.lim.max_seqs, width)
+        return torch.randint(0, self.lim.num_blocks, shape, generator=self.gen, device=self.dev, dtype=I32)
+
+    def launch(
+        self,
+        name: str,
+        what: str,
+        fn: Callable[[], Any],
+        *,
+        fallback: Callable[[], Any] | None = None,
+        ref: Callable[[], Any] | None = None,
+        tol: tuple[float, float] = (0.0, 2**-7),
+    ) -> Any:
+        """Launch ``name`` through ``fn``; on a miss or a failure record it and return ``fallback()`` (or None).
+
+        On the CPU the first launch of a kernel with a reference ``ref`` is checked against it. The reference runs
+        first (some kernels update inputs in place); floats must agree within ``tol = (atol, rtol)`` (default: one
+        bf16 rounding, both sides computing in fp32 in different orders).
+        """
+        stat, batch = self.stats[name], f"{self.where}; {what}"
+        want = None
+        if ref is not None and not self.cuda and not stat.checks:
+            try:
+                want = ref()
+            except Exception as exc:  # a reference that cannot take the inputs is a finding, not a launch failure
+                stat.checks.append(f"{batch}: the reference raised {type(exc).__name__}: {exc}"[:800])
+        try:
+            out = fn()
+            if self.cuda:
+                torch.cuda.synchronize()  # an asynchronous fault is charged to this launch, not a later one
+        except warmreg.JitMissError as exc:
+            KernelStats.note(stat.misses, exc.miss.explain(), batch)
+            return fallback() if fallback is not None else None
+        except Exception as exc:  # anything else fails the sweep: recorded, and the step goes on
+            KernelStats.note(stat.failures, f"{type(exc).__name__}: {exc}"[:800], batch)
+            return fallback() if fallback is not None else None
+        stat.launches += 1
+        if want is not None:
+            stat.checks.append(f"{batch}: " + (_compare(out, want, *tol) or "matches the PyTorch reference"))
+        return out
+
+    def step(self, b: Batch, index: int) -> None:
+        """One engine step; an error outside a launch (inputs, a fallback) is recorded as a step failure."""
+        self.where = f"step {index} ({b.describe()})"
+        try:
+            self.run(step_tensors(b, self.window, self.dev))
+        except Exception as exc:
+            self.step_failures.append(f"{self.where}: {type(exc).__name__}: {exc}"[:800])
+
+    # -- kernels of both families --------------------------------------------------------------------------------
+    def slot_mapping(self, st: Step, bs: int) -> None:
+        """The block-table slot mapping of one KV-cache group, into its persistent (graph-padded) buffer."""
+        table, buf, T = self.tables[bs], self.slot_buf[bs], st.batch.tokens
+
+        def torch_slots() -> torch.Tensor:
+            buf[:T] = table.long()[st.token_to_req.long(), st.positions // bs] * bs + st.positions % bs
+            buf[T:] = -1
+            return buf
+
+        out = self.launch(
+            SLOTS,
+            f"KV group of block size {bs}",
+            lambda: self.kernel(SLOTS)(st.qsl, st.positions, table, buf, block_size=bs),
+            fallback=torch_slots,
+            ref=lambda: block_table_slot_mapping_reference(
+                st.qsl, st.positions, table, block_size=bs, max_num_tokens=buf.shape[0]
+            ),
+        )
+        st.slots[bs] = out[:T]
+
+    def qkv_norm(self, st: Step, layer: str, q: int, kv: int, width: int, eps: float) -> None:
+        """The Q/KV RMSNorm of one layer type: ``qr`` and ``kv`` are column views of one fused projection."""
+        proj = self.randn(st.batch.tokens, width, scale=2.0)
+        args = (proj[:, :q], proj[:, q : q + kv], self.randn(q).add_(1), self.randn(kv).add_(1), eps)
+        self.launch(
+            NORM,
+            f"{layer} layer, projection width {width}",
+            lambda: self.kernel(NORM)(*args),
+            ref=lambda: fused_qkv_rmsnorm_reference(*args),
+        )
+
+    # -- results -------------------------------------------------------------------------------------------------
+    def results(self, mon: warmreg.Monitor) -> dict[str, Any]:
+        """Per kernel: launches, misses, failures, checks and the monitor's counters; keys outside the plan."""
+        counters = mon.counters()
+        kernels = {name: s.to_json(counters.get(name)) for name, s in self.stats.items()}
+        return {
+            "kernels": kernels,
+            "not_launched": [n for n, k in kernels.items() if not k["launches"] and not k["misses"]],
+            "keys_outside_plan": self.outside_plan(mon),
+            "step_failures": self.step_failures,
+        }
+
+    def outside_plan(self, mon: warmreg.Monitor) -> list[dict[str, Any]]:
+        """Every key launched that the plan does not hold, with the fields that differ from the nearest planned key.
+
+        ``platform_only`` marks keys of a CPU run that differ only in fields set from the CPU's platform.
+        """
+        out = []
+        for name in sorted(self.names):
+            planned = set(self.plan.kernel(name).keys)
+            for key in sorted(mon.used_keys(name) - planned, key=lambda k: k.sort_key()):
+                nearest = min(planned, key=lambda p: (len(p.diff(key)), p.sort_key()), default=None)
+                diff = nearest.diff(key) if nearest is not None else ()
+                out.append(
+                    {
+                        "kernel": name,
+                        "key": str(key),
+                        "differs_from_plan_in": [str(d) for d in diff],
+                        "platform_only": not self.cuda and bool(diff) and all(d.field in PLATFORM_FIELDS for d in diff),
+                    }
+                )
+        return out
+
+
+class DSV4Sweep(Sweep):
+    """DeepSeek-V4: per-step metadata, then its SWA-only, C4, C128 and MTP layer types (those the config has)."""
+
+    def __init__(self, plan: warmreg.Plan, dev: torch.device, lim: Limits, seed: int) -> None:
+        super().__init__(plan, dev, lim, seed)
+        m = self.m = DSV4.from_config(self.cfg)
+        self.window = m.sliding_window
+        self.tp = int(self.cfg.serving.get("tensor_parallel_size", 1))
+        self.flashinfer = attention_backend(self.cfg) == FLASHINFER_SPARSE
+        self.quantize = fp8_checkpoint(self.cfg)
+        self.ratios = sorted({r for r in m.ratios if r > 1})
+        n_main, kinds = int(self.cfg.model["num_hidden_layers"]), {1: "swa", 4: "c4", 128: "c128"}
+        main = sorted(set(m.ratios[:n_main]))
+        self.layers = [(kinds[r], r) for r in main]
+        # The MTP layer follows the main ones in compress_ratios (ratio 0, SWA-only, in both examples): its
+        # attention is of a main type when one has its ratio (Flash), else a type of its own (Pro).
+        self.mtp_kind = None
+        if m.num_nextn_predict_layers > 0:
+            mtp_ratio = m.ratios[n_main] if len(m.ratios) > n_main else 1
+            self.mtp_kind = kinds[mtp_ratio] if mtp_ratio in main else "mtp"
+            self.layers += [("mtp", mtp_ratio)] * (mtp_ratio not in main)
+        self._caches()
+        self._buffers()
+
+    def _caches(self) -> None:
+        """Compressed caches' tables, fp8_ds_mla and indexer pages, compressor states, RoPE caches, weights."""
+        m, pages, width = self.m, self.lim.num_blocks, block_table_width(self.lim.max_model_len, KV)
+        c4 = self.tables[KV] if KV in self.tables else self.block_table(width)  # the slot-mapped group
+        self.ctables = {"c4": c4, "c128": self.block_table(width), "indexer": self.block_table(width)}
+        self.page = {r: compressed_block_size(self.cfg, r) for r in self.ratios}  # compressed tokens per page
+        self.fp8 = {r: fp8_ds_mla_cache(pages, self.page[r], self.gen, self.dev) for r in self.ratios}
+        self.fp8[1] = fp8_ds_mla_cache(pages, SWA, self.gen, self.dev)  # ratio 1: the SWA cache
+        per_page, row = compressed_block_size(self.cfg, 4), m.index_head_dim + 4  # FP8 K bytes + a 4-byte scale
+        stride = indexer_page_stride(self.cfg, per_page, m.index_head_dim)
+        backing = torch.zeros(pages * stride, dtype=U8, device=self.dev)
+        self.index_cache = backing.as_strided((pages, per_page, row), (stride, row, 1))
+        # compressor states: head (coff * head_dim; coff 2 for C4's overlapping windows), ratio, state page size
+        heads = {
+            "c4": (2 * m.head_dim, 4, STATE[4]),
+            "index": (2 * m.index_head_dim, 4, STATE[4]),
+            "c128": (m.head_dim, 128, STATE[128]),
+        }
+        self.states = {k: self.randn(pages, page, 2 * h, dtype=F32) for k, (h, _, page) in heads.items()}
+        self.ape = {k: self.randn(r, h, dtype=F32, scale=0.1) for k, (h, r, _) in heads.items()}
+        rows, model = self.lim.max_seq_len, self.cfg.model
+        main = rope_cache(rows, m.qk_rope_head_dim, float(model.get("rope_theta", 10000)), self.dev)
+        compress = rope_cache(rows, m.qk_rope_head_dim, float(model.get("compress_rope_theta", 160000)), self.dev)
+        self.rope = {1: main, **{r: compress for r in self.ratios}}  # SWA-only layers: plain RoPE
+        self.index_norm = self.randn(m.index_head_dim).add_(1)
+        self.mtp_w = [self.randn(m.hidden_size, scale=0.1).add_(1) for _ in range(3)]
+
+    def _buffers(self) -> None:
+        """The metadata builders' persistent buffers (stable addresses for CUDA graphs)."""
+        rows, dev, wmax = self.lim.max_tokens, self.dev, c128_max_width(self.lim.max_model_len)
+        self.cbuf = {site: torch.full((rows,), -1, dtype=I64, device=dev) for site in ("c4", "c128", "indexer")}
+        self.c128_buf = {
+            "global_decode": torch.empty(rows, wmax, dtype=I32, device=dev),
+            "decode_lens": torch.empty(rows, dtype=I32, device=dev),
+            "prefill_local": torch.empty(rows, wmax, dtype=I32, device=dev),
+        }
+        self.topk_buf = torch.full((rows, self.m.index_topk), -1, dtype=I32, device=dev)
+        self.uniform_buf = {
+            "decode_seq_lens": torch.empty(rows, dtype=I32, device=dev),
+            "expanded_block_table": torch.empty(rows, self.ctables["indexer"].shape[1], dtype=I32, device=dev),
+            "decode_lens": torch.empty(rows, dtype=I32, device=dev),
+        }
+
+    def has(self, short: str) -> bool:
+        return DSV4_PREFIX + short in self.names
+
+    def k(self, short: str) -> Any:
+        return self.kernel(DSV4_PREFIX + short)
+
+    def layer_types(self) -> list[str]:
+        mtp = {self.mtp_kind: ", and the MTP layer"} if self.mtp_kind != "mtp" else {}
+        return [f"{kind} (ratio {r}{mtp.get(kind, '')})" for kind, r in self.layers]
+
+    # -- the step ------------------------------------------------------------------------------------------------
+    def run(self, st: Step) -> None:
+        for bs in self.groups:
+            self.slot_mapping(st, bs)
+        self.compressed_slots(st)
+        self.c128a(st)
+        self.decode_swa(st)
+        self.swa_prefill_metadata(st)
+        self.uniform_decode(st)
+        for kind, ratio in self.layers:
+            self.layer(st, kind, ratio)
+
+    def layer(self, st: Step, kind: str, ratio: int) -> None:
+        """One layer of a type: Q/KV norm, compressor and indexer, sparse prefill, inverse RoPE; for the type of the
+        MTP layer's attention, the MTP input norm before and the shared-head norm after."""
+        m, T = self.m, st.batch.tokens
+        if kind == self.mtp_kind and self.has("mtp_input_rmsnorm"):
+            embeds, residual = self.randn(T, m.hidden_size, scale=3), self.randn(T, m.hc_mult * m.hidden_size, scale=3)
+            args = (embeds, st.positions, residual, self.mtp_w[0], self.mtp_w[1], m.rms_norm_eps)
+            self.launch(DSV4_PREFIX + "mtp_input_rmsnorm", "mtp layer", lambda: self.k("mtp_input_rmsnorm")(*args))
+        self.qkv_norm(st, kind, m.q_lora_rank, m.head_dim, m.q_lora_rank + m.head_dim, m.rms_norm_eps)
+        if ratio > 1:
+            self.save_states(st, f"c{ratio}")
+        if ratio == 4:
+            self.indexer(st)
+        self.sparse_prefill(st, kind, ratio)
+        if self.has("inv_rope_fp8_quant"):
+            o = self.randn(T, m.num_attention_heads // self.tp, m.head_dim, scale=3)
+            inv_args = (o, st.positions, self.rope[ratio], m.o_groups // self.tp)
+            self.launch(
+                DSV4_PREFIX + "inv_rope_fp8_quant",
+                f"{kind} layer",
+                lambda: self.k("inv_rope_fp8_quant")(*inv_args, quantize=self.quantize),
+            )
+        if kind == self.mtp_kind and self.has("mtp_shared_head_rmsnorm"):
+            x = self.randn(T, m.hidden_size, scale=3)
+            self.launch(
+                DSV4_PREFIX + "mtp_shared_head_rmsnorm",
+                "mtp layer",
+                lambda: self.k("mtp_shared_head_rmsnorm")(x, self.mtp_w[2], m.rms_norm_eps),
+            )
+
+    # -- per-step metadata ---------------------------------------------------------------------------------------
+    def compressed_slots(self, st: Step) -> None:
+        """Compressed slots: the sparse-MLA builder's per ratio (no DCP) and the C4 indexer's (the config's DCP)."""
+        if CSLOTS not in self.names or KV not in st.slots:
+            return
+        dcp = int(self.cfg.serving.get("decode_context_parallel_size", 1) or 1)
+        interleave = int(self.cfg.serving.get("cp_kv_cache_interleave_size", 1) or 1)
+        sites = [(f"c{r}", r, 1, 1) for r in self.ratios] + [("indexer", 4, dcp, interleave)] * (4 in self.ratios)
+        for site, ratio, world, inter in sites:
+            self._compressed_site(st, site, ratio, world, inter)
+
+    def _compressed_site(self, st: Step, site: str, ratio: int, world: int, interleave: int) -> None:
+        b, uncompressed, bs = st.batch, st.slots[KV], self.page[ratio]
+        table, buf = self.ctables[site][: len(b.qlens)], self.cbuf[site]  # the grid is the table's rows
+
+        def torch_cslots() -> torch.Tensor:  # without DCP, which the DeepSeek-V4 indexer rejects
+            state = st.positions // ratio
+            ok = ((st.positions + 1) % ratio == 0) & (uncompressed != -1)
+            slots = table.long()[st.token_to_req.long(), state // bs] * bs + state % bs
+            buf[:] = -1
+            buf[: b.tokens] = torch.where(ok, slots, -1)
+            return buf[: b.tokens]
+
+        kw = dict(
+            num_tokens=b.tokens, block_size=bs, compress_ratio=ratio, dcp_world_size=world, cp_interleave=interleave
+        )
+        st.cslots[site] = self.launch(
+            CSLOTS,
+            f"{site} site (ratio {ratio})",
+            lambda: self.kernel(CSLOTS)(uncompressed, st.qsl, st.seq_lens, table, out=buf, **kw),
+            fallback=torch_cslots,
+            ref=lambda: compressed_slot_mapping_reference(uncompressed, st.qsl, st.seq_lens, table, **kw),
+        )
+
+    def c128a(self, st: Step) -> None:
+        """C128A top-k metadata (decode global slots and lens, prefill local indices) at the step's C128 width."""
+        if 128 not in self.ratios:
+            return
+        b = st.batch
+        nd, width = b.decode_tokens, c128_active_width(max(b.seqs), self.lim.max_model_len)
+        args = (st.positions, st.token_to_req, self.ctables["c128"][: b.num_decodes], st.slots[KV])
+        kw = dict(num_decode_tokens=nd, max_compressed_tokens=width, block_size=self.page[128])
+
+        def torch_local() -> tuple[None, None, torch.Tensor]:
+            n = ((st.positions[nd:] + 1) // 128).clamp(max=width)
+            j = torch.arange(width, device=self.dev)[None, :]
+            return None, None, torch.where(j < n[:, None], j, -1).to(I32)
+
+        if not self.has("c128a_topk_metadata"):
+            st.prefill_local = torch_local()[2]
+            return
+        st.prefill_local = self.launch(
+            DSV4_PREFIX + "c128a_topk_metadata",
+            f"W={width}",
+            lambda: self.k("c128a_topk_metadata")(*args, **kw, **self.c128_buf),
+            fallback=torch_local,
+            ref=lambda: c128_topk_metadata_reference(*args, **kw),
+        )[2]
+
+    def decode_swa(self, st: Step) -> None:
+        """The decode tokens' SWA-cache slots and lens (both sparse backends)."""
+        b = st.batch
+        if not self.has("decode_swa_indices") or not b.decode_tokens or SWA not in st.slots:
+            return
+        args = (st.positions, st.token_to_req, st.slots[SWA] >= 0, self.tables[SWA], st.replay)
+        kw = dict(num_tokens=b.decode_tokens, window_size=self.window, index_width=self.window, block_size=SWA)
+        self.launch(
+            DSV4_PREFIX + "decode_swa_indices",
+            "decode tokens",
+            lambda: self.k("decode_swa_indices")(*args, **kw),
+            ref=lambda: decode_swa_indices_reference(*args, **kw),
+        )
+
+    def swa_prefill_metadata(self, st: Step) -> None:
+        """The prefills' sparse-SWA gather lens, which the gathers and the combines read."""
+        b = st.batch
+        if not b.num_prefills:
+            return
+        host = torch.tensor(st.gather_host, dtype=I32, device=self.dev)
+        if not self.has("sparse_swa_prefill_metadata"):
+            st.gather_lens = host
+            return
+        args = (st.seq_lens, st.qsl, st.replay)
+        kw = dict(num_decodes=b.num_decodes, num_prefills=b.num_prefills, window_size=self.window)
+        st.gather_lens = self.launch(
+            DSV4_PREFIX + "sparse_swa_prefill_metadata",
+            f"{b.num_prefills} prefills",
+            lambda: self.k("sparse_swa_prefill_metadata")(*args, **kw),
+            fallback=lambda: host,
+            ref=lambda: sparse_swa_prefill_metadata_reference(*args, **kw),
+        )
+
+    def uniform_decode(self, st: Step) -> None:
+        """The C4 indexer's uniform-decode flattening (only when every decode request has D tokens)."""
+        b, d = st.batch, st.batch.uniform_decode_len
+        if not self.has("prepare_uniform_decode") or not d or not b.num_decodes:
+            return
+        seq_lens, table = st.seq_lens[: b.num_decodes], self.ctables["indexer"]
+        self.launch(
+            DSV4_PREFIX + "prepare_uniform_decode",
+            f"D={d}",
+            lambda: self.k("prepare_uniform_decode")(seq_lens, table, max_decode_len=d, **self.uniform_buf),
+        )
+
+    # -- per layer type ------------------------------------------------------------------------------------------
+    def save_states(self, st: Step, state: str) -> None:
+        """A compressor's save of ``kv`` and ``score + ape`` (column views of its fp32 projection) into its states."""
+        cache, ape = self.states[state], self.ape[state]
+        head, page, T = ape.shape[1], cache.shape[1], st.batch.tokens
+        if SAVE not in self.names or page not in st.slots:
+            return
+        kv_score = self.randn(T, 2 * head, dtype=F32)
+        args = (kv_score[:, :head], kv_score[:, head:], ape, st.positions, st.slots[page], cache)
+        self.launch(SAVE, f"{state} compressor (head {head})", lambda: self.kernel(SAVE)(*args))
+
+    def indexer(self, st: Step) -> None:
+        """The C4 indexer: its compressor (save, compress + insert), Q RoPE + quant, top-k, prefill metadata."""
+        b, T = st.batch, st.batch.tokens
+        self.save_states(st, "index")
+        self._index_insert(st)
+        if self.has("indexer_q_rope_quant"):
+            h, d = self.m.index_n_heads, self.m.index_head_dim
+            args = (st.positions, self.randn(T, h, d, scale=2), self.rope[4], self.randn(T, h), d**-0.5, h**-0.5)
+            self.launch(
+                DSV4_PREFIX + "indexer_q_rope_quant", "c4 indexer", lambda: self.k("indexer_q_rope_quant")(*args)
+            )
+        st.topk = self.local_topk(st)
+        if self.has("global_topk_indices") and KV in st.slots:
+            valid = st.slots[KV] >= 0
+            spans = [(0, b.decode_tokens, "decode")] + [(b.decode_tokens, T, "FlashInfer prefill")] * self.flashinfer
+            for lo, hi, what in spans:
+                if hi > lo:
+                    self._global_topk(st.topk[lo:hi], st.token_to_req[lo:], valid[lo:], what)
+        if self.has("indexer_prefill_chunk_metadata"):
+            for a, e, cuts in self.indexer_chunks(b):
+                for qs0, qs1 in cuts:
+                    self._chunk_metadata(st, a, e, qs0, qs1)
+
+    def _index_insert(self, st: Step) -> None:
+        """The indexer compressor's fused compress + RMSNorm + RoPE + FP8 quant + insert (of closing windows)."""
+        if not self.has("indexer_kv_compress_insert") or STATE[4] not in st.slots or "indexer" not in st.cslots:
+            return
+        args = (
+            self.states["index"], self.tables[STATE[4]], st.token_to_req, st.positions, st.slots[STATE[4]],
+            st.cslots["indexer"], self.index_norm, self.rope[4], self.index_cache, self.m.rms_norm_eps,
+        )  # fmt: skip
+        self.launch(
+            DSV4_PREFIX + "indexer_kv_compress_insert",
+            "c4 indexer",
+            lambda: self.k("indexer_kv_compress_insert")(*args, compress_ratio=4),
+        )
+
+    def local_topk(self, st: Step) -> torch.Tensor:
+        """What the indexer's top-k writes into its buffer: ``min((pos+1)//4, topk)`` causal local indices, then -1."""
+        T, k = st.batch.tokens, self.m.index_topk
+        n = (st.positions + 1) // 4
+        vals = (torch.rand(T, k, generator=self.gen, device=self.dev) * n[:, None]).long()
+        live = torch.arange(k, device=self.dev)[None, :] < n.clamp(max=k)[:, None]
+        return self.topk_buf[:T].copy_(torch.where(live, vals, -1))
+
+    def _global_topk(self, topk: torch.Tensor, token_to_req: torch.Tensor, valid: torch.Tensor, what: str) -> None:
+        args, bs = (topk, token_to_req, self.ctables["c4"], valid), self.page[4]
+        self.launch(
+            DSV4_PREFIX + "global_topk_indices",
+            what,
+            lambda: self.k("global_topk_indices")(*args, block_size=bs),
+            ref=lambda: global_topk_indices_reference(*args, block_size=bs),
+        )
+
+    def indexer_chunks(self, b: Batch) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """The indexer's prefill chunks ``(a, e, query slices)``: requests packed while their compressed K rows fit
+        the workspace and the logits (``tokens * rows * 4`` bytes) the budget."""
+        out = []
+        start, rows, toks = b.num_decodes, 0, 0
+        for r in range(b.num_decodes, len(b.qlens)):
+            k, q = b.seqs[r] // 4, b.qlens[r]
+            over = rows + k > self.lim.workspace_rows or (toks + q) * (rows + k) * 4 > self.lim.logits_bytes
+            if r > start and over:
+                out.append(self._cut(start, r, toks, rows))
+                start, rows, toks = r, 0, 0
+            rows, toks = rows + k, toks + q
+        if len(b.qlens) > start:
+            out.append(self._cut(start, len(b.qlens), toks, rows))
+        return out
+
+    def _cut(self, a: int, e: int, toks: int, rows: int) -> tuple[int, int, list[tuple[int, int]]]:
+        """A chunk's query slices: all of it, or (one request alone over the logits budget) cuts along M."""
+        if toks * rows * 4 <= self.lim.logits_bytes:
+            return a, e, [(0, toks)]
+        m = max(1, self.lim.logits_bytes // (4 * rows))
+        return a, e, [(s, min(s + m, toks)) for s in range(0, toks, m)]
+
+    def _chunk_metadata(self, st: Step, a: int, e: int, qs0: int, qs1: int) -> None:
+        qsl = st.qsl[a : e + 1] - st.qsl[a]  # rebased to the chunk: a fresh tensor
+        compressed = [0] + [s // 4 for s in st.batch.seqs[a:e]]
+        cu = torch.tensor(compressed, dtype=I64).cumsum(0).to(I32).to(self.dev)
+        interleave = int(self.cfg.serving.get("cp_kv_cache_interleave_size", 1) or 1)
+        kw = dict(
+            num_compressed_rows=sum(compressed), query_slice_start=qs0, query_slice_stop=qs1, compress_ratio=4,
+            dcp_interleave=interleave,
+        )  # fmt: skip
+        self.launch(
+            DSV4_PREFIX + "indexer_prefill_chunk_metadata",
+            f"requests [{a}, {e}), query slice [{qs0}, {qs1})",
+            lambda: self.k("indexer_prefill_chunk_metadata")(qsl, st.seq_lens[a:e], cu, **kw),
+        )
+
+    def sparse_prefill(self, st: Step, kind: str, ratio: int) -> None:
+        """Sparse prefill of one layer type, chunk by chunk: gather the compressed entries (rows ``[0, N)``) and the
+        SWA rows (from row ``N``) into a bf16 workspace of ``M`` rows per request, then combine the indices."""
+        b = st.batch
+        if not b.num_prefills or st.gather_lens is None or not ({GATHER, COMBINE} & self.names):
+            return
+        nd, densest = b.num_decodes, min(self.ratios, default=0)  # the chunks fit the layer type with most rows
+        rows = [(s // densest if densest else 0) + g for s, g in zip(b.seqs[nd:], st.gather_host)]
+        for a, e in _chunks(rows, self.lim.workspace_rows):
+            a, e = a + nd, e + nd
+            n = max(s // ratio for s in b.seqs[a:e]) if ratio > 1 else 0
+            m = n + max(st.gather_host[a - nd : e - nd])
+            lens = st.gather_lens[a - nd : e - nd]
+            where = f"{kind} layer, requests [{a}, {e}), M={m}, N={n}"
+            if GATHER in self.names:
+                self._gathers(st, where, ratio, a, e, (n, m), lens)
+            if COMBINE in self.names:
+                self._combine(st, where, ratio, a, e, (n, m), lens)
+
+    def _gathers(
+        self, st: Step, where: str, ratio: int, a: int, e: int, nm: tuple[int, int], lens: torch.Tensor
+    ) -> None:
+        (n, m), gather = nm, self.kernel(GATHER)
+        out = torch.empty(e - a, m, HEAD_DIM, dtype=BF16, device=self.dev)  # the chunk's workspace
+        if ratio > 1:
+            seqs, table, cache = st.seq_lens[a:e] // ratio, self.ctables[f"c{ratio}"][a:e], self.fp8[ratio]
+            self.launch(
+                GATHER,
+                f"{where}, compressed cache",
+                lambda: gather(out, cache, seqs, table, block_size=self.page[ratio]),
+            )
+        args = (out, self.fp8[1], st.seq_lens[a:e], self.tables[SWA][a:e])
+        self.launch(GATHER, f"{where}, SWA cache", lambda: gather(*args, block_size=SWA, offset=n, gather_lens=lens))
+
+    def _combine(
+        self, st: Step, where: str, ratio: int, a: int, e: int, nm: tuple[int, int], lens: torch.Tensor
+    ) -> None:
+        b, (n, m) = st.batch, nm
+        t0, t1, nd = sum(b.qlens[:a]), sum(b.qlens[:e]), b.decode_tokens
+        topk = {1: None, 4: st.topk, 128: st.prefill_local}[ratio]
+        if topk is not None:  # rows of the chunk's tokens (C128A's prefill rows start after the decode tokens)
+            shift = nd if ratio == 128 else 0
+            topk = topk[t0 - shift : t1 - shift]
+        elif ratio > 1:
+            return
+        args = (topk, st.qsl[a : e + 1], st.seq_lens[a:e], lens)
+        kw = dict(num_tokens=t1 - t0, compress_ratio=ratio, M=m, N=n)
+        self.launch(
+            COMBINE,
+            where,
+            lambda: self.kernel(COMBINE)(*args, **kw),
+            ref=lambda: combine_topk_swa_indices_reference(*args, **kw, window_size=self.window),
+        )
+
+
+class KimiSweep(Sweep):
+    """Kimi-K3: the MLA layers' slot mapping and Q/KV RMSNorm, the KDA layers' recurrent decode step."""
+
+    def __init__(self, plan: warmreg.Plan, dev: torch.device, lim: Limits, seed: int) -> None:
+        super().__init__(plan, dev, lim, seed)
+        text = self.cfg.text
+        self.q, self.kv, rope = int(text["q_lora_rank"]), int(text["kv_lora_rank"]), int(text["qk_rope_head_dim"])
+        self.eps = float(text.get("rms_norm_eps", 1e-6))
+        self.widths = [self.q + self.kv + rope]  # the qkv_a projection: [q_lora | kv_lora | rope]
+        if text.get("mla_use_output_gate"):  # ... and the output gate's local heads * v_head_dim when it shares it
+            tp = int(self.cfg.serving.get("tensor_parallel_size", 1))
+            self.widths.append(self.widths[0] + int(text["num_attention_heads"]) // tp * int(text["v_head_dim"]))
+        self.layers = [("mla", 0)] * (NORM in self.names) + [("kda", 0)] * (KDA in self.names)
+        if KDA in self.names:
+            kda = self.kernel(KDA)
+            self.hkv = (kda.num_heads, kda.head_k_dim, kda.head_v_dim)
+            self.pool = self.randn(lim.max_seqs + 1, *self.hkv, dtype=F32, scale=0.1)  # a slot a request + padding
+
+    def run(self, st: Step) -> None:
+        for bs in self.groups:
+            self.slot_mapping(st, bs)
+        for kind, _ in self.layers:
+            if kind == "mla":
+                self.qkv_norm(st, kind, self.q, self.kv, self.rng.choice(self.widths), self.eps)
+            else:
+                self.kda(st)
+
+    def kda(self, st: Step) -> None:
+        """The KDA decode step over the decode requests; q, k, v separate or views of one fused projection."""
+        b = st.batch
+        if not b.num_decodes:
+            return
+        (h, dk, dv), t = self.hkv, b.decode_tokens
+        if self.rng.random() < 0.5:
+            fused = self.randn(t, h * (2 * dk + dv))
+            q, k, v = (fused[:, i * h * dk : i * h * dk + h * w].view(t, h, w) for i, w in enumerate((dk, dk, dv)))
+        else:
+            q, k, v = self.randn(t, h, dk), self.randn(t, h, dk), self.randn(t, h, dv)
+        g = torch.rand(t, h, dk, generator=self.gen, device=self.dev).mul_(-0.5)  # log-space decay (gate output)
+        beta = torch.rand(t, h, generator=self.gen, device=self.dev)
+        slots = torch.randperm(self.pool.shape[0] - 1, generator=self.gen, device=self.dev)[: b.num_decodes].to(I32)
+        if self.rng.random() < 0.1:
+            slots[-1] = -1  # a padded entry: no state in, nothing written back
+        args = (q, k, v, g, beta, st.qsl[: b.num_decodes + 1], self.pool, slots)
+        self.launch(
+            KDA,
+            f"{b.num_decodes} decode sequences",
+            lambda: self.kernel(KDA)(*args),
+            ref=lambda: kda_recurrent_reference(*args)[0],
+            tol=(1e-2, 1.6e-2),  # the plugin's tests: bf16 o, fp32 recurrences in different orders
+        )
+
+
+# -- one config, the CLI -------------------------------------------------------------------------------------------
+def run_config(
+    config: str,
+    *,
+    steps: int,
+    seed: int,
+    device: str,
+    max_tokens: int | None,
+    pack: str | None = None,
+    max_seq_len: int | None = None,
+    max_seqs: int | None = None,
+) -> dict[str, Any]:
+    """Warm ``config`` (CUDA), arm the monitor in ``error`` mode and sweep ``steps`` engine steps.
+
+    :param device: ``"cuda"`` (warm, then the local GPU) or ``"cpu"`` (no warm, Triton's interpreter, the plan for
+        ``cuda:90``).
+    :param max_tokens: cap on tokens per step (default: ``max_num_batched_tokens`` on CUDA, 4 on the CPU).
+    :param pack: warm from this pack (CUDA).
+    :param max_seq_len: cap on sequence lengths (default: ``max_model_len`` on CUDA, 256 on the CPU).
+    :param max_seqs: cap on requests per step (default: ``max_num_seqs`` on CUDA, 4 on the CPU).
+    :returns: the config's results (see the module docstring).
+    :raises SweepError: for a plan kernel without a driver, or CUDA requested without a GPU.
+    """
+    t0, dev = time.perf_counter(), torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SweepError("--device cuda needs a GPU; --device cpu runs the kernels through Triton's interpreter")
+    plan = warmreg.plan(config) if cuda else warmreg.plan(config, target=CPU_TARGET)
+    undriven = sorted({kp.name for kp in plan.kernels} - DRIVERS)
+    if undriven:
+        raise SweepError(f"{config}: the plan has kernels this sweep has no driver for: {', '.join(undriven)}")
+    warm: dict[str, Any] | str = "skipped on the CPU: kernels run through Triton's interpreter, nothing compiles"
+    if cuda:
+        t = time.perf_counter()
+        report = warmreg.warm(config, pack=pack, on_error="continue")
+        failed = [(r.kernel, str(r.key), r.error) for r in report.failed]
+        warm = {"summary": report.summary(), "wall_s": time.perf_counter() - t, "failed": failed}
+    lim = Limits.of(plan.config, cuda, max_tokens, max_seq_len, max_seqs)
+    sweep = (DSV4Sweep if plan.config.model_type == "deepseek_v4" else KimiSweep)(plan, dev, lim, seed)
+    rng, batches = random.Random(seed), []
+    mon = warmreg.arm("error")
+    try:
+        for i in range(steps):
+            kind = KINDS[i] if i < len(KINDS) else rng.choices(KINDS, weights=(5, 2, 3))[0]
+            batches.append(make_batch(rng, kind, lim))
+            sweep.step(batches[-1], i)
+        if cuda:
+            torch.cuda.synchronize()
+    finally:
+        warmreg.disarm(mon)
+    head = {"config": config, "device": device, "platform": plan.platform.target, "pack": pack, "warm": warm}
+    body = {"limits": vars(lim), "layer_types": sweep.layer_types(), **_mix(batches), **sweep.results(mon)}
+    return {**head, **body, "monitor_misses": len(mon.misses), "wall_s": time.perf_counter() - t0}
+
+
+def _mix(batches: list[Batch]) -> dict[str, Any]:
+    """Steps, tokens, requests and the distribution of step kinds."""
+    kinds = Counter(b.kind for b in batches)
+    tokens = [b.tokens for b in batches]
+    return {
+        "steps": len(batches),
+        "tokens": sum(tokens),
+        "step_kinds": dict(kinds),
+        "tokens_per_kind": {k: sum(b.tokens for b in batches if b.kind == k) for k in kinds},
+        "step_tokens": {"min": min(tokens, default=0), "max": max(tokens, default=0)},
+        "requests": sum(len(b.qlens) for b in batches),
+        "max_seq_len_seen": max((max(b.seqs) for b in batches), default=0),
+        "uniform_decode_steps": sum(1 for b in batches if b.num_decodes and b.uniform_decode_len),
+    }
+
+
+def _summary(run: dict[str, Any]) -> str:
+    k = run["kernels"].values()
+    launches, misses, failures = (sum(x[f] for x in k) for f in ("launches", "misses", "failures"))
+    kinds = ", ".join(f"{n} {c}" for n, c in run["step_kinds"].items())
+    return (
+        f"{run['config']}: {run['steps']} steps ({kinds}), {run['tokens']} tokens; {launches} launches of "
+        f"{len(run['kernels'])} kernels, {misses} misses, {failures} failures, {len(run['step_failures'])} step "
+        f"failures, {len(run['not_launched'])} kernels never launched ({run['wall_s']:.1f} s)"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("configs", nargs="*", default=list(EXAMPLES))
+    ap.add_argument("--steps", type=int, default=None, help="engine steps per config (default 60; 3 on cpu)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tag", default=None, help='results file suffix (default "h200"; "cpu" with --device cpu)')
+    ap.add_argument("--pack", action="append", default=[], help="CONFIG=PACK: warm that config from a pack")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    ap.add_argument("--max-tokens", type=int, help="cap on tokens per step (default: the config's; 4 on cpu)")
+    ap.add_argument("--max-seq-len", type=int, help="cap on sequence lengths (default: the config's; 256 on cpu)")
+    ap.add_argument("--max-seqs", type=int, help="cap on requests per step (default: the config's; 4 on cpu)")
+    args = ap.parse_args()
+    packs = dict(p.split("=", 1) for p in args.pack)
+    sizes = dict(max_tokens=args.max_tokens, max_seq_len=args.max_seq_len, max_seqs=args.max_seqs)
+    steps = args.steps or (60 if args.device == "cuda" else 3)
+    runs: list[dict[str, Any]] = []
+    crashed: list[dict[str, str]] = []
+    name = f"sweep_{args.tag or ('h200' if args.device == 'cuda' else 'cpu')}"
+    for config in args.configs:
+        try:
+            run = run_config(config, steps=steps, seed=args.seed, device=args.device, pack=packs.get(config), **sizes)
+        except SweepError as exc:
+            sys.exit(f"sweep: {exc}")
+        except Exception as exc:  # recorded, and the other configs still run (a CUDA fault may stop them too)
+            crashed.append({"config": config, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]})
+            print(f"{config}: crashed: {type(exc).__name__}: {exc}", flush=True)
+            continue
+        runs.append(run)
+        print(_summary(run), flush=True)
+        write(name, {"configs": runs, "crashed": crashed})  # after each config: a later crash loses nothing
+    path = write(name, {"configs": runs, "crashed": crashed})
+    for run in runs:
+        print(run["config"])
+        for name, k in run["kernels"].items():
+            print(f"  {name}: {k['launches']} launches, {k['misses']} misses, {k['failures']} failures")
+    print("->", path)
+    bad = sum(k["misses"] + k["failures"] for run in runs for k in run["kernels"].values())
+    sys.exit(1 if bad or crashed or any(run["step_failures"] or run["not_launched"] for run in runs) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""The zero-JIT sweep (``benchmarks/sweep.py``) on the CPU: each example config's plan kernels all launch
+through Triton's interpreter, with engine-shaped inputs, one step of each kind, and nothing fails."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+import warmreg
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _sweep_module() -> ModuleType:
+    """``benchmarks/sweep.py``, imported from its path (benchmarks is not a package)."""
+    name = "warmreg_benchmarks_sweep"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "sweep.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # dataclasses look their module up there while the class is built
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+@pytest.mark.parametrize("example", ["deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3"])
+def test_sweep_launches_every_plan_kernel(example: str) -> None:
+    sweep = _sweep_module()
+    config = str(ROOT / "examples" / f"{example}.json")
+    # Tiny sizes: the interpreter runs the programs one by one in Python (the indexer Q kernel has 64 per token,
+    # the inverse RoPE 4 x heads per launch). Two tokens a step still give a decode-only, a prefill-only and a
+    # mixed step; seed 36 draws a 1-token decode step, so the three steps carry 4 tokens, the fewest possible.
+    run = sweep.run_config(config, steps=3, seed=36, device="cpu", max_tokens=2, max_seq_len=16, max_seqs=2)
+    assert run["step_kinds"] == {"decode": 1, "prefill": 1, "mixed": 1}
+    assert run["step_failures"] == []
+    planned = {kp.name for kp in warmreg.plan(config, target=sweep.CPU_TARGET).kernels}
+    assert set(run["kernels"]) == planned
+    for name, k in run["kernels"].items():
+        assert k["launches"] >= 1, f"{name} was never launched"
+        assert k["failures"] == 0, f"{name}: {k['failure_messages']}"
+        assert k["misses"] == 0, f"{name}: {k['miss_explanations']}"
+        assert k["monitor_agrees"], f"{name}: the monitor counted {k['monitor']}, the sweep {k['launches']} launches"
+        assert all(c.endswith("matches the PyTorch reference") for c in k["checks"]), k["checks"]
+    assert any(k["checks"] for k in run["kernels"].values())  # the first launches were checked
+    # The CPU has no PDL: launch_pdl is the only field in which a launched key may differ from the cuda:90 plan.
+    assert all(o["platform_only"] for o in run["keys_outside_plan"]), run["keys_outside_plan"]
+
+
+def test_sweep_refuses_a_plan_kernel_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:
+    sweep = _sweep_module()
+    monkeypatch.setattr(sweep, "DRIVERS", sweep.DRIVERS - {sweep.KDA})
+    with pytest.raises(sweep.SweepError, match=r"kimi_k3\.kda_recurrent"):
+        sweep.run_config(str(ROOT / "examples" / "kimi_k3.json"), steps=1, seed=0, device="cpu", max_tokens=2)
