@@ -125,6 +125,7 @@ def main() -> None:
         samples["triton_direct_with_output_alloc"].append(_host_us(direct_alloc))
     med = {name: median(values) for name, values in samples.items()}
     # where warmreg's call spends its host time (each part alone, same host, same tensors)
+    kernel(a, b, qw, kvw, 1e-6)  # via_triton_path dropped the entry: build it again
     body = type(kernel).__call__.__wrapped__
     spec = body(kernel, a, b, qw, kvw, 1e-6)
     entry = kernel.__dict__["_warmreg_fast"][spec.key]
