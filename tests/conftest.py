@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from warmreg import _triton
+from warmreg.kernel import FAST_TABLES
 from warmreg.monitor import KNOWLEDGE
 
 
@@ -19,9 +20,11 @@ def triton_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Pa
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     _triton.forget_compiled()
     KNOWLEDGE.clear()
+    FAST_TABLES.clear()
     yield cache
     _triton.forget_compiled()
     KNOWLEDGE.clear()
+    FAST_TABLES.clear()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

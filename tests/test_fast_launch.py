@@ -225,3 +225,23 @@ def test_every_planned_key_gets_a_fast_path(config: str) -> None:
             if entry is None or not entry.launch(spec.grid or (1,), spec.kwargs):
                 missing.append(f"{kp.name}: {key}")
     assert not missing, missing
+
+
+@pytest.mark.gpu
+def test_gpu_warm_prepares_fast_launches_so_even_a_first_launch_skips_triton(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton.runtime.jit import JITFunction
+
+    from tests.helpers import CONFIG, Plugin, Scale
+    from warmreg.kernel import FAST_TABLES
+
+    scale = Scale()
+    report = warmreg.warm(CONFIG, plugins=[Plugin(scale)], entry_points=False)
+    assert len(FAST_TABLES[scale.name]) == report.declared == 3
+    runs: list[int] = []
+    real_run = JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: runs.append(1) or real_run(self, *a, **k))
+    x = torch.randn(48, device="cuda", dtype=torch.float16)  # the warmed key of size 16 (div16, fp16)
+    with warmreg.monitor("error") as mon:
+        out = Scale()(x, 2.0)  # another instance under the same name: the same kernel
+    torch.testing.assert_close(out, x * 2.0)
+    assert runs == [] and not mon.misses

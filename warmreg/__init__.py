@@ -37,7 +37,7 @@ from .platform import (
 from .registry import KernelPlan, Plan, Registry
 from .report import KeyResult, WarmReport
 from .space import enumerate_keys
-from .warm import plan, warm
+from .warm import plan, prefetch, warm
 
 __version__ = "0.1.0"
 
@@ -85,6 +85,7 @@ __all__ = [
     "monitor",
     "next_pow2",
     "plan",
+    "prefetch",
     "powers_of_two",
     "rocm_arch_in",
     "runtime_platform",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextvars
 import errno
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -33,6 +34,7 @@ from .report import KeyResult
 
 __all__ = ["OnError", "compile_keys"]
 
+log = logging.getLogger("warmreg.compile")
 OnError = Literal["raise", "continue", "stop"]
 _tls = threading.local()
 
@@ -53,6 +55,7 @@ class _Task:
         self.compiled: Any = None
         #: the captured launch (jit, grid, kwargs, options), compiled in the second phase
         self.launch: tuple[Any, tuple[int, ...], Any, dict[str, Any]] | None = None
+        self.captured: tuple[Any, tuple[int, ...], Any, dict[str, Any]] | None = None
 
     def result(self) -> KeyResult:
         return KeyResult(
@@ -97,7 +100,7 @@ class _Session:
         cache = jit.device_caches[_triton.current_device()][0]
         # Status before the compile starts: async compiles report through the listener at any time.
         task.status = "memory" if task.triton_key in cache else "pending"
-        task.launch = (jit, spec.grid or (1,), spec.kwargs, options)
+        task.launch = task.captured = (jit, spec.grid or (1,), spec.kwargs, options)
         return spec.outputs
 
 
@@ -225,6 +228,7 @@ def compile_keys(
                 _run_async(tasks, _TimedExecutor(pool, on_done, load_device), on_error, on_done, stopped)
         if platform.local:
             _finish_loads(tasks, workers)
+            _prepare_fast_launches(tasks)
     finally:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
@@ -333,6 +337,25 @@ def _finish_loads(tasks: list[_Task], workers: int) -> None:
         futures = [pool.submit(contextvars.copy_context().run, load, t) for t in pending]
         for future in futures:
             future.result()
+
+
+def _prepare_fast_launches(tasks: list[_Task]) -> None:
+    """Local GPU: build each loaded key's guarded fast launch now (from the very arguments its binary
+    was specialized for), so that its first runtime launch already skips ``JITFunction.run``."""
+    from .kernel import FAST_LAUNCH, remember_fast_launch
+
+    if not FAST_LAUNCH:
+        return
+    device = _triton.current_device()
+    for task in tasks:
+        if task.captured is None or task.compiled is None or task.status == "failed":
+            continue
+        jit, _grid, kwargs, options = task.captured
+        try:
+            remember_fast_launch(task.kp.name, task.key, jit, kwargs, options, task.compiled, device)
+        except Exception as exc:  # a fast path is an optimization: the first launch builds it instead
+            log.debug("no fast launch prepared for %s %s: %s", task.kp.name, task.key, exc)
+        task.captured = None
 
 
 def check_on_error(value: str) -> OnError:

@@ -90,6 +90,8 @@ ON_LAUNCH: list[Callable[[str, CompileKey], None]] = []
 #: launch through Triton. Set ``WARMREG_FAST_LAUNCH=0`` in the environment (read at import) to always
 #: take Triton's ``JITFunction.run``.
 FAST_LAUNCH: bool = os.environ.get("WARMREG_FAST_LAUNCH", "1") != "0"
+#: Guarded fast launches by warmreg kernel name, then compile key (see :func:`remember_fast_launch`).
+FAST_TABLES: dict[str, dict[CompileKey, Any]] = {}
 
 
 def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
@@ -113,7 +115,7 @@ def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
         if ON_LAUNCH:  # a monitor is armed: count the launch (a fast launch cannot compile or load)
             for listener in ON_LAUNCH:
                 listener(self.name, spec.key)
-        fast = self.__dict__.get("_warmreg_fast")
+        fast = FAST_TABLES.get(self.name) if FAST_LAUNCH else None
         if fast is not None:
             entry = fast.get(spec.key)
             if entry is not None and entry.launch(spec.grid, spec.kwargs):
@@ -138,16 +140,29 @@ def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
 
 
 def _remember(kernel: TritonKernel[Any], spec: LaunchSpec[Any], jit: Any, options: Mapping[str, Any], compiled: Any) -> None:
-    """Keep the guarded fast launch of a key Triton just launched (see :mod:`warmreg._triton_fast`).
-
-    One entry per key: an entry launches only on the device it was built on, so a key launched on
-    another device takes Triton's path once and then replaces the entry.
-    """
+    """Keep the guarded fast launch of a key Triton just launched (see :mod:`warmreg._triton_fast`)."""
     if compiled is None or not isinstance(spec.grid, tuple):
         return
-    entry = _triton_fast.build(jit, spec.kwargs, options, compiled, _triton.current_device())
-    if entry is not None:
-        kernel.__dict__.setdefault("_warmreg_fast", {})[spec.key] = entry
+    remember_fast_launch(kernel.name, spec.key, jit, spec.kwargs, options, compiled, _triton.current_device())
+
+
+def remember_fast_launch(
+    name: str, key: CompileKey, jit: Any, kwargs: Mapping[str, Any], options: Mapping[str, Any], compiled: Any, device: int
+) -> bool:
+    """Build and keep the guarded fast launch of ``key`` of kernel ``name`` from a launch of ``jit``
+    with ``kwargs`` that ``compiled`` serves (loaded on ``device``). Warm calls it for each key it
+    loads on the local GPU, so even a key's first launch skips ``JITFunction.run``; the runtime path
+    calls it after a key's first launch through Triton. Returns whether an entry was kept.
+
+    One entry per kernel name and key (two instances under one name are one kernel): an entry
+    launches only on the device it was built on, so a key launched on another device takes Triton's
+    path once and then replaces the entry.
+    """
+    entry = _triton_fast.build(jit, kwargs, options, compiled, device)
+    if entry is None:
+        return False
+    FAST_TABLES.setdefault(name, {})[key] = entry
+    return True
 
 
 def _on_cpu(kwargs: Mapping[str, Any]) -> bool:

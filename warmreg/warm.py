@@ -19,7 +19,7 @@ from .plugins import OnPluginError, call_register_hooks, load_plugins
 from .registry import Plan, Registry
 from .report import KeyResult, WarmReport
 
-__all__ = ["default_workers", "plan", "resolve_platform", "warm"]
+__all__ = ["default_workers", "plan", "prefetch", "resolve_platform", "warm"]
 
 
 def resolve_platform(target: str | Platform | None) -> Platform:
@@ -85,6 +85,17 @@ def plan(
     )
 
 
+def prefetch() -> None:
+    """Start, on a background thread, the part of a warm that depends on no config: Triton's hash of
+    its own installation (``triton_key()``, which reads the 415 MB ``libtriton.so``: ~0.5 s on the
+    H200 host, the largest single cost of a warm from a warm cache or a pack).
+
+    Call it early in an engine's start-up (before loading weights); :func:`warm` starts it too if it
+    has not started, and waits for it only where it needs the hash. Idempotent; returns at once.
+    """
+    _triton.prefetch_triton_key()
+
+
 def warm(
     config: Any,
     *,
@@ -126,7 +137,7 @@ def warm(
         ``report`` attribute holds the full report.
     """
     start = time.perf_counter()
-    _triton.prefetch_triton_key()  # overlaps hashing Triton's install with plugin loading and planning
+    prefetch()  # if the engine did not already: overlaps the hash with plugin loading and planning
     on_error = check_on_error(on_error)
     if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers < 1):
         raise WarmregError(f"workers={workers!r} must be an int >= 1", fix="pass e.g. workers=8, or None for all CPUs")
