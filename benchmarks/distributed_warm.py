@@ -1,7 +1,8 @@
 """Distributed warm on this machine: 1 rank against N ranks (gloo, cross-compiling), side by side.
 
 Every rank gets its own empty Triton cache (as on separate nodes). Also estimates 8 ranks on the
-GPU host from the per-key compile times measured there (benchmarks/results/warm_time_h200.json).
+GPU host from the per-key compile times measured there (benchmarks/results/h200.json, step
+warm_time:deepseek_v4_flash).
 
     python benchmarks/distributed_warm.py examples/deepseek_v4_flash.json --target cuda:90 --ranks 2
 """
@@ -66,10 +67,13 @@ def run(config: str, target: str, world: int, workers: int) -> dict:
 
 def estimate_8_ranks() -> dict | None:
     """Round-robin the GPU host's measured per-key compile times over 8 ranks."""
-    path = RESULTS / "warm_time_h200.json"
+    path = RESULTS / "h200.json"
     if not path.exists():
         return None
-    gpu = json.loads(path.read_text())["variants"]
+    step = json.loads(path.read_text())["steps"].get("warm_time:deepseek_v4_flash") or {}
+    if not step.get("result"):
+        return None
+    gpu = step["result"]["variants"]
     per_key = gpu["cold_serial"]["per_key_seconds"]
     shares = [sum(per_key[i::8]) for i in range(8)]
     return {
@@ -83,8 +87,9 @@ def estimate_8_ranks() -> dict | None:
         "estimate_8_ranks_seconds": max(shares) + gpu["from_pack"]["wall"],
         "single_host_16_threads_seconds": gpu["cold_threads"]["wall"],
         "note": "per-key times are the serial cold compiles (without launcher builds) on one H200 host, dealt round-robin to 8 ranks; "
-        "every rank then installs the others' binaries and runs a local pass that builds launchers and loads modules, which the "
-        "from-pack variant measured on a fresh cache; the byte exchange (about 0.3 MB for this space) is not counted",
+        "every rank then installs the others' binaries and runs a local pass that loads modules, which the from-pack variant "
+        "measured on a fresh cache; that pack carried prebuilt C launchers and the exchange does not, so a fresh node also "
+        "builds them (not in this estimate); the byte exchange (about 0.3 MB for this space) is not counted",
     }
 
 

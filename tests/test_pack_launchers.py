@@ -14,7 +14,7 @@ from triton.runtime.cache import get_cache_manager
 
 import warmreg
 from tests.helpers import CONFIG, Plugin, Scale, _scale_kernel
-from warmreg import _triton, _triton_launchers
+from warmreg import _pack_format, _triton, _triton_launchers
 from warmreg import pack as packs
 from warmreg.pack import PackError
 from warmreg.platform import Platform
@@ -108,7 +108,7 @@ def test_a_format_1_pack_without_launchers_still_installs(tmp_path: Path, triton
     doc = json.loads((out / "manifest.json").read_text())
     body = {k: v for k, v in doc["body"].items() if k != "launchers"}
     body["format"] = 1
-    doc = {"body": body, "sha256": packs._sha256(packs._canonical(body))}
+    doc = {"body": body, "sha256": _pack_format._sha256(_pack_format._canonical(body))}
     (out / "manifest.json").write_text(json.dumps(doc))
     report = packs.install(out)
     assert report.installed == 1 and report.launchers == 0

@@ -15,7 +15,7 @@ import triton.language as tl
 
 import warmreg
 from tests.helpers import _scale_kernel
-from warmreg import _triton
+from warmreg import _triton, _triton_cache, _triton_interp
 from warmreg.platform import Platform
 
 H100 = Platform.parse("cuda:90")
@@ -61,9 +61,9 @@ def test_local_cache_hash_matches_the_directory_triton_wrote(triton_cache: Path)
             compiled = _triton.warmup(_scale_kernel, (1,), dict(x_ptr=x, out_ptr=x, n=17, scale=1.0, BLOCK=64), {})
     finally:
         triton.knobs.runtime.jit_cache_hook = None
-    local = _triton.local_cache_hash(_scale_kernel, seen["data"], H100)
+    local = _triton_cache.local_cache_hash(_scale_kernel, seen["data"], H100)
     assert local == compiled.hash
-    assert (triton_cache / _triton.cache_subdir(local)).is_dir()
+    assert (triton_cache / _triton_cache.cache_subdir(local)).is_dir()
 
 
 def test_interpreted_nested_helpers_and_language_restored() -> None:
@@ -87,7 +87,7 @@ def _runtime_loop_kernel(x_ptr, n):
 
 def test_interpreter_handles_runtime_loop_bounds_with_numpy2() -> None:
     x = torch.arange(6, dtype=torch.int32)
-    _triton.interpreted(_runtime_loop_kernel)[(1,)](x, 6)
+    _triton_interp.interpreted(_runtime_loop_kernel)[(1,)](x, 6)
     assert int(x[0]) == 15
 
 
@@ -119,7 +119,7 @@ def test_replay_compiles_a_recorded_specialization(triton_cache: Path) -> None:
     finally:
         triton.knobs.runtime.jit_cache_hook = None
     _triton.forget_compiled()
-    compiled = _triton.replay("tests.helpers._scale_kernel", seen["d"], H100)
+    compiled = _triton_cache.replay("tests.helpers._scale_kernel", seen["d"], H100)
     assert json.loads(seen["d"])["name"] == "tests.helpers._scale_kernel" and compiled.asm["cubin"]
 
 
@@ -140,15 +140,15 @@ def test_recorded_library_paths_do_not_travel(triton_cache: Path) -> None:
     data = json.loads(seen["d"])
     assert data["options"]["extern_libs"]  # Triton records absolute paths here
     data["options"]["extern_libs"] = [["libdevice", "/elsewhere/python3.12/libdevice.10.bc"]]
-    assert _triton.local_cache_hash(_scale_kernel, json.dumps(data), H100) == compiled.hash
+    assert _triton_cache.local_cache_hash(_scale_kernel, json.dumps(data), H100) == compiled.hash
 
 
 def test_triton_key_prefetch_fills_tritons_own_cache() -> None:
     from triton.runtime import cache
 
-    _triton.prefetch_triton_key()
-    _triton.prefetch_triton_key()  # once per process
-    _triton.wait_triton_key()
+    _triton_cache.prefetch_triton_key()
+    _triton_cache.prefetch_triton_key()  # once per process
+    _triton_cache.wait_triton_key()
     assert cache.triton_key.cache_info().currsize == 1
     hits = cache.triton_key.cache_info().hits
     assert cache.triton_key().startswith(triton.__version__)

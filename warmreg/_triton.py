@@ -1,4 +1,6 @@
-"""Everything warmreg knows about Triton's internals, in one place.
+"""Everything warmreg knows about Triton's internals: this module and its siblings ``_triton_cache``
+(the disk cache and its key), ``_triton_interp`` (the interpreter), ``_triton_fast`` (the guarded
+fast launch) and ``_triton_launchers`` (C launchers for packs).
 
 Each rule names the Triton release it was checked against (3.6.0). ``tests/test_triton_adapter.py``
 tests each internal this module relies on, so a Triton upgrade that moves one fails there first,
@@ -11,7 +13,6 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Iterator, Mapping
-from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -30,7 +31,6 @@ __all__ = [
     "check_version",
     "cross_target",
     "gpu_target",
-    "interpreted",
     "specialization_key",
 ]
 
@@ -130,33 +130,6 @@ def cross_target(platform: Platform) -> Iterator[None]:
             _driver._active = previous
 
 
-_key_thread: threading.Thread | None = None
-
-
-def prefetch_triton_key() -> None:
-    """Start computing Triton's ``triton_key()`` on a background thread, once per process.
-
-    Triton 3.6.0 hashes its own sources and the 415 MB ``libtriton.so`` the first time any compile or
-    cache lookup needs the key (~0.35 s on an H200 host); ``hashlib`` releases the GIL, so a warm
-    overlaps it with loading plugins and planning. :func:`wait_triton_key` joins it.
-    """
-    global _key_thread
-    with _ids_lock:
-        if _key_thread is None:
-            from triton.runtime import cache
-
-            _key_thread = threading.Thread(target=cache.triton_key, name="warmreg-triton-key", daemon=True)
-            _key_thread.start()
-
-
-def wait_triton_key() -> None:
-    """Wait for :func:`prefetch_triton_key` (a no-op when it never started or has finished), so the
-    key is computed once rather than again on the calling thread."""
-    thread = _key_thread
-    if thread is not None:
-        thread.join()
-
-
 def current_device() -> int:
     """The device id Triton's ``JITFunction.run`` uses right now."""
     return int(_driver.active.get_current_device())
@@ -243,109 +216,6 @@ def finish_load(compiled: Any) -> None:
         compiled._init_handles()
 
 
-def _interpreted(jit: JITFunction) -> InterpretedFunction[Any]:
-    # Cached on the object: hashing a JITFunction computes its cache_key, which must not happen
-    # while the interpreter has patched triton.language.
-    cached = jit.__dict__.get("_warmreg_interpreted")
-    if cached is None:
-        cached = InterpretedFunction(
-            jit.fn,
-            do_not_specialize=jit.do_not_specialize,
-            do_not_specialize_on_alignment=jit.do_not_specialize_on_alignment,
-        )
-        jit.__dict__["_warmreg_interpreted"] = cached
-    return cached
-
-
-class _InterpretedLaunch:
-    """``fn[grid](...)`` through Triton's interpreter, with nested ``@triton.jit`` helpers interpreted too."""
-
-    def __init__(self, jit: Any) -> None:
-        self.jit = jit
-
-    def __getitem__(self, grid: tuple[int, ...]) -> Any:
-        def launch(*args: Any, **kwargs: Any) -> Any:
-            token = _INTERPRETING.set(True)
-            saved = _snapshot_lang()
-            try:
-                return self.jit[grid](*args, **kwargs)
-            finally:
-                _restore_lang(saved)
-                _INTERPRETING.reset(token)
-
-        return launch
-
-
-def interpreted(jit: Any) -> _InterpretedLaunch:
-    """The same kernel run by Triton's interpreter (for CPU tensors), as ``TRITON_INTERPRET=1`` would.
-
-    Under ``TRITON_INTERPRET=1`` the jit function already is interpreted. Otherwise a nested
-    ``@triton.jit`` helper is a compiled ``JITFunction`` that refuses to be called from Python; while
-    an interpreted launch runs, :func:`_jit_call` sends such calls to the interpreter instead
-    (Triton 3.6.0: ``JITFunction.__call__`` only raises).
-    """
-    return _InterpretedLaunch(jit if isinstance(jit, InterpretedFunction) else _interpreted(jit))
-
-
-def _lang_namespaces() -> list[Any]:
-    import triton.language as tl
-
-    return [tl, tl.core, tl.math, tl.core.tensor, tl.core.tensor_descriptor_base]
-
-
-def _snapshot_lang() -> list[tuple[Any, dict[str, Any]]]:
-    return [(ns, dict(vars(ns))) for ns in _lang_namespaces()]
-
-
-def _restore_lang(saved: list[tuple[Any, dict[str, Any]]]) -> None:
-    """Undo every patch the interpreter left on triton.language.
-
-    Triton 3.6.0's interpreter patches ``triton.language`` for a nested ``@triton.jit`` call and never
-    restores it; later compiles in the same process would then fail deep in the code generator.
-    """
-    for ns, before in saved:
-        now = dict(vars(ns))
-        for name, value in now.items():
-            if name.startswith("__"):
-                continue
-            if name not in before:
-                delattr(ns, name)
-            elif before[name] is not value:
-                setattr(ns, name, before[name])
-
-
-def _fix_interpreter_index() -> None:
-    """Triton 3.6.0's interpreter converts a scalar with ``int(array_of_shape_1)``, which NumPy >= 2.4
-    refuses, so ``for i in range(n)`` with a runtime ``n`` fails under the interpreter. Convert with
-    ``.item()`` instead (interpreter only; compiled kernels are unaffected)."""
-    from triton.runtime import interpreter
-
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_warmreg_fixed", False):
-        return
-
-    def patch_lang_tensor(tensor: Any, scope: Any) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patch_lang_tensor._warmreg_fixed = True  # type: ignore[attr-defined]
-    interpreter._patch_lang_tensor = patch_lang_tensor
-
-
-_fix_interpreter_index()
-
-
-_INTERPRETING: ContextVar[bool] = ContextVar("warmreg_interpreting", default=False)
-_original_jit_call = JITFunction.__call__
-
-
-def _jit_call(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
-    if _INTERPRETING.get():
-        return _interpreted(self)(*args, **kwargs)
-    return _original_jit_call(self, *args, **kwargs)
-
-
-JITFunction.__call__ = _jit_call  # type: ignore[method-assign]
 
 
 def is_jit(obj: Any) -> bool:
@@ -437,116 +307,3 @@ def parse_specialization_key(key: str) -> tuple[list[Any], dict[str, Any]] | Non
 def param_names(jit: Any) -> list[str]:
     """Names of a jit function's parameters, in order (``JITFunction.arg_names``)."""
     return list(jit.arg_names)
-
-
-def replay(fn_name: str, specialization_data: str, platform: Platform) -> Any:
-    """Compile one recorded specialization with Triton's own ``JITFunction.preload``.
-
-    :raises WarmregError: if the function cannot be imported.
-    """
-    jit = import_jit(fn_name)
-    with cross_target(platform):
-        return jit.preload(portable_specialization(specialization_data))
-
-
-# -- cache (packs) ------------------------------------------------------------------------------
-
-
-def cache_dir() -> str:
-    """Triton's cache directory now (``knobs.cache.dir``, from TRITON_CACHE_DIR or ~/.triton/cache)."""
-    path = triton.knobs.cache.dir
-    if not path:
-        raise WarmregError("Triton has no cache directory", fix="set TRITON_CACHE_DIR")
-    return str(path)
-
-
-def memory_kernel(jit: JITFunction, triton_key: str, platform: Platform) -> Any:
-    """The CompiledKernel a warm left in ``jit``'s in-memory cache for ``platform`` (or ``None``)."""
-    device = current_device() if platform.local else _device_id(platform)
-    caches = jit.device_caches.get(device)  # a plain get: a missing device must not create a binder
-    return caches[0].get(triton_key) if caches is not None else None
-
-
-def cache_subdir(binary_hash: str) -> str:
-    """Directory name of one cache entry: base32 of the hash (``triton.runtime.cache._base32``)."""
-    from triton.runtime.cache import _base32
-
-    return str(_base32(binary_hash))
-
-
-def ptxas_version(platform: Platform) -> str | None:
-    """The ptxas release Triton uses for this CUDA target (None for ROCm), first line only."""
-    if not platform.is_cuda:
-        return None
-    from triton.backends.nvidia.compiler import get_ptxas_version
-
-    return str(get_ptxas_version(platform.sm)).strip().splitlines()[-1]
-
-
-#: Compile options that name files of the machine that recorded them (Triton 3.6.0: the libdevice
-#: path); they are dropped so the local backend fills in its own, as a local compile would.
-_MACHINE_OPTIONS = ("extern_libs",)
-
-
-def portable_specialization(specialization_data: str) -> str:
-    """Triton's serialized specialization without options that are paths on the recording machine."""
-    import json
-
-    data = json.loads(specialization_data)
-    for name in _MACHINE_OPTIONS:
-        data.get("options", {}).pop(name, None)
-    return json.dumps(data)
-
-
-def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform) -> str:
-    """The cache hash the *local* Triton gives a recorded specialization for ``platform``.
-
-    Mirrors ``JITFunction.preload`` up to ``compile``'s ``get_cache_key`` (Triton 3.6.0): the hash
-    includes ``triton_key()``, a digest of the Triton installation, so it differs between Python
-    builds of one release and must be recomputed where a pack is installed.
-    """
-    wait_triton_key()
-    import hashlib
-    import json
-
-    import triton.language as tl
-    from triton._C.libtriton import get_cache_invalidating_env_vars
-    from triton.compiler.compiler import ASTSource, make_backend
-    from triton.runtime.cache import get_cache_key
-    from triton.runtime.jit import convert_to_tuple_if_list
-
-    data = json.loads(portable_specialization(specialization_data))
-    constexprs = {
-        tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
-        for k, v in zip(data["constant_keys"], data["constant_vals"])
-    }
-    attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"]))
-    signature = {k: convert_to_tuple_if_list(v) for k, v in data["signature"].items()}
-    backend = make_backend(gpu_target(platform))
-    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
-    src = ASTSource(jit, signature, constexprs, attrs)
-    key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
-
-
-def import_jit(fn_name: str) -> JITFunction:
-    """Import a jit function by its full name (``package.module.function``).
-
-    :raises WarmregError: if it cannot be imported or is not a jit function.
-    """
-    import importlib
-
-    module_name, _, qual = fn_name.rpartition(".")
-    obj: Any = None
-    while module_name:
-        try:
-            obj = importlib.import_module(module_name)
-            break
-        except ImportError:
-            module_name, _, head = module_name.rpartition(".")
-            qual = f"{head}.{qual}"
-    for part in qual.split(".") if obj is not None else ():
-        obj = getattr(obj, part, None)
-    if not isinstance(obj, JITFunction):
-        raise WarmregError(f"cannot import the Triton function {fn_name!r}", fix="install the plugin that defines it")
-    return obj

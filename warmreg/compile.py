@@ -24,7 +24,7 @@ from typing import Any, Literal
 from triton import knobs
 from triton.runtime._async_compile import AsyncCompileMode
 
-from . import _triton
+from . import _triton, _triton_cache
 from .errors import KernelContractError, WarmregError
 from .kernel import WARM_SESSION, LaunchSpec, TritonKernel, check_no_option_kwargs
 from .key import CompileKey
@@ -180,7 +180,7 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
         what = {errno.ENOSPC: "no space left", errno.EDQUOT: "disk quota exceeded"}.get(exc.errno, "not writable")
         return (
-            f"OSError: the Triton cache ({exc.filename or _triton.cache_dir()}) is {what}: {exc.strerror}; "
+            f"OSError: the Triton cache ({exc.filename or _triton_cache.cache_dir()}) is {what}: {exc.strerror}; "
             "fix: free space or set TRITON_CACHE_DIR to a writable directory with room"
         )
     text = str(exc).strip().splitlines()
@@ -220,7 +220,7 @@ def compile_keys(
             stopped = _bind_all(tasks, on_error, on_done)
             if before_compile is not None:
                 before_compile()
-            _triton.wait_triton_key()
+            _triton_cache.wait_triton_key()
             if pool is None:
                 _run_serial(tasks, on_error, advance, stopped)
             else:

@@ -23,7 +23,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from . import _triton
+from . import _triton, _triton_cache
 from .compile import OnError, compile_keys
 from .errors import WarmregError
 from .key import CompileKey
@@ -75,7 +75,7 @@ def _all_cached(plan: Plan) -> bool:
     """Whether every key of the plan is already in the local Triton cache (no compile needed)."""
     from pathlib import Path
 
-    cache = Path(_triton.cache_dir())
+    cache = Path(_triton_cache.cache_dir())
     with _triton.cross_target(plan.platform):
         for kp, key in plan.items():
             kernel = kp.kernel_for(key)
@@ -85,8 +85,8 @@ def _all_cached(plan: Plan) -> bool:
                 return False
             jit, kwargs, options = spec
             _, data = _triton.specialize(jit, kwargs, options)
-            local = _triton.local_cache_hash(jit, data, plan.platform)
-            if not any((cache / _triton.cache_subdir(local)).glob("__grp__*.json")):
+            local = _triton_cache.local_cache_hash(jit, data, plan.platform)
+            if not any((cache / _triton_cache.cache_subdir(local)).glob("__grp__*.json")):
                 return False
     return True
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 import attrs
 import torch
 
-from . import _triton, _triton_fast
+from . import _triton, _triton_fast, _triton_interp
 from .errors import KernelContractError
 from .key import LAUNCH_OPTIONS, CompileKey
 
@@ -123,7 +123,7 @@ def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
         options = spec.key.launch_options()
         jit = self.jit_for(spec.key)
         if _on_cpu(spec.kwargs):
-            _triton.interpreted(jit)[spec.grid](**spec.kwargs, **options)
+            _triton_interp.interpreted(jit)[spec.grid](**spec.kwargs, **options)
             return spec.outputs
         token = LAUNCH.set((self.name, spec.key)) if ON_LAUNCH else None
         try:

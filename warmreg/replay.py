@@ -7,7 +7,7 @@ from pathlib import Path
 
 import attrs
 
-from . import _triton
+from . import _triton_cache
 from .errors import WarmregError
 from .monitor import Miss
 from .platform import Platform
@@ -52,7 +52,7 @@ def replay(path: str | Path, *, target: str | None = None) -> list[ReplayResult]
             continue
         where = target or miss.target or "cuda:90"
         try:
-            _triton.replay(miss.jit_name, miss.specialization_data, Platform.parse(where))
+            _triton_cache.replay(miss.jit_name, miss.specialization_data, Platform.parse(where))
             results.append(ReplayResult(miss.jit_name, where, True))
         except Exception as exc:
             results.append(ReplayResult(miss.jit_name, where, False, f"{type(exc).__name__}: {exc}"))

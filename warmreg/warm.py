@@ -10,7 +10,7 @@ from typing import Any
 
 import triton
 
-from . import _triton
+from . import _triton, _triton_cache
 from .compile import OnError, check_on_error, compile_keys
 from .config import WarmConfig
 from .errors import CompileFailed, ConfigError, WarmregError
@@ -93,7 +93,7 @@ def prefetch() -> None:
     Call it early in an engine's start-up (before loading weights); :func:`warm` starts it too if it
     has not started, and waits for it only where it needs the hash. Idempotent; returns at once.
     """
-    _triton.prefetch_triton_key()
+    _triton_cache.prefetch_triton_key()
 
 
 def warm(
@@ -206,7 +206,7 @@ def _check_cache_writable() -> None:
     """Refuse early, in one line, a Triton cache directory that cannot be written."""
     import tempfile
 
-    directory = _triton.cache_dir()
+    directory = _triton_cache.cache_dir()
     try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".warmreg-probe-"):

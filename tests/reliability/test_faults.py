@@ -40,10 +40,16 @@ def _start_warm(cache: Path) -> subprocess.Popen[str]:
     )
 
 
+def _count_groups(cache: Path) -> int:
+    """Group files under a cache another process is writing (os.walk skips the temporary directories
+    Triton removes while it is listed; ``Path.rglob`` raises on them)."""
+    return sum(1 for _, _, files in os.walk(cache) for f in files if f.startswith("__grp__") and f.endswith(".json"))
+
+
 def _wait_for_some_entries(cache: Path, proc: subprocess.Popen[str], at_least: int = 3, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if len(list(cache.rglob("__grp__*.json"))) >= at_least:
+        if _count_groups(cache) >= at_least:
             return
         time.sleep(0.05)
     pytest.fail("the warm finished or stalled before it could be interrupted")

@@ -1,0 +1,168 @@
+"""Triton's disk cache and its key: what packs, distributed warms and replays rely on (part of the
+Triton adapter, checked against Triton 3.6.0; tested in ``tests/test_triton_adapter.py``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import triton
+from triton.runtime.jit import JITFunction
+
+from ._triton import _device_id, cross_target, current_device, gpu_target
+from .errors import WarmregError
+from .platform import Platform
+
+__all__ = [
+    "cache_dir",
+    "cache_subdir",
+    "import_jit",
+    "local_cache_hash",
+    "memory_kernel",
+    "portable_specialization",
+    "prefetch_triton_key",
+    "ptxas_version",
+    "replay",
+    "wait_triton_key",
+]
+
+_key_lock = threading.Lock()
+_key_thread: threading.Thread | None = None
+
+
+def prefetch_triton_key() -> None:
+    """Start computing Triton's ``triton_key()`` on a background thread, once per process.
+
+    Triton 3.6.0 hashes its own sources and the 415 MB ``libtriton.so`` the first time any compile or
+    cache lookup needs the key (~0.35 s on an H200 host); ``hashlib`` releases the GIL, so a warm
+    overlaps it with loading plugins and planning. :func:`wait_triton_key` joins it.
+    """
+    global _key_thread
+    with _key_lock:
+        if _key_thread is None:
+            from triton.runtime import cache
+
+            _key_thread = threading.Thread(target=cache.triton_key, name="warmreg-triton-key", daemon=True)
+            _key_thread.start()
+
+
+def wait_triton_key() -> None:
+    """Wait for :func:`prefetch_triton_key` (a no-op when it never started or has finished), so the
+    key is computed once rather than again on the calling thread."""
+    thread = _key_thread
+    if thread is not None:
+        thread.join()
+
+
+def replay(fn_name: str, specialization_data: str, platform: Platform) -> Any:
+    """Compile one recorded specialization with Triton's own ``JITFunction.preload``.
+
+    :raises WarmregError: if the function cannot be imported.
+    """
+    jit = import_jit(fn_name)
+    with cross_target(platform):
+        return jit.preload(portable_specialization(specialization_data))
+
+
+# -- cache (packs) ------------------------------------------------------------------------------
+
+
+def cache_dir() -> str:
+    """Triton's cache directory now (``knobs.cache.dir``, from TRITON_CACHE_DIR or ~/.triton/cache)."""
+    path = triton.knobs.cache.dir
+    if not path:
+        raise WarmregError("Triton has no cache directory", fix="set TRITON_CACHE_DIR")
+    return str(path)
+
+
+def memory_kernel(jit: JITFunction, triton_key: str, platform: Platform) -> Any:
+    """The CompiledKernel a warm left in ``jit``'s in-memory cache for ``platform`` (or ``None``)."""
+    device = current_device() if platform.local else _device_id(platform)
+    caches = jit.device_caches.get(device)  # a plain get: a missing device must not create a binder
+    return caches[0].get(triton_key) if caches is not None else None
+
+
+def cache_subdir(binary_hash: str) -> str:
+    """Directory name of one cache entry: base32 of the hash (``triton.runtime.cache._base32``)."""
+    from triton.runtime.cache import _base32
+
+    return str(_base32(binary_hash))
+
+
+def ptxas_version(platform: Platform) -> str | None:
+    """The ptxas release Triton uses for this CUDA target (None for ROCm), first line only."""
+    if not platform.is_cuda:
+        return None
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    return str(get_ptxas_version(platform.sm)).strip().splitlines()[-1]
+
+
+#: Compile options that name files of the machine that recorded them (Triton 3.6.0: the libdevice
+#: path); they are dropped so the local backend fills in its own, as a local compile would.
+_MACHINE_OPTIONS = ("extern_libs",)
+
+
+def portable_specialization(specialization_data: str) -> str:
+    """Triton's serialized specialization without options that are paths on the recording machine."""
+    import json
+
+    data = json.loads(specialization_data)
+    for name in _MACHINE_OPTIONS:
+        data.get("options", {}).pop(name, None)
+    return json.dumps(data)
+
+
+def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform) -> str:
+    """The cache hash the *local* Triton gives a recorded specialization for ``platform``.
+
+    Mirrors ``JITFunction.preload`` up to ``compile``'s ``get_cache_key`` (Triton 3.6.0): the hash
+    includes ``triton_key()``, a digest of the Triton installation, so it differs between Python
+    builds of one release and must be recomputed where a pack is installed.
+    """
+    wait_triton_key()
+    import hashlib
+    import json
+
+    import triton.language as tl
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.compiler.compiler import ASTSource, make_backend
+    from triton.runtime.cache import get_cache_key
+    from triton.runtime.jit import convert_to_tuple_if_list
+
+    data = json.loads(portable_specialization(specialization_data))
+    constexprs = {
+        tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
+        for k, v in zip(data["constant_keys"], data["constant_vals"])
+    }
+    attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"]))
+    signature = {k: convert_to_tuple_if_list(v) for k, v in data["signature"].items()}
+    backend = make_backend(gpu_target(platform))
+    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
+    src = ASTSource(jit, signature, constexprs, attrs)
+    key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def import_jit(fn_name: str) -> JITFunction:
+    """Import a jit function by its full name (``package.module.function``).
+
+    :raises WarmregError: if it cannot be imported or is not a jit function.
+    """
+    import importlib
+
+    module_name, _, qual = fn_name.rpartition(".")
+    obj: Any = None
+    while module_name:
+        try:
+            obj = importlib.import_module(module_name)
+            break
+        except ImportError:
+            module_name, _, head = module_name.rpartition(".")
+            qual = f"{head}.{qual}"
+    for part in qual.split(".") if obj is not None else ():
+        obj = getattr(obj, part, None)
+    if not isinstance(obj, JITFunction):
+        raise WarmregError(f"cannot import the Triton function {fn_name!r}", fix="install the plugin that defines it")
+    return obj
