@@ -130,6 +130,13 @@ def test_a_changed_call_shape_device_or_hook_takes_tritons_path() -> None:
         assert not entry.launch((1,), {**base, "extra": 1})
         other = _triton_fast.build(_probe, base, {"num_warps": 4}, rec, device + 1)
         assert other is not None and not other.launch((1,), base)
+        saved = triton.knobs.runtime.debug
+        triton.knobs.runtime.debug = True  # part of Triton's key: a debug build is another binary
+        try:
+            assert not entry.launch((1,), base)
+        finally:
+            triton.knobs.runtime.debug = saved
+        assert entry.launch((1,), base)
         hook = lambda metadata: None  # noqa: E731
         triton.knobs.runtime.launch_enter_hook.add(hook)
         try:

@@ -12,7 +12,8 @@ compiler like any launch), :func:`build` records what Triton chose for it and re
 Triton specializes on (a tensor's dtype and 16-byte alignment; integer width, divisibility by 16
 and the value 1; the type of floats and bools; constexpr values and arguments Triton turned into
 constants) and then calls the compiled kernel's launcher directly. If any check fails, a launch hook
-is installed (a profiler) or a global the kernel read has changed, it returns ``False`` and the caller
+is installed (a profiler), Triton's debug or instrumentation knob changed, or a global the kernel
+read has changed, it returns ``False`` and the caller
 takes Triton's ordinary path: the fast path can be slower than needed, never wrong.
 """
 
@@ -106,7 +107,9 @@ def build(
         checks.append(f"_gd{j}.get({name!r}, _run) == _g{j}")
     hooks_idle = [f"_rt.{h} is {v}" + (f" and not {v}.calls" if isinstance(env[v], HookChain) else "")
                   for h, v in (("launch_enter_hook", "_enter"), ("launch_exit_hook", "_exit"))]  # fmt: skip
-    checks += hooks_idle + [f"_device_of() == {int(device)}"]
+    # Triton's key also holds the debug and instrumentation knobs (read per call by JITFunction.run)
+    env.update(_ct=triton.knobs.compilation, _dbg=runtime.debug, _im=triton.knobs.compilation.instrumentation_mode)
+    checks += [*hooks_idle, "_rt.debug == _dbg", "_ct.instrumentation_mode == _im", f"_device_of() == {int(device)}"]
     lines = [
         "def launch(grid, kw):",
         f"    if len(kw) != {len(kwargs)}: return False",
