@@ -111,8 +111,7 @@ def _compile(task: _Task) -> None:
         return
     jit, grid, kwargs, options = task.launch
     task.launch = None
-    _tls.task = task
-    token = _CURRENT.set(task)
+    _tls.task = task  # the compile listener reads it (launch code, and so capture, ran in phase one)
     start = time.perf_counter()
     try:
         task.compiled = _triton.warmup(jit, grid, kwargs, options)
@@ -120,7 +119,6 @@ def _compile(task: _Task) -> None:
         task.status, task.error = "failed", _describe(exc)
     finally:
         _tls.task = None
-        _CURRENT.reset(token)
         task.seconds += time.perf_counter() - start
 
 
