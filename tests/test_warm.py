@@ -100,3 +100,41 @@ def test_bad_arguments() -> None:
         warmreg.warm(CONFIG, target="cuda:90", entry_points=False, on_error="ignore")  # type: ignore[arg-type]
     with pytest.raises(warmreg.TargetError):
         warmreg.warm(CONFIG, target="cuda:sm90", entry_points=False)
+
+
+def _parse_failing(monkeypatch: pytest.MonkeyPatch, message: str, times: int) -> list[str]:
+    """Make Triton's parse of a kernel's source raise ``SystemError(message)`` on its first ``times`` calls."""
+    from triton.runtime.jit import JITFunction
+
+    calls: list[str] = []
+    parse = JITFunction.parse
+
+    def failing(self: JITFunction) -> object:
+        calls.append(self.__name__)
+        if len(calls) <= times:
+            raise SystemError(message)
+        return parse(self)
+
+    monkeypatch.setattr(JITFunction, "parse", failing)
+    return calls
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_cpython_ast_parse_thread_race_is_compiled_again(monkeypatch: pytest.MonkeyPatch, workers: int) -> None:
+    # CPython 3.11.7 (this machine, CI) fails ast.parse spuriously when two threads parse at once.
+    calls = _parse_failing(monkeypatch, "AST constructor recursion depth mismatch (before=39, after=31)", times=2)
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False, workers=workers)
+    assert [r.status for r in report.results] == ["compiled"]
+    assert calls == ["_scale_kernel"] * 3  # two spurious failures, then the compile that wrote the binary
+
+
+def test_other_system_errors_and_a_persistent_race_still_fail_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _parse_failing(monkeypatch, "some other interpreter error", times=1)
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False, workers=2, on_error="continue")
+    assert [r.status for r in report.results] == ["failed"] and "some other interpreter error" in report.results[0].error
+    assert len(calls) == 1
+    monkeypatch.undo()
+    calls = _parse_failing(monkeypatch, "AST constructor recursion depth mismatch (before=3, after=1)", times=100)
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale(sizes=(17,)))], entry_points=False, workers=2, on_error="continue")
+    assert [r.status for r in report.results] == ["failed"] and "recursion depth mismatch" in report.results[0].error
+    assert len(calls) == 4  # bounded: a race that keeps failing is reported, not retried forever

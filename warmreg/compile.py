@@ -38,6 +38,28 @@ log = logging.getLogger("warmreg.compile")
 OnError = Literal["raise", "continue", "stop"]
 _tls = threading.local()
 
+#: CPython without gh-113035 (December 2023; 3.11.7 has the bug) keeps ``ast.parse``'s recursion
+#: depth in interpreter-wide state: two threads parsing at once (Triton parses each kernel's source
+#: while compiling) can then fail with this ``SystemError`` although both sources are fine (gh-106905).
+_AST_RACE = "AST constructor recursion depth mismatch"
+_AST_RACE_ATTEMPTS = 4
+
+
+def _retrying_ast_race(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, run again when it fails only by CPython's ``ast.parse`` thread race.
+
+    The race fails a parse before Triton writes anything, so running the compile again is safe; each
+    attempt needs another thread parsing at the same instant to fail again.
+    """
+    for attempt in range(1, _AST_RACE_ATTEMPTS + 1):
+        try:
+            return fn(*args, **kwargs)
+        except SystemError as exc:
+            if _AST_RACE not in str(exc) or attempt == _AST_RACE_ATTEMPTS:
+                raise
+            log.debug("CPython ast.parse thread race (attempt %d), compiling again: %s", attempt, exc)
+    raise AssertionError("unreachable")
+
 
 class _Task:
     """Mutable record of one key while it warms."""
@@ -114,7 +136,7 @@ def _compile(task: _Task) -> None:
     _tls.task = task  # the compile listener reads it (launch code, and so capture, ran in phase one)
     start = time.perf_counter()
     try:
-        task.compiled = _triton.warmup(jit, grid, kwargs, options)
+        task.compiled = _retrying_ast_race(_triton.warmup, jit, grid, kwargs, options)
     except Exception as exc:
         task.status, task.error = "failed", _describe(exc)
     finally:
@@ -141,7 +163,7 @@ class _TimedExecutor(Executor):
             start = time.perf_counter()
             compiled = None
             try:
-                compiled = fn(*args, **kwargs)
+                compiled = _retrying_ast_race(fn, *args, **kwargs)
                 return compiled
             except BaseException as exc:
                 if task is not None:
