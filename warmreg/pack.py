@@ -293,7 +293,7 @@ def build(
                     dest.parent.mkdir(parents=True, exist_ok=True)
                     dest.write_bytes(data)
                 entries.append(entry)
-            pythons = [None] if launcher_pythons is None else list(launcher_pythons)
+            pythons: list[str | None] = [None] if launcher_pythons is None else list(launcher_pythons)
             launchers = _build_launchers(
                 results, platform, pythons, staged, str(out), workers or default_workers(), required=launcher_pythons is not None
             )
