@@ -162,6 +162,7 @@ def test_loads_that_share_a_launcher_take_turns_and_others_run_in_parallel() -> 
     from types import SimpleNamespace
 
     spans: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
+    met = threading.Barrier(2, timeout=10)  # deterministic overlap when the two builds may run at once
 
     class FakeCompiled:  # stands in for CompiledKernel: _init_handles builds the launcher
         module = None
@@ -173,6 +174,11 @@ def test_loads_that_share_a_launcher_take_turns_and_others_run_in_parallel() -> 
 
         def _init_handles(self) -> None:
             start = time.perf_counter()
+            if not spans[self.group]:  # the first build of each launcher waits for the other's
+                try:
+                    met.wait()
+                except threading.BrokenBarrierError:
+                    pass  # the builds did not overlap: the assertion below says so
             time.sleep(0.05)
             spans[self.group].append((start, time.perf_counter()))
             self.module = object()

@@ -216,8 +216,6 @@ def finish_load(compiled: Any) -> None:
         compiled._init_handles()
 
 
-
-
 def is_jit(obj: Any) -> bool:
     """Whether ``obj`` is a ``@triton.jit`` function (compiled or, under TRITON_INTERPRET=1, interpreted)."""
     return isinstance(obj, (JITFunction, InterpretedFunction))
