@@ -198,3 +198,20 @@ def test_loads_that_share_a_launcher_take_turns_and_others_run_in_parallel() -> 
     assert any(sa < eb and sb < ea for sa, ea in a for sb, eb in b)  # the two launchers built side by side
     _triton.finish_load(kernels[0])  # loaded: a no-op
     assert len(spans["a"]) == 3
+
+
+def test_kernels_that_differ_only_in_a_block_size_share_one_launcher_lock() -> None:
+    import torch
+
+    from tests.helpers import _scale_kernel
+    from warmreg.platform import Platform
+
+    with _triton.cross_target(Platform.parse("cuda:90")):
+        x = torch.empty(64, device="meta")
+        block64, block128, n_one = (_scale_kernel.warmup(x, x, n, 2.0, BLOCK=b, grid=(1,)) for n, b in [(64, 64), (64, 128), (1, 64)])
+
+    def identity(c: object) -> str:
+        return _triton._launcher_identity(c, c.src.signature, c.src.constants)  # type: ignore[attr-defined]
+
+    # one C compiler run for both block sizes (Triton's launcher source is the same); n == 1 is a constant: another
+    assert identity(block64) == identity(block128) != identity(n_one)

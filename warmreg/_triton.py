@@ -197,9 +197,10 @@ def finish_load(compiled: Any) -> None:
     """Do at warm what Triton 3.6.0 otherwise leaves to the first launch: build the C launcher and
     load the binary onto the device (``CompiledKernel._init_handles``).
 
-    Triton builds one C launcher per distinct signature and constants (23 for the 71 DeepSeek-V4-Flash
-    keys) and caches it on disk, but concurrent first loads of one signature each run the C compiler.
-    Loads that share a launcher therefore take turns: the first builds it, the others load it.
+    Triton builds one C launcher per distinct launcher source (23 for the 71 DeepSeek-V4-Flash keys;
+    constexpr values such as block sizes do not change it) and caches it on disk, but concurrent first
+    loads of one launcher each run the C compiler. Loads that share a launcher therefore take turns:
+    the first builds it, the others load it (a cold Flash warm on the H200 host: 23 compiler runs).
     """
     if getattr(compiled, "module", None) is not None:
         return
@@ -208,12 +209,23 @@ def finish_load(compiled: Any) -> None:
     if signature is None or constants is None:  # not an ASTSource: no way to tell launchers apart
         compiled._init_handles()
         return
-    tensordesc = getattr(compiled.metadata, "tensordesc_meta", None)
-    identity = repr((sorted(signature.items()), sorted(constants.items(), key=repr), tensordesc))
+    identity = _launcher_identity(compiled, signature, constants)
     with _ids_lock:
         lock = _launcher_locks.setdefault(identity, threading.Lock())
     with lock:
         compiled._init_handles()
+
+
+def _launcher_identity(compiled: Any, signature: Any, constants: Any) -> str:
+    """What tells one C launcher from another: on CUDA, Triton's own cache key for the launcher's
+    source (which constexpr values such as block sizes leave unchanged); elsewhere the signature and
+    constants."""
+    if getattr(getattr(compiled.metadata, "target", None), "backend", None) == "cuda":
+        from ._triton_launchers import launcher_source
+
+        return launcher_source(compiled)[0]
+    tensordesc = getattr(compiled.metadata, "tensordesc_meta", None)
+    return repr((sorted(signature.items()), sorted(constants.items(), key=repr), tensordesc))
 
 
 def is_jit(obj: Any) -> bool:
