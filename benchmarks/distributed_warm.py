@@ -88,8 +88,8 @@ def estimate_8_ranks() -> dict | None:
         "single_host_16_threads_seconds": gpu["cold_threads"]["wall"],
         "note": "per-key times are the serial cold compiles (without launcher builds) on one H200 host, dealt round-robin to 8 ranks; "
         "every rank then installs the others' binaries and runs a local pass that loads modules, which the from-pack variant "
-        "measured on a fresh cache; that pack carried prebuilt C launchers and the exchange does not, so a fresh node also "
-        "builds them (not in this estimate); the byte exchange (about 0.3 MB for this space) is not counted",
+        "measured on a fresh cache; that pack carried prebuilt C launchers, as the exchange does for launchers built on "
+        "the other ranks; the launchers of a rank's own shard and the byte exchange (about 0.3 MB for this space) are not counted",
     }
 
 

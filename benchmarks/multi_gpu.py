@@ -11,6 +11,10 @@ launches every warmed key for real (as ``benchmarks/gpu_all_keys.py`` does). Ran
 rank's numbers (as JSON bytes) and writes ``multi_gpu_<tag>.json``, next to the single-process warm
 time measured before the job (``--single``: a ``warmreg warm --json`` report).
 
+``--cache-per-rank DIR`` gives each rank its own empty Triton cache ``DIR/rank<r>``, as on separate
+hosts: the ranks then also hand each other the C launchers their loads built; each rank counts the
+launchers it built with the C compiler before and after the exchange.
+
 ``--dry-run`` checks the script on a machine without GPUs: gloo, a cross target, no launches.
 """
 
@@ -65,12 +69,35 @@ def sweep(config: str, steps: int, seed: int) -> dict[str, Any]:
     return {"steps": steps, "tokens": tokens, "keys_launched": launched, "step_errors": errors}
 
 
+def _count_launcher_builds() -> dict[str, int]:
+    """C compiler runs for Triton's launchers in this process, split at the sharded warm's exchange."""
+    import triton.runtime.build as tb
+
+    import warmreg.distributed as wd
+
+    counts = {"before_exchange": 0, "after_exchange": 0}
+    phase = ["before_exchange"]
+    real_build, real_gather = tb._build, wd._all_gather_bytes
+
+    def build(*a: Any, **k: Any) -> Any:
+        counts[phase[0]] += 1
+        return real_build(*a, **k)
+
+    def gather(*a: Any, **k: Any) -> Any:
+        phase[0] = "after_exchange"
+        return real_gather(*a, **k)
+
+    tb._build, wd._all_gather_bytes = build, gather
+    return counts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
     ap.add_argument("--single", default=None, help="the single-process warm report (JSON) measured before the job")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--tag", default="h200x2")
+    ap.add_argument("--cache-per-rank", default=None, metavar="DIR", help="an empty Triton cache DIR/rank<r> per rank")
     ap.add_argument("--dry-run", action="store_true")
     args = ap.parse_args()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -80,6 +107,9 @@ def main() -> None:
         torch.cuda.set_device(local_rank)
         dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.cache_per_rank:
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(args.cache_per_rank, f"rank{rank}")
+    builds = _count_launcher_builds()
     dist.barrier()
     start = time.perf_counter()
     report = warmreg.warm(args.config, target="cuda:90" if args.dry_run else None, on_error="continue", progress=False)
@@ -94,6 +124,8 @@ def main() -> None:
         "summary": report.summary(),
         "shard_compiled": report.shard_compiled,
         "shard_received": report.shard_received,
+        "shard_launchers_received": report.shard_launchers_received,
+        "launcher_builds": dict(builds),
         "failed": [(r.kernel, str(r.key), r.error) for r in report.failed],
     }
     if not args.dry_run:

@@ -8,8 +8,11 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from warmreg import WarmregError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,12 +25,23 @@ from tests.helpers import CONFIG, Broken, Plugin, Scale
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank={rank}, world_size={world})
 kernels = [Scale(block=b) for b in (32, 64, 128, 256)] + ([Broken()] if {broken} else [])
 plugin = Plugin(*kernels)
+if {fake_launchers}:  # as a GPU rank would: hand over the launchers its loads built (a cross warm builds none)
+    from triton.runtime.cache import get_cache_manager
+    from warmreg import _triton_launchers as tl, distributed
+    name = "__triton_launcher" + tl.local_abi().ext_suffix
+    mine = tl.Launcher("%064x" % ({rank} + 1), tl.platform_key(), tl.local_abi().version, name, b"launcher of rank {rank}")
+    odd = tl.Launcher("%064x" % ({rank} + 101), tl.platform_key(), "3.99", "__triton_launcher.cpython-399-x.so", b"other abi")
+    distributed._shard_launchers = lambda shard, plan: [mine, odd]
 out = []
 for _ in range(2):  # the second warm finds every key cached on every rank: nothing is exchanged
     r = warmreg.warm(CONFIG, target="cuda:90", plugins=[plugin], entry_points=False, workers=1, on_error="continue")
     out.append({{"ok": r.ok, "declared": r.declared, "compiled": r.compiled, "from_cache": r.from_cache,
                 "shard_compiled": r.shard_compiled, "shard_received": r.shard_received, "world": r.world_size,
-                "failed": [f.error for f in r.failed]}})
+                "failed": [f.error for f in r.failed], "launchers_received": r.shard_launchers_received}})
+if {fake_launchers}:
+    out.append({{r: (open(p, "rb").read().decode() if (p := get_cache_manager("%064x" % (r + 1)).get_file(name)) else None)
+                for r in range({world})}})
+    out.append(any(get_cache_manager("%064x" % (r + 101)).get_file("__triton_launcher.cpython-399-x.so") for r in range({world}) if r != {rank}))
 dist.destroy_process_group()
 print(json.dumps(out))
 """
@@ -48,12 +62,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_ranks(world: int, tmp_path: Path, *, broken: bool = False) -> tuple[list[Path], list[list[dict]]]:
+def _run_ranks(world: int, tmp_path: Path, *, broken: bool = False, fake_launchers: bool = False) -> tuple[list[Path], list[list[Any]]]:
     port = _free_port()
     caches = [tmp_path / f"rank{r}" for r in range(world)]  # one cache per rank: as on separate nodes
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _RANK.format(root=str(ROOT), port=port, rank=r, world=world, broken=broken)],
+            [sys.executable, "-c", _RANK.format(root=str(ROOT), port=port, rank=r, world=world, broken=broken, fake_launchers=fake_launchers)],
             env={**os.environ, "TRITON_CACHE_DIR": str(caches[r])},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -87,6 +101,70 @@ def test_ranks_split_the_keys_and_end_with_the_single_process_cache(world: int, 
         assert _entries(cache) == expected
 
 
+def test_ranks_hand_each_other_the_c_launchers_that_fit_their_python(tmp_path: Path) -> None:
+    _, runs = _run_ranks(3, tmp_path, fake_launchers=True)
+    for rank, (first, second, caches, foreign_abi) in enumerate(runs):
+        assert first["ok"] and first["launchers_received"] == 2  # one from each other rank
+        assert second["launchers_received"] == 0  # fast path: nothing exchanged
+        # installed where Triton looks (a rank's own is faked: a GPU rank has it in its cache already)
+        assert caches == {str(r): None if r == rank else f"launcher of rank {r}" for r in range(3)}
+        assert not foreign_abi  # another Python's launcher is not written
+
+
+_GPU_RANK = """
+import json, sys
+sys.path.insert(0, {root!r})
+import torch.distributed as dist
+import triton.runtime.build as tb
+import warmreg
+import warmreg.distributed as wd
+from tests.helpers import CONFIG, Plugin, Scale
+builds = {{"before": [], "after": []}}
+phase = ["before"]
+real_build, real_gather, real_sent = tb._build, wd._all_gather_bytes, wd._shard_launchers
+sent = []
+def build(name, *a, **k):
+    builds[phase[0]].append(name)
+    return real_build(name, *a, **k)
+def shard_launchers(*a, **k):
+    sent.extend(real_sent(*a, **k))
+    return sent
+def gather(*a, **k):
+    phase[0] = "after"
+    return real_gather(*a, **k)
+tb._build, wd._all_gather_bytes, wd._shard_launchers = build, gather, shard_launchers
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank={rank}, world_size=2)
+# keys in plan order: (32, n=1), (32, n=17), (64, n=1), (64, n=17); rank 0 gets both n=1 keys, rank 1
+# both others; n == 1 is a constant, so each rank's keys need one launcher, not the other rank's
+r = warmreg.warm(CONFIG, plugins=[Plugin(*(Scale(block=b, sizes=(1, 17)) for b in (32, 64)))], entry_points=False, workers=2)
+dist.destroy_process_group()
+print(json.dumps({{"ok": r.ok, "shard": r.shard_compiled, "received": r.shard_launchers_received, "sent": [x.cache_key for x in sent], **builds}}))
+"""
+
+
+@pytest.mark.gpu
+def test_gpu_ranks_on_separate_caches_build_only_their_own_launchers(tmp_path: Path) -> None:
+    """Two ranks on the local GPU, each with its own cache (as on two hosts): after the exchange no
+    rank runs the C compiler, since the others' launchers came with their binaries."""
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _GPU_RANK.format(root=str(ROOT), port=port, rank=r)],
+            env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / f"rank{r}")},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-3000:] for o in outs]
+    ranks = [json.loads(o[0].strip().splitlines()[-1]) for o in outs]
+    assert all(r["ok"] and r["shard"] == 2 and r["before"].count("__triton_launcher") == 1 for r in ranks), ranks
+    assert ranks[0]["sent"] != ranks[1]["sent"], ranks  # two different launchers, one per rank
+    assert all(r["received"] == 1 and r["after"] == [] for r in ranks), ranks  # no C compiler after the exchange
+
+
 def test_distributed_true_without_a_group_says_what_to_do() -> None:
     import warmreg
     from tests.helpers import CONFIG
@@ -111,3 +189,15 @@ def test_torchrun_cli(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads(report.read_text())
     assert data["world_size"] == 2 and not data["summary"]["failed"]
+
+
+def test_a_launcher_corrupted_in_transit_is_refused_by_name() -> None:
+    from warmreg import _triton_launchers as tl
+    from warmreg.distributed import _Decoded, _encode
+
+    launcher = tl.Launcher("ab" * 32, tl.platform_key(), "3.11", "__triton_launcher.so", b"\x7fELF" + bytes(range(60)))
+    raw = _encode([], [], [launcher])
+    assert _Decoded(raw).launchers == [launcher]
+    broken = raw[:-5] + bytes([raw[-5] ^ 1]) + raw[-4:]
+    with pytest.raises(WarmregError, match=r"__triton_launcher.so \(abababababab\) arrived corrupt"):
+        _Decoded(broken)

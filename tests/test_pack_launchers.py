@@ -140,3 +140,22 @@ def test_gpu_warm_from_a_pack_with_launchers_runs_no_c_compiler(tmp_path: Path, 
     x = torch.randn(48, device="cuda", dtype=torch.float16)  # the key of size 16: div16, fp16
     with warmreg.monitor("error"):
         torch.testing.assert_close(scale(x, 2.0), x * 2.0)
+
+
+def test_built_here_reads_back_the_launchers_the_cache_holds_for_this_python() -> None:
+    import torch
+
+    with _triton.cross_target(H100):
+        compiled = [
+            _scale_kernel.warmup(x, x, n, 2.0, BLOCK=64, grid=(1,))
+            for x, n in [(torch.empty(64, device="meta"), 64), (torch.empty(64, device="meta"), 1), (torch.empty(64, device="meta", dtype=torch.float16), 17)]
+        ]
+    keys = [_triton_launchers.launcher_source(c)[0] for c in compiled]
+    assert keys[0] == keys[2] != keys[1]  # n == 1 is a constant (another launcher); dtype and divisibility are not
+    assert _triton_launchers.built_here(compiled) == []  # nothing built yet
+    name = f"__triton_launcher{_triton_launchers.local_abi().ext_suffix}"
+    get_cache_manager(keys[1]).put(b"\x7fELF launcher", name, binary=True)
+    get_cache_manager(keys[0]).put(b"\x7fELF other abi", "__triton_launcher.cpython-399-x86_64-linux-gnu.so", binary=True)
+    (found,) = _triton_launchers.built_here(compiled)
+    assert (found.cache_key, found.name, found.data) == (keys[1], name, b"\x7fELF launcher")
+    assert _triton_launchers.fits_here(found.platform_key, found.name)

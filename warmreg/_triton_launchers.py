@@ -34,7 +34,9 @@ import attrs
 
 from .errors import WarmregError
 
-__all__ = ["Launcher", "LauncherError", "PythonABI", "build", "fits_here", "install", "launcher_source", "local_abi", "python_abi"]
+__all__ = [
+    "Launcher", "LauncherError", "PythonABI", "build", "built_here", "fits_here", "install", "launcher_source", "local_abi", "python_abi",
+]
 
 _NAME = "__triton_launcher"
 
@@ -176,6 +178,25 @@ def build(compiled: Iterable[Any], pythons: Iterable[str | None], *, workers: in
         jobs = [(key, abi) for key in sorted(sources) for abi in abis]
         with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="warmreg-launcher") as pool:
             return list(pool.map(one, jobs))
+
+
+def built_here(compiled: Iterable[Any]) -> list[Launcher]:
+    """The launchers of ``compiled`` (CUDA kernels) that this machine's Triton cache holds for its own
+    Python ABI: those the loads of a warm on this GPU built, read back to hand to other hosts."""
+    from triton.runtime.cache import get_cache_manager
+
+    name = f"{_NAME}{local_abi().ext_suffix}"
+    pkey, version = platform_key(), local_abi().version
+    found: dict[str, Launcher] = {}
+    for c in compiled:
+        key, _ = launcher_source(c)
+        if key in found:
+            continue
+        path = get_cache_manager(key).get_file(name)
+        if path is not None:
+            with open(path, "rb") as f:
+                found[key] = Launcher(key, pkey, version, name, f.read())
+    return list(found.values())
 
 
 def install(cache_key: str, name: str, data: bytes) -> bool:

@@ -5,8 +5,10 @@ its local Triton cache, then all ranks exchange what they compiled through torch
 collectives (``all_gather`` of byte tensors: a JSON header plus the raw binaries, no pickle, no
 shared filesystem), install the other ranks' entries into their local cache through the pack
 machinery (re-keyed for the local Triton), and finish with an ordinary local warm in which every key
-is a cache hit (and, on a GPU, every launcher is built and every module loaded). A key that failed on
-its owner rank is reported as failed on every rank, with the owner's error.
+is a cache hit (and, on a GPU, every module loaded). On a local CUDA GPU the ranks also exchange the
+C launchers their loads built (Triton builds one per distinct signature with the host's C compiler),
+so a rank runs the compiler only for launchers of its own shard. A key that failed on its owner rank
+is reported as failed on every rank, with the owner's error.
 
 Fast path: each rank first checks its local cache; if every key is already there on every rank (one
 small ``all_reduce``), nothing is exchanged and each rank warms locally.
@@ -17,13 +19,14 @@ from __future__ import annotations
 import json
 import struct
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
 import torch
 import torch.distributed as dist
 
-from . import _triton, _triton_cache
+from . import _triton, _triton_cache, _triton_launchers
 from .compile import OnError, compile_keys
 from .errors import WarmregError
 from .key import CompileKey
@@ -44,6 +47,7 @@ class ShardStats:
     received: int
     fast_path: bool
     exchange_seconds: float
+    launchers_received: int = 0
 
 
 def resolve_group(group: Any, distributed: bool | None) -> Any:
@@ -111,35 +115,64 @@ def _capture_spec(kernel: Any, key: CompileKey) -> tuple[Any, dict[str, Any], di
     return kernel.jit_for(spec.key), dict(spec.kwargs), spec.key.launch_options()
 
 
-def _encode(entries: list[tuple[PackEntry, dict[str, bytes]]], failures: list[KeyResult]) -> bytes:
-    header: dict[str, Any] = {"entries": [], "failures": [[r.kernel, r.key.to_json(), r.error] for r in failures]}
+def _encode(
+    entries: list[tuple[PackEntry, dict[str, bytes]]], failures: list[KeyResult], launchers: Iterable[_triton_launchers.Launcher] = ()
+) -> bytes:
+    header: dict[str, Any] = {"entries": [], "failures": [[r.kernel, r.key.to_json(), r.error] for r in failures], "launchers": []}
     body = bytearray()
     for entry, blobs in entries:
         header["entries"].append(attrs.asdict(entry))
         for f in entry.files:
             body += blobs[f.name]
+    for x in launchers:
+        header["launchers"].append([x.cache_key, x.platform_key, x.python, x.name, len(x.data), _sha256(x.data)])
+        body += x.data
     head = json.dumps(header).encode()
     return struct.pack("<Q", len(head)) + head + bytes(body)
 
 
-def _decode(raw: bytes) -> tuple[list[tuple[PackEntry, dict[str, bytes] | WarmregError]], list[tuple[str, CompileKey, str]]]:
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8 : 8 + n])
-    offset = 8 + n
-    items: list[tuple[PackEntry, dict[str, bytes] | WarmregError]] = []
-    for e in header["entries"]:
-        entry = PackEntry(**{**e, "files": [PackFile(**f) for f in e["files"]]})
-        blobs: dict[str, bytes] = {}
-        problem: WarmregError | None = None
-        for f in entry.files:
-            data = raw[offset : offset + f.size]
-            offset += f.size
-            if len(data) != f.size or _sha256(data) != f.sha256:
-                problem = WarmregError(f"{entry.kernel}: {f.name} arrived corrupt from another rank", fix="re-run the warm")
-            blobs[f.name] = data
-        items.append((entry, problem or blobs))
-    failures = [(k, CompileKey.from_json(key), err) for k, key, err in header["failures"]]
-    return items, failures
+class _Decoded:
+    """One rank's payload: its entries (or why one arrived corrupt), failures and C launchers."""
+
+    def __init__(self, raw: bytes) -> None:
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = json.loads(raw[8 : 8 + n])
+        self._raw, self._offset = raw, 8 + n
+        self.entries: list[tuple[PackEntry, dict[str, bytes] | WarmregError]] = []
+        for e in header["entries"]:
+            entry = PackEntry(**{**e, "files": [PackFile(**f) for f in e["files"]]})
+            blobs: dict[str, bytes] = {}
+            problem: WarmregError | None = None
+            for f in entry.files:
+                blobs[f.name] = data = self._take(f.size)
+                if len(data) != f.size or _sha256(data) != f.sha256:
+                    problem = WarmregError(f"{entry.kernel}: {f.name} arrived corrupt from another rank", fix="re-run the warm")
+            self.entries.append((entry, problem or blobs))
+        self.failures = [(k, CompileKey.from_json(key), err) for k, key, err in header["failures"]]
+        self.launchers: list[_triton_launchers.Launcher] = []
+        for cache_key, platform_key, python, name, size, digest in header.get("launchers", []):
+            data = self._take(size)
+            if len(data) != size or _sha256(data) != digest:
+                raise WarmregError(f"C launcher {name} ({cache_key[:12]}) arrived corrupt from another rank", fix="re-run the warm")
+            self.launchers.append(_triton_launchers.Launcher(cache_key, platform_key, python, name, data))
+
+    def _take(self, size: int) -> bytes:
+        data = self._raw[self._offset : self._offset + size]
+        self._offset += size
+        return data
+
+
+def _shard_launchers(shard: list[KeyResult], plan: Plan) -> list[_triton_launchers.Launcher]:
+    """The C launchers the loads of this rank's shard built (local CUDA GPU only; none otherwise)."""
+    if not plan.platform.local or plan.platform.backend != "cuda":
+        return []
+    compiled = []
+    for r in shard:
+        if r.status != "failed" and r.jit_name and r.triton_key:
+            kernel = _triton_cache.memory_kernel(_triton_cache.import_jit(r.jit_name), r.triton_key, plan.platform)
+            if kernel is not None:
+                compiled.append(kernel)
+    return _triton_launchers.built_here(compiled)
 
 
 def _all_gather_bytes(payload: bytes, group: Any) -> list[bytes]:
@@ -179,19 +212,22 @@ def sharded_compile(plan: Plan, *, group: Any, workers: int, on_error: OnError) 
             continue
         entries.append(entry_from_result(r, plan.kernel(r.kernel).kernel_for(r.key)))
     start = time.perf_counter()
-    gathered = _all_gather_bytes(_encode(entries, failures), group)
+    gathered = _all_gather_bytes(_encode(entries, failures, _shard_launchers(shard, plan)), group)
     failed: dict[tuple[str, CompileKey], str] = {}
-    received = 0
+    received = launchers = 0
     for source, raw in enumerate(gathered):
-        theirs, their_failures = _decode(raw)
-        for kernel, key, error in their_failures:
+        theirs = _Decoded(raw)
+        for kernel, key, error in theirs.failures:
             failed[(kernel, key)] = f"failed on rank {source}: {error}"
         if source == rank:
             continue
-        installed, present, refused = install_entries(theirs, plan.platform, pack=f"rank {source}")
+        installed, present, refused = install_entries(theirs.entries, plan.platform, pack=f"rank {source}")
         received += installed + present
         for what, why in refused:
             raise WarmregError(f"entry {what} from rank {source} was refused: {why}", fix="check that all ranks run the same warmreg, Triton and plugins")
+        for x in theirs.launchers:  # a rank of another Python or platform simply builds its own
+            if _triton_launchers.fits_here(x.platform_key, x.name):
+                launchers += _triton_launchers.install(x.cache_key, x.name, x.data)
     exchange = time.perf_counter() - start
     todo = [(kp, key) for kp, key in items if (kp.name, key) not in failed]
     finished = {(r.kernel, r.key): r for r in compile_keys(todo, platform=plan.platform, workers=workers, on_error=on_error)}
@@ -200,4 +236,4 @@ def sharded_compile(plan: Plan, *, group: Any, workers: int, on_error: OnError) 
         for kp, key in items
     ]
     compiled_here = sum(1 for r in shard if r.status == "compiled")
-    return results, ShardStats(rank, world, compiled_here, received, False, exchange)
+    return results, ShardStats(rank, world, compiled_here, received, False, exchange, launchers)

@@ -62,7 +62,8 @@ class WarmReport:
     :param results: one :class:`KeyResult` per declared key.
     :param seconds: wall time of the whole warm (planning, compiling, loading).
     :param shard_compiled: in a distributed warm, keys this rank compiled for the job (its shard);
-        ``shard_received`` the entries it installed from other ranks.
+        ``shard_received`` the entries it installed from other ranks, ``shard_launchers_received`` the
+        C launchers (local CUDA GPU) it installed from them.
     """
 
     platform: str
@@ -80,6 +81,7 @@ class WarmReport:
     world_size: int = 1
     shard_compiled: int | None = None
     shard_received: int | None = None
+    shard_launchers_received: int | None = None
 
     @property
     def declared(self) -> int:

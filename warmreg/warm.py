@@ -188,6 +188,7 @@ def warm(
         world_size=shard.world_size if shard else 1,
         shard_compiled=shard.compiled_here if shard else None,
         shard_received=shard.received if shard else None,
+        shard_launchers_received=shard.launchers_received if shard else None,
     )
     from .monitor import KNOWLEDGE, arm
 
