@@ -32,6 +32,8 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write
+from warmreg_deepseek_v4 import combine_indices as ci
+from warmreg_deepseek_v4 import global_topk as gt
 from warmreg_deepseek_v4 import metadata as md
 from warmreg_deepseek_v4 import sparse_mla as sm
 from warmreg_deepseek_v4 import swa_indices as si
@@ -140,7 +142,7 @@ def global_topk(S, rng, gen, T):
     # reads topk 4TK, token_to_req 4T, is_valid T, distinct table entries 4 each; writes out 4TK, lens 4T
     nbytes = 8 * T * S.topk + 9 * T + 4 * _distinct(req[ok], topk[ok] // 64)
     args = (topk, st.token_to_req, _pages(gen, (S.max_seqs, triton.cdiv(S.mml, S.block))), _slots(gen, T) >= 0)
-    return Case(sm.GlobalTopkIndices(), sm.global_topk_indices_reference, args, dict(block_size=64), nbytes, dict(T=T, topk=S.topk))
+    return Case(gt.GlobalTopkIndices(), gt.global_topk_indices_reference, args, dict(block_size=64), nbytes, dict(T=T, topk=S.topk))
 
 
 def decode_swa(S, rng, gen, T):
@@ -166,7 +168,7 @@ def combine(S, rng, gen, T):
     # reads qsl/seq_lens/gather_lens 12n + 4, topk entries below topk_len 4 each; writes out 4 T width, lens 4T
     nbytes = 12 * st.R + 4 + 4 * int((topk >= 0).sum()) + 4 * T * width + 4 * T
     kw = dict(num_tokens=T, compress_ratio=4, M=N + int(gather.max()), N=N)
-    return Case(si.CombineTopkSwaIndices(window_size=S.window), si.combine_topk_swa_indices_reference,
+    return Case(ci.CombineTopkSwaIndices(window_size=S.window), ci.combine_topk_swa_indices_reference,
                 (topk, st.qsl, st.seq_lens, gather), kw, nbytes, dict(T=T, requests=st.R, width=width),
                 rkw=dict(window_size=S.window))  # fmt: skip
 

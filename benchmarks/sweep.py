@@ -65,8 +65,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write
 from warmreg_deepseek_v4 import DSV4
+from warmreg_deepseek_v4.combine_indices import combine_topk_swa_indices_reference
 from warmreg_deepseek_v4.compressed_slot_mapping import compressed_slot_mapping_reference
 from warmreg_deepseek_v4.fp8_ds_mla import FP8_MAX, HEAD_DIM, NOPE_DIM, ROPE_DIM, SCALE_BYTES, TOKEN_BYTES, page_bytes
+from warmreg_deepseek_v4.global_topk import global_topk_indices_reference
 from warmreg_deepseek_v4.indexer import indexer_page_stride
 from warmreg_deepseek_v4.inv_rope_quant import fp8_checkpoint
 from warmreg_deepseek_v4.metadata import C4_STATE_BLOCK_SIZE, C128_STATE_BLOCK_SIZE
@@ -78,9 +80,8 @@ from warmreg_deepseek_v4.sparse_mla import (
     c128_max_width,
     c128_topk_metadata_reference,
     compressed_block_size,
-    global_topk_indices_reference,
 )
-from warmreg_deepseek_v4.swa_indices import combine_topk_swa_indices_reference, decode_swa_indices_reference
+from warmreg_deepseek_v4.swa_indices import decode_swa_indices_reference
 from warmreg_deepseek_v4.swa_prefill_metadata import sparse_swa_prefill_metadata_reference
 from warmreg_kimi_k3.kda import kda_recurrent_reference
 

@@ -19,7 +19,8 @@ import random
 from pathlib import Path
 
 import torch
-from warmreg_deepseek_v4.sparse_mla import C128ATopkMetadata, GlobalTopkIndices, c128_active_width
+from warmreg_deepseek_v4.global_topk import GlobalTopkIndices
+from warmreg_deepseek_v4.sparse_mla import C128ATopkMetadata, c128_active_width
 from warmreg_deepseek_v4.swa_indices import DecodeSwaIndices
 
 import warmreg

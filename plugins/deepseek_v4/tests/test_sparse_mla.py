@@ -11,15 +11,14 @@ import pytest
 import torch
 import triton
 from dsv4_support import ModulePlugin, example_config
+from warmreg_deepseek_v4 import global_topk, sparse_mla
+from warmreg_deepseek_v4.global_topk import GlobalTopkIndices, global_topk_indices_reference
 from warmreg_deepseek_v4.sparse_mla import (
     C128ATopkMetadata,
-    GlobalTopkIndices,
     c128_active_width,
     c128_max_width,
     c128_topk_metadata_reference,
     c128_widths,
-    global_topk_indices_reference,
-    register,
 )
 
 import warmreg
@@ -197,7 +196,7 @@ def test_global_topk_empty_batch_and_bad_inputs() -> None:
 # -- registration, coverage, warm --------------------------------------------------------------------
 def _Plugin() -> ModulePlugin:
     """Registers only this module's kernels."""
-    return ModulePlugin(register)
+    return ModulePlugin(sparse_mla.register, global_topk.register)
 
 
 _config = example_config

@@ -11,15 +11,11 @@ import pytest
 import torch
 import triton
 from dsv4_support import ModulePlugin, example_config
+from warmreg_deepseek_v4 import combine_indices, swa_indices
+from warmreg_deepseek_v4.combine_indices import CombineTopkSwaIndices, combine_topk_swa_indices_reference
 from warmreg_deepseek_v4.model import DSV4
 from warmreg_deepseek_v4.sparse_mla import c128_active_width, c128_topk_metadata_reference
-from warmreg_deepseek_v4.swa_indices import (
-    CombineTopkSwaIndices,
-    DecodeSwaIndices,
-    combine_topk_swa_indices_reference,
-    decode_swa_indices_reference,
-    register,
-)
+from warmreg_deepseek_v4.swa_indices import DecodeSwaIndices, decode_swa_indices_reference
 
 import warmreg
 
@@ -199,7 +195,7 @@ def test_combine_empty_chunk_and_bad_inputs() -> None:
 # -- registration, coverage, warm --------------------------------------------------------------------
 def _Plugin() -> ModulePlugin:
     """Registers only this module's kernels."""
-    return ModulePlugin(register)
+    return ModulePlugin(swa_indices.register, combine_indices.register)
 
 
 _config = example_config

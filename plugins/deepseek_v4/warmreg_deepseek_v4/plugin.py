@@ -11,7 +11,9 @@ from warmreg.ops import FusedQKVRMSNorm
 
 from . import (
     cache,
+    combine_indices,
     flashinfer_indices,
+    global_topk,
     indexer,
     inv_rope_quant,
     metadata,
@@ -27,7 +29,9 @@ __all__ = ["warmreg_model_types", "warmreg_register_kernels"]
 _MODULES = (
     metadata,
     sparse_mla,
+    global_topk,
     swa_indices,
+    combine_indices,
     flashinfer_indices,
     cache,
     state_cache,

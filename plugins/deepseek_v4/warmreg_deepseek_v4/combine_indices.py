@@ -1,0 +1,269 @@
+"""DeepSeek-V4 FlashMLA sparse prefill: the combine of top-k and SWA indices (specs §15).
+
+For one chunk of prefill requests, the dequant-gather workspace holds ``M`` rows per request ``b``:
+its compressed entries in rows ``[0, N)`` and its last ``gather_lens[b]`` tokens from row ``N``. For
+query token ``t`` of request ``b`` (``pos = seq - qlen + i``, ``gather_start = seq - gather_lens[b]``)::
+
+    topk_len  = min((pos + 1) // COMPRESS_RATIO, TOP_K)
+    swa_start = max(pos - (W - 1), gather_start);   swa_len = pos - swa_start + 1
+    out[t, j]            = topk[t, j] >= 0 ? topk[t, j] + M*b : -1                  for j < topk_len
+    out[t, topk_len + s] = M*b + N + (swa_start - gather_start) + s                 for s < swa_len
+    out[t, rest] = -1;   lens[t] = topk_len + swa_len                 (row width round_up(TOP_K + W + IMAGE_WIDTH, 128))
+
+Without bounded replay ``gather_start <= max(pos - (W - 1), 0)``, so ``swa_start`` is the plain window
+start; with it the window starts no earlier than the gathered rows.
+
+Every pointer is ``do_not_specialize_on_alignment``: rows are addressed through runtime strides, so
+alignment could not vectorize anything, and chunk slices (``seq_lens[a:b]``) need no second binary.
+Runtime-bound loops are ``while`` loops (see :mod:`warmreg_deepseek_v4.sparse_mla`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+import warmreg
+
+from .model import DSV4, PLUGIN
+from .sparse_mla import FLASHMLA_SPARSE, attention_backend, c128_widths
+
+__all__ = ["CombineTopkSwaIndices", "CombineTopkSwaIndicesKey", "combine_topk_swa_indices_reference", "register"]
+
+
+# -- combine top-k + SWA indices for FlashMLA prefill (§15) ----------------------------------------
+@triton.jit(
+    do_not_specialize=["topk_stride", "out_stride", "M", "N"],
+    do_not_specialize_on_alignment=[
+        "topk_ptr", "query_start_loc_ptr", "seq_lens_ptr", "gather_lens_ptr", "out_ptr", "lens_ptr",
+    ],
+)  # fmt: skip
+def _combine_topk_swa_indices_kernel(
+    topk_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    gather_lens_ptr,
+    out_ptr,
+    lens_ptr,
+    topk_stride,
+    out_stride,
+    M,
+    N,
+    TOP_K: tl.constexpr,  # compressed top-k columns (index_topk, the C128 width W, or 0 for SWA-only)
+    COMPRESS_RATIO: tl.constexpr,  # the layer's ratio (1 for SWA-only): causal compressed count
+    WINDOW_SIZE: tl.constexpr,  # the sliding window: a model constant
+    IMAGE_WIDTH: tl.constexpr,  # extra row columns reserved for image spans (0 for text)
+    WIDTH: tl.constexpr,  # row width round_up(TOP_K + WINDOW_SIZE + IMAGE_WIDTH, 128)
+    PADDED_TOP_K: tl.constexpr,  # next_pow2(WIDTH): one tile covers a row
+):
+    b = tl.program_id(0)
+    base_q = tl.load(query_start_loc_ptr)
+    q0 = tl.load(query_start_loc_ptr + b)
+    qlen = tl.load(query_start_loc_ptr + b + 1) - q0
+    seq = tl.load(seq_lens_ptr + b)
+    gather_start = seq - tl.load(gather_lens_ptr + b)
+    base = b.to(tl.int64) * M
+    c = tl.arange(0, PADDED_TOP_K)
+    i = tl.program_id(1)
+    while i < qlen:  # workers stride over the request's tokens
+        t = (q0 - base_q + i).to(tl.int64)
+        pos = seq - qlen + i
+        topk_len = tl.minimum((pos + 1) // COMPRESS_RATIO, TOP_K)
+        swa_start = tl.maximum(pos - (WINDOW_SIZE - 1), gather_start)
+        swa_len = pos - swa_start + 1
+        vals = tl.full((PADDED_TOP_K,), -1, tl.int64)
+        if TOP_K > 0:
+            local = tl.load(topk_ptr + t * topk_stride + c, mask=c < topk_len, other=-1)
+            vals = tl.where(local >= 0, local + base, -1)
+        s = c - topk_len
+        vals = tl.where((s >= 0) & (s < swa_len), base + N + (swa_start - gather_start) + s, vals)
+        tl.store(out_ptr + t * out_stride + c, vals.to(tl.int32), mask=c < WIDTH)
+        tl.store(lens_ptr + t, (topk_len + swa_len).to(tl.int32))
+        i += tl.num_programs(1)
+
+
+@attrs.frozen(kw_only=True)
+class CombineTopkSwaIndicesKey(warmreg.CompileKey):
+    """What changes the binary of the prefill combine: every size is a constexpr."""
+
+    top_k: int
+    compress_ratio: int
+    window_size: int
+    image_width: int
+    width: int
+    padded_top_k: int
+    num_warps: int
+
+
+def _combine_width(top_k: int, window_size: int, image_width: int) -> int:
+    return triton.cdiv(top_k + window_size + image_width, 128) * 128
+
+
+class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
+    """FlashMLA sparse-prefill indices into the dequant-gather workspace (specs §15).
+
+    :param window_size: the sliding window (``sliding_window``).
+    :param workers: programs per request on grid axis 1 (grid only, not part of the key).
+    """
+
+    name = "deepseek_v4.combine_topk_swa_indices"
+    key_type = CombineTopkSwaIndicesKey
+    jit = _combine_topk_swa_indices_kernel
+
+    def __init__(self, *, window_size: int, workers: int = 256) -> None:
+        self.window_size = window_size
+        self.workers = workers
+
+    def dispatch(self, *, top_k: int, compress_ratio: int, image_width: int) -> CombineTopkSwaIndicesKey:
+        width = _combine_width(top_k, self.window_size, image_width)
+        return CombineTopkSwaIndicesKey(
+            top_k=top_k,
+            compress_ratio=compress_ratio,
+            window_size=self.window_size,
+            image_width=image_width,
+            width=width,
+            padded_top_k=warmreg.next_pow2(width),
+            num_warps=4,
+        )
+
+    def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
+        model = DSV4.from_config(config)
+        widths = c128_widths(config.get("serving.max_model_len", int, plugin=PLUGIN)) if model.has_c128 else []
+        return {
+            "compress_ratio": sorted(set(model.ratios)),
+            "top_k": sorted({0, model.index_topk, *widths}),
+            "image_width": sorted({0, model.vision_max_n_token}),
+            "c4_top_k": [model.index_topk],  # the two below are read by when() only
+            "c128_widths": [tuple(widths)],
+        }
+
+    def when(self, *, compress_ratio: int, top_k: int, c4_top_k: int, c128_widths: tuple[int, ...], **_: Any) -> bool:
+        """The layer type fixes the top-k: 0 (SWA-only), ``index_topk`` (C4) or a C128 width."""
+        if compress_ratio == 4:
+            return top_k == c4_top_k
+        if compress_ratio == 128:
+            return top_k in c128_widths
+        return top_k == 0
+
+    def warmup_inputs(self, key: CombineTopkSwaIndicesKey) -> Mapping[str, Any]:
+        return {
+            "topk_indices": warmreg.meta((1, key.top_k), torch.int32) if key.top_k else None,
+            "query_start_loc": warmreg.meta((2,), torch.int32),
+            "seq_lens": warmreg.meta((1,), torch.int32),
+            "gather_lens": warmreg.meta((1,), torch.int32),
+            "num_tokens": 1,
+            "compress_ratio": key.compress_ratio,
+            "M": 1,
+            "N": 0,
+            "image_width": key.image_width,
+        }
+
+    @warmreg.kernel_launcher
+    def __call__(
+        self,
+        topk_indices: torch.Tensor | None,
+        query_start_loc: torch.Tensor,
+        seq_lens: torch.Tensor,
+        gather_lens: torch.Tensor,
+        *,
+        num_tokens: int,
+        compress_ratio: int,
+        M: int,
+        N: int,
+        image_width: int = 0,
+    ) -> warmreg.LaunchSpec[CombineTopkSwaIndicesKey]:
+        """Indices of a prefill chunk into the gathered workspace; returns fresh
+        ``(indices [num_tokens, round_up(top_k + window + image_width, 128)], lens [num_tokens])`` int32.
+
+        :param topk_indices: int32 ``[>= num_tokens, top_k]`` local compressed indices of the chunk's tokens
+            (C4: the indexer's top-k; C128: the C128A ``prefill_local``), or ``None`` for an SWA-only layer.
+        :param query_start_loc: int32 ``[n + 1]`` the chunk's slice (not rebased: the kernel subtracts element 0).
+        :param seq_lens: int32 ``[n]``; ``gather_lens`` int32 ``[n]`` (§12).
+        :param num_tokens: the chunk's tokens, ``query_start_loc[n] - query_start_loc[0]`` (known on the host).
+        :param compress_ratio: the layer's ratio (1 for SWA-only).
+        :param M: workspace rows per request; ``N``: rows holding compressed entries before the SWA rows.
+        :param image_width: extra row columns for image spans (0 for text).
+        :raises warmreg.LaunchError: for wrong dtypes, ranks or lengths.
+        """
+        for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("gather_lens", gather_lens)):
+            if t.dtype != torch.int32 or t.ndim != 1:
+                raise warmreg.LaunchError(self.name, f"{name} must be 1-D int32")
+        n = query_start_loc.shape[0] - 1
+        if n < 0 or seq_lens.shape[0] < n or gather_lens.shape[0] < n:
+            raise warmreg.LaunchError(self.name, "query_start_loc needs n + 1 entries, seq_lens and gather_lens n")
+        top_k = 0
+        if topk_indices is not None:
+            if topk_indices.dtype != torch.int32 or topk_indices.ndim != 2 or topk_indices.stride(1) != 1:
+                raise warmreg.LaunchError(self.name, "topk_indices must be 2-D int32 with contiguous rows")
+            if topk_indices.shape[0] < num_tokens:
+                raise warmreg.LaunchError(
+                    self.name, f"topk_indices has {topk_indices.shape[0]} rows for {num_tokens} tokens"
+                )
+            top_k = topk_indices.shape[1]
+        if compress_ratio < 1 or num_tokens < 0 or image_width < 0:
+            raise warmreg.LaunchError(self.name, "compress_ratio must be >= 1, num_tokens and image_width >= 0")
+        key = self.dispatch(top_k=top_k, compress_ratio=compress_ratio, image_width=image_width)
+        device = query_start_loc.device
+        out = torch.empty((num_tokens, key.width), dtype=torch.int32, device=device)
+        lens = torch.empty((num_tokens,), dtype=torch.int32, device=device)
+        topk = topk_indices if top_k else None  # constexpr None for SWA-only layers (TOP_K == 0)
+        kwargs = dict(
+            topk_ptr=topk, query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens, gather_lens_ptr=gather_lens,
+            out_ptr=out, lens_ptr=lens, topk_stride=topk.stride(0) if topk is not None else 0,
+            out_stride=out.stride(0), M=M, N=N, TOP_K=key.top_k, COMPRESS_RATIO=key.compress_ratio,
+            WINDOW_SIZE=key.window_size, IMAGE_WIDTH=key.image_width, WIDTH=key.width, PADDED_TOP_K=key.padded_top_k,
+        )  # fmt: skip
+        grid = (n, self.workers) if n and num_tokens else None
+        return warmreg.LaunchSpec(key, grid, kwargs, (out, lens))
+
+
+def combine_topk_swa_indices_reference(
+    topk_indices: torch.Tensor | None,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    gather_lens: torch.Tensor,
+    *,
+    num_tokens: int,
+    compress_ratio: int,
+    M: int,
+    N: int,
+    window_size: int,
+    image_width: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """PyTorch reference of :class:`CombineTopkSwaIndices` (a loop over requests)."""
+    top_k = 0 if topk_indices is None else topk_indices.shape[1]
+    width = _combine_width(top_k, window_size, image_width)
+    out = torch.full((num_tokens, width), -1, dtype=torch.int64)
+    lens = torch.zeros(num_tokens, dtype=torch.int64)
+    qsl = query_start_loc.long() - int(query_start_loc[0])
+    c = torch.arange(width)
+    for b in range(query_start_loc.shape[0] - 1):
+        q0, qlen, seq = int(qsl[b]), int(qsl[b + 1] - qsl[b]), int(seq_lens[b])
+        gather_start = seq - int(gather_lens[b])
+        for i in range(qlen):
+            pos, t = seq - qlen + i, q0 + i
+            topk_len = min((pos + 1) // compress_ratio, top_k)
+            swa_start = max(pos - (window_size - 1), gather_start)
+            swa_len = pos - swa_start + 1
+            if topk_len:
+                local = topk_indices[t, :topk_len].long()  # type: ignore[index]
+                out[t, :topk_len] = torch.where(local >= 0, local + M * b, -1)
+            s = c - topk_len
+            live = (s >= 0) & (s < swa_len)
+            out[t, live] = M * b + N + (swa_start - gather_start) + s[live]
+            lens[t] = topk_len + swa_len
+    return out.to(torch.int32), lens.to(torch.int32)
+
+
+# -- registration ----------------------------------------------------------------------------------
+def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the prefill combine: CUDA with the FlashMLA sparse backend."""
+    registry.add(
+        CombineTopkSwaIndices(window_size=model.sliding_window),
+        when=warmreg.is_cuda if attention_backend(config) == FLASHMLA_SPARSE else False,
+    )
