@@ -252,3 +252,26 @@ def test_gpu_warm_prepares_fast_launches_so_even_a_first_launch_skips_triton(mon
         out = Scale()(x, 2.0)  # another instance under the same name: the same kernel
     torch.testing.assert_close(out, x * 2.0)
     assert runs == [] and not mon.misses
+
+
+def test_an_entry_serves_only_the_jit_function_it_was_built_from() -> None:
+    """A kernel whose ``jit_for(key)`` differs from the entry's jit (two instances under one name
+    that disagree, against the contract) takes Triton's path instead of the other binary."""
+    from tests.helpers import Scale, _scale_kernel
+    from warmreg.kernel import FAST_TABLES
+
+    launched: list[tuple[int, ...]] = []
+    x = torch.arange(16, dtype=torch.float16)
+    key = Scale().dispatch(x=x, block=64)
+    stand_in = _triton_fast.FastLaunch(lambda grid, kw: launched.append(grid) or True, 0, "", jit=_scale_kernel)
+    FAST_TABLES.setdefault(Scale.name, {})[key] = stand_in
+    Scale()(x, 2.0)
+    assert launched == [(1,)]  # the entry's own jit: served by the entry
+
+    class Disagreeing(Scale):
+        name = Scale.name
+        jit = triton.jit(_scale_kernel.fn)  # the same source, another JITFunction: not the entry's binary
+
+    out = Disagreeing()(x, 2.0)
+    assert launched == [(1,)]  # not served by the entry
+    torch.testing.assert_close(out, x * 2.0)  # Triton's path (interpreted on the CPU) ran it

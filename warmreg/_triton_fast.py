@@ -46,14 +46,19 @@ class FastLaunch:
         ``False`` without launching.
     :ivar device: the device id whose loaded module it launches.
     :ivar source: the generated guard-and-launch function's source (for review and tests).
+    :ivar jit: the ``@triton.jit`` function it was built from: a launch whose kernel serves the key
+        with another one (against the contract) takes Triton's path instead.
     """
 
-    __slots__ = ("device", "launch", "source")
+    __slots__ = ("device", "jit", "launch", "source")
 
-    def __init__(self, launch: Callable[[tuple[int, ...], Mapping[str, Any]], bool], device: int, source: str) -> None:
+    def __init__(
+        self, launch: Callable[[tuple[int, ...], Mapping[str, Any]], bool], device: int, source: str, jit: Any = None
+    ) -> None:
         self.launch = launch
         self.device = device
         self.source = source
+        self.jit = jit
 
 
 def _device_getter() -> Callable[[], int]:
@@ -126,7 +131,7 @@ def build(
     ]
     source = "\n".join(lines) + "\n"
     exec(_code(source, jit.fn.__qualname__), env)
-    return FastLaunch(env["launch"], int(device), source)
+    return FastLaunch(env["launch"], int(device), source, jit)
 
 
 @functools.lru_cache(maxsize=1024)

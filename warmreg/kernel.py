@@ -115,13 +115,13 @@ def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
         if ON_LAUNCH:  # a monitor is armed: count the launch (a fast launch cannot compile or load)
             for listener in ON_LAUNCH:
                 listener(self.name, spec.key)
+        jit = self.jit_for(spec.key)
         fast = FAST_TABLES.get(self.name) if FAST_LAUNCH else None
         if fast is not None:
             entry = fast.get(spec.key)
-            if entry is not None and entry.launch(spec.grid, spec.kwargs):
+            if entry is not None and entry.jit is jit and entry.launch(spec.grid, spec.kwargs):
                 return spec.outputs
         options = spec.key.launch_options()
-        jit = self.jit_for(spec.key)
         if _on_cpu(spec.kwargs):
             _triton_interp.interpreted(jit)[spec.grid](**spec.kwargs, **options)
             return spec.outputs
@@ -155,8 +155,9 @@ def remember_fast_launch(
     calls it after a key's first launch through Triton. Returns whether an entry was kept.
 
     One entry per kernel name and key (two instances under one name are one kernel): an entry
-    launches only on the device it was built on, so a key launched on another device takes Triton's
-    path once and then replaces the entry.
+    launches only on the device it was built on and only for the jit function it was built from, so
+    a key launched on another device, or by an instance whose ``jit_for(key)`` differs (against the
+    contract), takes Triton's path and then replaces the entry.
     """
     entry = _triton_fast.build(jit, kwargs, options, compiled, device)
     if entry is None:
