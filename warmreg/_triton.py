@@ -23,6 +23,7 @@ from triton.runtime.driver import driver as _driver
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, compute_cache_key
 
+from . import _triton_launchers
 from .errors import TargetError, WarmregError
 from .platform import Platform
 
@@ -221,9 +222,7 @@ def _launcher_identity(compiled: Any, signature: Any, constants: Any) -> str:
     source (which constexpr values such as block sizes leave unchanged); elsewhere the signature and
     constants."""
     if getattr(getattr(compiled.metadata, "target", None), "backend", None) == "cuda":
-        from ._triton_launchers import launcher_source
-
-        return launcher_source(compiled)[0]
+        return _triton_launchers.launcher_source(compiled)[0]
     tensordesc = getattr(compiled.metadata, "tensordesc_meta", None)
     return repr((sorted(signature.items()), sorted(constants.items(), key=repr), tensordesc))
 

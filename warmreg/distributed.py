@@ -6,8 +6,8 @@ collectives (``all_gather`` of byte tensors: a JSON header plus the raw binaries
 shared filesystem), install the other ranks' entries into their local cache through the pack
 machinery (re-keyed for the local Triton), and finish with an ordinary local warm in which every key
 is a cache hit (and, on a GPU, every module loaded). On a local CUDA GPU the ranks also exchange the
-C launchers their loads built (Triton builds one per distinct signature with the host's C compiler),
-so a rank runs the compiler only for launchers of its own shard. A key that failed on its owner rank
+C launchers their loads built (Triton builds one per distinct launcher source with the host's C
+compiler), so a rank runs the compiler only for launchers of its own shard. A key that failed on its owner rank
 is reported as failed on every rank, with the owner's error.
 
 Fast path: each rank first checks its local cache; if every key is already there on every rank (one
