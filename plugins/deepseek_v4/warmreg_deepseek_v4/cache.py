@@ -67,7 +67,9 @@ def _dequant_gather_k_kernel(
         glen = seq
     else:
         glen = tl.load(gather_lens_ptr + b)
-    live = i < glen
+    # tl.where(c, True, False) is c as an int1 scalar: Triton 3.9's interpreter splats a bare scalar comparison
+    # with its operands' integer dtype and rejects that as a mask; compiled, it folds to the same IR as c.
+    live = tl.where(i < glen, True, False)
     pos = seq - glen + i
     page = tl.load(block_table_ptr + b.to(tl.int64) * block_table_stride + pos // CACHE_BLOCK_SIZE, mask=live, other=0)
     j = pos % CACHE_BLOCK_SIZE

@@ -52,7 +52,9 @@ def _quant_insert_k_kernel(
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t)
-    live = slot >= 0  # -1: a padded or replayed token, not written
+    # tl.where(c, True, False) is c as an int1 scalar: Triton 3.9's interpreter splats a bare scalar comparison
+    # with its operands' integer dtype and rejects that as a mask; compiled, it folds to the same IR as c.
+    live = tl.where(slot >= 0, True, False)  # -1: a padded or replayed token, not written
     page = tl.where(live, slot, 0) // CACHE_BLOCK_SIZE
     j = tl.where(live, slot, 0) % CACHE_BLOCK_SIZE
     base = k_cache_ptr + page * block_stride

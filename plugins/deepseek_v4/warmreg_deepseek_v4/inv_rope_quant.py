@@ -82,7 +82,10 @@ def _inv_rope_fp8_quant_kernel(
     if USE_PDL:
         tl_cuda.gdc_launch_dependents()
         tl_cuda.gdc_wait()
-    valid = t < num_tokens  # rows past T pad the scales for TMA: zero scales, no values
+    # rows past T pad the scales for TMA: zero scales, no values.
+    # tl.where(c, True, False) is c as an int1 scalar: Triton 3.9's interpreter splats a bare scalar comparison
+    # with its operands' integer dtype and rejects that as a mask; compiled, it folds to the same IR as c.
+    valid = tl.where(t < num_tokens, True, False)
     d = tl.arange(0, HEAD_DIM)
     row = o_ptr + t * o_stride_t + h * o_stride_h
     x = tl.load(row + d, mask=valid, other=0.0).to(tl.float32)

@@ -67,7 +67,10 @@ def _mtp_input_rmsnorm_kernel(
 ):
     t = tl.program_id(0).to(tl.int64)  # T * hc_mult * HIDDEN can exceed 2**31
     task = tl.program_id(1)
-    keep = (tl.load(positions_ptr + t) != 0) | (task > 0)  # only the enorm row is masked at position 0
+    # only the enorm row is masked at position 0.
+    # tl.where(c, True, False) is c as an int1 scalar: Triton 3.9's interpreter splats a bare scalar comparison
+    # with its operands' integer dtype and rejects that as a mask; compiled, it folds to the same IR as c.
+    keep = tl.where((tl.load(positions_ptr + t) != 0) | (task > 0), True, False)
     if task == 0:
         _rms_row(embeds_ptr + t * HIDDEN, enorm_w_ptr, enorm_out_ptr + t * HIDDEN, eps, keep, HIDDEN, BLOCK_SIZE)
     else:
@@ -85,7 +88,8 @@ def _mtp_shared_head_rmsnorm_kernel(
     BLOCK_SIZE: tl.constexpr,  # next_pow2(HIDDEN): one tile covers a row
 ):
     t = tl.program_id(0).to(tl.int64)
-    _rms_row(x_ptr + t * HIDDEN, w_ptr, out_ptr + t * HIDDEN, eps, t >= 0, HIDDEN, BLOCK_SIZE)  # no masked rows
+    keep = tl.where(t >= 0, True, False)  # no masked rows; an int1 scalar, as in the input norm
+    _rms_row(x_ptr + t * HIDDEN, w_ptr, out_ptr + t * HIDDEN, eps, keep, HIDDEN, BLOCK_SIZE)
 
 
 

@@ -56,7 +56,9 @@ def _save_partial_states_kernel(
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t)
-    live = slot >= 0  # -1: a padded token, nothing saved
+    # tl.where(c, True, False) is c as an int1 scalar: Triton 3.9's interpreter splats a bare scalar comparison
+    # with its operands' integer dtype and rejects that as a mask; compiled, it folds to the same IR as c.
+    live = tl.where(slot >= 0, True, False)  # -1: a padded token, nothing saved
     s = tl.where(live, slot, 0)
     row = state_ptr + (s // STATE_BLOCK_SIZE) * state_stride0 + (s % STATE_BLOCK_SIZE) * state_stride1
     cols = tl.arange(0, BLOCK_SIZE)

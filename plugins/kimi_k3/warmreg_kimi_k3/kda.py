@@ -81,7 +81,10 @@ def _kda_recurrent_kernel(
     mask_s = mask_k[:, None] & mask_v[None, :]
     # A negative slot still needs a valid address expression; the mask keeps it unread.
     s_ptrs = state_ptr + tl.maximum(slot, 0) * state_stride + h * K * V + offs_k[:, None] * V + offs_v[None, :]
-    s = tl.load(s_ptrs, mask=mask_s & (slot >= 0), other=0.0).to(tl.float32)
+    # tl.where(c, True, False) is c as an int1 scalar: Triton 3.9's interpreter splats a bare scalar comparison
+    # with its operands' integer dtype and rejects that as a mask; compiled, it folds to the same IR as c.
+    live = tl.where(slot >= 0, True, False)
+    s = tl.load(s_ptrs, mask=mask_s & live, other=0.0).to(tl.float32)
     # A while loop, not range(bos, eos): Triton 3.6.0's interpreter cannot take loaded values as range
     # bounds under numpy >= 2 (it calls int() on a 1-element array); compiled, both are an scf loop.
     t = bos
