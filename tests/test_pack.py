@@ -81,3 +81,22 @@ def test_cli_build_verify_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert main(["pack", "inspect", str(out)]) == 0
     assert main(["pack", "verify", str(out), "--target", "rocm:gfx942"]) == 2
     assert "targets cuda:90" in capsys.readouterr().err
+
+
+def test_a_pack_of_another_triton_release_is_refused_in_one_line_naming_both(tmp_path: Path, triton_cache: Path) -> None:
+    import triton
+
+    from warmreg import _pack_format
+
+    out = tmp_path / "pack"
+    packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False, launcher_pythons=[])
+    doc = json.loads((out / "manifest.json").read_text())
+    other = "3.7.1" if not triton.__version__.startswith("3.7") else "3.8.0"
+    body = {**doc["body"], "triton_version": other}
+    (out / "manifest.json").write_text(json.dumps({"body": body, "sha256": _pack_format._sha256(_pack_format._canonical(body))}))
+    for action in (packs.install, packs.verify):
+        with pytest.raises(PackError) as info:
+            action(out)
+        assert f"was built with Triton {other}, this machine has {triton.__version__}" in str(info.value)
+        assert "\n" not in str(info.value)
+    assert not _entries(triton_cache)

@@ -1,5 +1,6 @@
 """Prebuilt C launchers in packs (warmreg._triton_launchers): the same source and cache key Triton
-3.6.0 uses, carried per Python ABI, verified, and installed only where they fit."""
+3.6.0 uses, carried per Python ABI, verified, and installed only where they fit. From Triton 3.7 on
+there is no launcher per kernel: packs carry none and say so."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+import triton
 import triton.backends.nvidia.driver as nvd
 from triton.runtime.cache import get_cache_manager
 
@@ -20,6 +22,10 @@ from warmreg.pack import PackError
 from warmreg.platform import Platform
 
 H100 = Platform.parse("cuda:90")
+ONLY_36 = pytest.mark.skipif(
+    not _triton_launchers.PER_KERNEL,
+    reason=f"Triton {triton.__version__} builds no C launcher per kernel (3.7+): packs carry none",
+)
 PY312 = next(iter(sorted(Path.home().glob(".pyenv/versions/3.12*/bin/python3.12"))), None) or shutil.which("python3.12")
 
 
@@ -27,6 +33,7 @@ class _Captured(Exception):
     pass
 
 
+@ONLY_36
 def test_launcher_source_and_key_are_the_ones_triton_builds(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
@@ -60,6 +67,7 @@ def with_launchers(tmp_path: Path) -> Path:
     return out
 
 
+@ONLY_36
 def test_a_pack_carries_one_launcher_per_signature_and_python(with_launchers: Path) -> None:
     manifest = packs.verify(with_launchers)
     here = _triton_launchers.local_abi()
@@ -71,6 +79,7 @@ def test_a_pack_carries_one_launcher_per_signature_and_python(with_launchers: Pa
     assert data.startswith(b"\x7fELF") and b"libcuda.so.1" in data  # links the driver by soname
 
 
+@ONLY_36
 def test_install_puts_the_fitting_launcher_where_triton_looks(with_launchers: Path, triton_cache: Path) -> None:
     manifest = packs.inspect_pack(with_launchers)
     report = packs.install(with_launchers)
@@ -85,6 +94,7 @@ def test_install_puts_the_fitting_launcher_where_triton_looks(with_launchers: Pa
     assert packs.install(with_launchers).launchers == 0  # already there
 
 
+@ONLY_36
 def test_a_corrupt_launcher_is_refused_before_anything_is_written(with_launchers: Path, tmp_path: Path, triton_cache: Path) -> None:
     unpacked = tmp_path / "unpacked"
     with tarfile.open(with_launchers) as tar:
@@ -114,6 +124,7 @@ def test_a_format_1_pack_without_launchers_still_installs(tmp_path: Path, triton
     assert report.installed == 1 and report.launchers == 0
 
 
+@ONLY_36
 def test_an_interpreter_without_headers_is_named(tmp_path: Path) -> None:
     with pytest.raises(PackError, match="no-such-python"):
         packs.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False,
@@ -142,6 +153,7 @@ def test_gpu_warm_from_a_pack_with_launchers_runs_no_c_compiler(tmp_path: Path, 
         torch.testing.assert_close(scale(x, 2.0), x * 2.0)
 
 
+@ONLY_36
 def test_built_here_reads_back_the_launchers_the_cache_holds_for_this_python() -> None:
     import torch
 
@@ -159,3 +171,18 @@ def test_built_here_reads_back_the_launchers_the_cache_holds_for_this_python() -
     (found,) = _triton_launchers.built_here(compiled)
     assert (found.cache_key, found.name, found.data) == (keys[1], name, b"\x7fELF launcher")
     assert _triton_launchers.fits_here(found.platform_key, found.name)
+
+
+@pytest.mark.skipif(_triton_launchers.PER_KERNEL, reason="Triton 3.6 builds a C launcher per kernel: packs carry them")
+def test_without_per_kernel_launchers_a_pack_carries_none_and_says_so(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    out = tmp_path / "scale.tar"
+    manifest = packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2, launcher_pythons=[None])
+    assert manifest.launchers == () and manifest.triton_version == triton.__version__
+    with tarfile.open(out) as tar:
+        assert not [m for m in tar.getnames() if m.startswith("launchers/")]
+    shown = subprocess.run([sys.executable, "-m", "warmreg", "pack", "inspect", str(out)], capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0 and f"no C launchers: Triton {triton.__version__} builds none per kernel" in shown.stdout
+    assert _triton_launchers.built_here([]) == [] and _triton_launchers.build([], [None]) == []

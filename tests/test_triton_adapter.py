@@ -1,4 +1,4 @@
-"""One test per Triton internal that warmreg._triton relies on (checked against Triton 3.6.0).
+"""One test per Triton internal that warmreg._triton relies on (run on Triton 3.6, 3.7, 3.8 and 3.9 in CI).
 
 If a Triton upgrade moves one of them, the failure shows up here, by name.
 """
@@ -15,17 +15,96 @@ import triton.language as tl
 
 import warmreg
 from tests.helpers import _scale_kernel
-from warmreg import _triton, _triton_cache, _triton_interp
+from warmreg import _triton, _triton_cache, _triton_interp, _triton_release
+from warmreg._triton_release import RELEASE
 from warmreg.platform import Platform
 
 H100 = Platform.parse("cuda:90")
+ONLY_36 = pytest.mark.skipif(
+    RELEASE.per_signature_launcher is False,
+    reason=f"Triton {triton.__version__} builds no C launcher per kernel (3.7+): nothing to lock or build",
+)
 
 
-def test_version_check_refuses_an_unsupported_release_in_one_line() -> None:
+@pytest.mark.parametrize("version", ["3.6.0", "3.6.1", "3.7.1", "3.8.0", "3.9.0", "3.8.0+git1234"])
+def test_version_check_accepts_every_supported_release(version: str) -> None:
+    _triton.check_version(version)
+
+
+def test_version_check_refuses_an_unsupported_release_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_triton_release.ALLOW_UNSUPPORTED, raising=False)
     _triton.check_version()
-    with pytest.raises(_triton.UnsupportedTriton, match=r"Triton 3\.7\.0 is not supported") as info:
-        _triton.check_version("3.7.0")
-    assert "\n" not in str(info.value)
+    for version in ("3.10.0", "3.5.1", "4.0.0"):
+        with pytest.raises(_triton.UnsupportedTriton, match=rf"Triton {version} is not supported") as info:
+            _triton.check_version(version)
+        assert "\n" not in str(info.value) and _triton_release.ALLOW_UNSUPPORTED in str(info.value)
+
+
+def test_unsupported_release_opt_in_warns_instead(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_triton_release.ALLOW_UNSUPPORTED, "1")
+    with pytest.warns(RuntimeWarning, match=r"Triton 3\.10\.0, which it was not checked against"):
+        _triton.check_version("3.10.0")
+    assert _triton_release.release_of("3.10.0") is _triton_release.RELEASES[_triton_release.SUPPORTED_TRITON[-1]]
+
+
+def test_release_table_row_matches_the_installed_triton() -> None:
+    """Each field of the installed release's row, read again from that release's own source."""
+    import inspect
+
+    import triton.backends.nvidia.driver as nvidia_driver
+    from triton.compiler.compiler import CompiledKernel
+    from triton.runtime.jit import JITFunction, serialize_specialization_data
+
+    assert RELEASE.series == ".".join(triton.__version__.split(".")[:2])
+    serialize = inspect.getsource(serialize_specialization_data)
+    assert RELEASE.specialization_has_target == ("target" in inspect.signature(serialize_specialization_data).parameters)
+    assert RELEASE.jit_function_constants == ("jit_function" in serialize)
+    assert RELEASE.constexpr_lists_as_tuples == ("convert_to_tuple_if_list(value['constexpr'])" in inspect.getsource(JITFunction.preload))
+    assert RELEASE.per_signature_launcher == hasattr(nvidia_driver, "make_launcher")
+    assert RELEASE.unloads_on_del == ("unload_module" in inspect.getsource(getattr(CompiledKernel, "__del__", lambda: None)))
+    import re
+
+    added = re.findall(r'kwargs\["(\w+)"\] = knobs\.(\w+\.\w+)', inspect.getsource(JITFunction.run))
+    assert tuple(added) == RELEASE.run_option_knobs
+
+
+def test_run_kwargs_adds_what_jit_run_adds() -> None:
+    full = _triton.run_kwargs(_scale_kernel, {"n": 1}, {"num_warps": 2})
+    assert full["n"] == 1 and full["num_warps"] == 2 and full["debug"] in (False, None)
+    assert {name for name, _ in RELEASE.run_option_knobs} <= set(full)
+
+
+def test_compile_hook_sees_a_compile_and_chains_the_previous_hook(triton_cache: Path) -> None:
+    seen: list[_triton.CompileRequest] = []
+    before: list[str] = []
+    triton.knobs.runtime.jit_cache_hook = lambda **kw: before.append(kw["key"])
+    try:
+        handle = _triton.install_compile_hook(seen.append)
+        x = warmreg.meta((64,), torch.float16)
+        with _triton.cross_target(H100):
+            _triton.warmup(_scale_kernel, (1,), dict(x_ptr=x, out_ptr=x, n=48, scale=1.0, BLOCK=64), {"num_warps": 2})
+        _triton.remove_compile_hook(handle)
+        assert _triton.get_jit_cache_hook() is not handle.hook
+    finally:
+        hook = triton.knobs.runtime.jit_cache_hook
+        triton.knobs.runtime.jit_cache_hook = None
+    assert hook is not None and len(seen) == 1 and before == [seen[0].key]
+    request = seen[0]
+    assert request.jit_name == "tests.helpers._scale_kernel" and request.jit is _scale_kernel
+    assert request.specialization["num_warps"] == 2 and request.specialization["signature"]["n"] == "i32"
+    assert json.loads(request.specialization_data or "{}")["name"] == "tests.helpers._scale_kernel"
+
+
+def test_compile_listener_reports_compiles_and_cache_hits(triton_cache: Path) -> None:
+    events: list[bool] = []
+    x = warmreg.meta((64,), torch.float16)
+    kwargs = dict(x_ptr=x, out_ptr=x, n=80, scale=1.0, BLOCK=64)
+    with _triton.compile_listener(lambda hit, _meta: events.append(hit)), _triton.cross_target(H100):
+        _triton.warmup(_scale_kernel, (1,), kwargs, {})
+        _triton.forget_compiled()
+        _triton.warmup(_scale_kernel, (1,), kwargs, {})
+    assert events == [False, True]
+    assert triton.knobs.compilation.listener is None
 
 
 def test_cross_target_swaps_and_restores_the_driver() -> None:
@@ -155,6 +234,7 @@ def test_triton_key_prefetch_fills_tritons_own_cache() -> None:
     assert cache.triton_key.cache_info().hits == hits + 1
 
 
+@ONLY_36
 def test_loads_that_share_a_launcher_take_turns_and_others_run_in_parallel() -> None:
     import contextlib
     import itertools
@@ -199,6 +279,7 @@ def test_loads_that_share_a_launcher_take_turns_and_others_run_in_parallel() -> 
     assert len(spans["a"]) == 3
 
 
+@ONLY_36
 def test_kernels_that_differ_only_in_a_block_size_share_one_launcher_lock() -> None:
     import torch
 
@@ -214,3 +295,28 @@ def test_kernels_that_differ_only_in_a_block_size_share_one_launcher_lock() -> N
 
     # one C compiler run for both block sizes (Triton's launcher source is the same); n == 1 is a constant: another
     assert identity(block64) == identity(block128) != identity(n_one)
+
+
+@pytest.mark.skipif(RELEASE.per_signature_launcher, reason="Triton 3.6 builds a C launcher per kernel: its loads take turns")
+def test_loads_without_a_per_kernel_launcher_run_side_by_side() -> None:
+    import threading
+    from types import SimpleNamespace
+
+    met = threading.Barrier(3, timeout=10)  # every load of one signature waits for the others: no lock between them
+
+    class FakeCompiled:
+        module = None
+        src = SimpleNamespace(signature={"x": "*fp32"}, constants={})
+        metadata = SimpleNamespace()
+
+        def _init_handles(self) -> None:
+            met.wait()
+            self.module = object()
+
+    kernels = [FakeCompiled() for _ in range(3)]
+    threads = [threading.Thread(target=_triton.finish_load, args=(k,)) for k in kernels]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(k.module is not None for k in kernels) and not met.broken

@@ -1,10 +1,13 @@
-"""Everything warmreg knows about Triton's internals: this module and its siblings ``_triton_cache``
-(the disk cache and its key), ``_triton_interp`` (the interpreter), ``_triton_fast`` (the guarded
-fast launch) and ``_triton_launchers`` (C launchers for packs).
+"""Everything warmreg knows about Triton's internals: this module and its siblings ``_triton_release``
+(what each release does differently), ``_triton_cache`` (the disk cache and its key),
+``_triton_interp`` (the interpreter), ``_triton_fast`` (the guarded fast launch) and
+``_triton_launchers`` (C launchers for packs, Triton 3.6 only).
 
-Each rule names the Triton release it was checked against (3.6.0). ``tests/test_triton_adapter.py``
-tests each internal this module relies on, so a Triton upgrade that moves one fails there first,
-and :func:`check_version` refuses an unsupported release with one readable line.
+Each function names the releases it was checked against (3.6.0, 3.7.1, 3.8.0, 3.9.0 unless it says
+otherwise); where they differ, it reads a field of :data:`warmreg._triton_release.RELEASE`.
+``tests/test_triton_adapter.py`` tests each internal this module relies on, on every supported
+release in CI, so a Triton upgrade that moves one fails there first, and :func:`check_version`
+refuses an unsupported release with one readable line.
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Executor
 from typing import Any
+
+import attrs
 
 import torch
 import triton
@@ -24,39 +30,26 @@ from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, compute_cache_key
 
 from . import _triton_launchers
-from .errors import TargetError, WarmregError
+from ._triton_release import RELEASE, SUPPORTED_TRITON, UnsupportedTriton, check_version
+from .errors import TargetError
 from .platform import Platform
 
 __all__ = [
     "SUPPORTED_TRITON",
+    "CompileRequest",
+    "UnsupportedTriton",
+    "async_compile",
     "check_version",
+    "compile_listener",
     "cross_target",
     "gpu_target",
+    "in_memory",
     "specialization_key",
 ]
 
-#: Triton releases whose internals this module was checked against.
-SUPPORTED_TRITON = ("3.6",)
-
-
-class UnsupportedTriton(WarmregError):
-    """The installed Triton release is not one warmreg's adapter was checked against."""
-
-
-def check_version(version: str = triton.__version__) -> None:
-    """Refuse a Triton release the adapter does not support, in one line.
-
-    :raises UnsupportedTriton: naming the installed and the supported releases.
-    """
-    if not any(version == s or version.startswith(s + ".") for s in SUPPORTED_TRITON):
-        raise UnsupportedTriton(
-            f"Triton {version} is not supported by this warmreg (supported: {', '.join(SUPPORTED_TRITON)})",
-            fix="pip install 'triton==3.6.0' or a warmreg release that supports this Triton",
-        )
-
 
 def gpu_target(platform: Platform) -> GPUTarget:
-    """Triton's ``GPUTarget`` for a platform (3.6.0: backend ``cuda``/``hip``, warp 32/64).
+    """Triton's ``GPUTarget`` for a platform (backend ``cuda``/``hip``, warp 32/64).
 
     :raises TargetError: for XPU, which the PyPI Triton wheel cannot compile for.
     """
@@ -123,7 +116,7 @@ def cross_target(platform: Platform) -> Iterator[None]:
         yield
         return
     with _cross_lock:
-        previous = _driver._active  # 3.6.0: DriverConfig keeps the active driver here
+        previous = _driver._active  # DriverConfig keeps the active driver here
         _driver.set_active(_CrossTargetDriver(platform))
         try:
             yield
@@ -143,7 +136,7 @@ def set_device(device: int) -> None:
 
 
 def specialize(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> tuple[str, str]:
-    """Triton's in-memory cache key for a launch and its serialized specialization (Triton 3.6.0).
+    """Triton's in-memory cache key for a launch and its serialized specialization.
 
     The key is ``JITFunction.run``'s ``key``, the string Triton's JIT hooks receive, so warmed
     launches and runtime compiles can be matched exactly. The specialization data is what Triton's
@@ -152,16 +145,66 @@ def specialize(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str
     """
     from triton.runtime.jit import serialize_specialization_data
 
+    full = run_kwargs(jit, kwargs, options)
+    _, key_cache, target, backend, binder = jit.device_caches[current_device()]
+    bound_args, specialization, opts = binder(**full)
+    key = str(compute_cache_key(key_cache, specialization, opts))
+    parsed, signature, constexprs, attributes = jit._pack_args(backend, full, bound_args, specialization, opts)
+    extra = (target,) if RELEASE.specialization_has_target else ()
+    data = serialize_specialization_data(full_name(jit), signature, constexprs, attributes, parsed, key, *extra)
+    return key, str(data)
+
+
+def run_kwargs(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
+    """A launch's arguments and options as ``JITFunction.run`` completes them before binding: the
+    ``debug`` flag and the knobs of :attr:`Release.run_option_knobs` (3.9 adds
+    ``fpsan_homomorphic_casts``), which are part of Triton's in-memory key."""
     full = dict(kwargs)
     full.update(options)
     full["debug"] = full.get("debug", jit.debug) or triton.knobs.runtime.debug
-    full["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
-    _, key_cache, _, backend, binder = jit.device_caches[current_device()]
-    bound_args, specialization, opts = binder(**full)
-    key = str(compute_cache_key(key_cache, specialization, opts))
-    parsed, signature, constexprs, attrs = jit._pack_args(backend, full, bound_args, specialization, opts)
-    data = serialize_specialization_data(full_name(jit), signature, constexprs, attrs, parsed, key)
-    return key, str(data)
+    for name, path in RELEASE.run_option_knobs:
+        full[name] = knob(path)
+    return full
+
+
+def knob(path: str) -> Any:
+    """The value of a Triton knob by its path under ``triton.knobs`` (``"compilation.instrumentation_mode"``)."""
+    group, _, name = path.partition(".")
+    return getattr(getattr(triton.knobs, group), name)
+
+
+def in_memory(jit: JITFunction, key: str) -> bool:
+    """Whether ``jit`` holds a kernel under Triton's in-memory ``key`` for the current device."""
+    return key in jit.device_caches[current_device()][0]
+
+
+@contextlib.contextmanager
+def async_compile(executor: Executor) -> Iterator[None]:
+    """Triton's async compile mode (``triton.runtime._async_compile.AsyncCompileMode``, errors left to
+    each future): ``JITFunction.warmup`` inside the block submits its compile to ``executor`` and
+    returns a future kernel; leaving the block waits for every compile."""
+    from triton.runtime._async_compile import AsyncCompileMode
+
+    with AsyncCompileMode(executor, ignore_errors=True):
+        yield
+
+
+@contextlib.contextmanager
+def compile_listener(on_compiled: Callable[[bool, Any], None]) -> Iterator[None]:
+    """Call ``on_compiled(cache_hit, metadata)`` for every binary Triton produces or finds in its disk
+    cache while the block runs (``knobs.compilation.listener``, chained to the one installed before)."""
+    previous = triton.knobs.compilation.listener
+
+    def listener(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
+        on_compiled(cache_hit, metadata)
+        if previous is not None:
+            previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+    triton.knobs.compilation.listener = listener
+    try:
+        yield
+    finally:
+        triton.knobs.compilation.listener = previous
 
 
 def specialization_key(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> str:
@@ -170,7 +213,7 @@ def specialization_key(jit: JITFunction, kwargs: Mapping[str, Any], options: Map
 
 
 def cache_files(compiled: Any) -> dict[str, str]:
-    """A compiled kernel's metadata JSON and binary in the cache: child name -> path (3.6.0 ``metadata_group``)."""
+    """A compiled kernel's metadata JSON and binary in the cache: child name -> path (``metadata_group``)."""
     group = dict(getattr(compiled, "metadata_group", {}) or {})
     return {name: path for name, path in group.items() if name.endswith((".json", ".cubin", ".hsaco"))}
 
@@ -195,20 +238,22 @@ _launcher_locks: dict[str, threading.Lock] = {}
 
 
 def finish_load(compiled: Any) -> None:
-    """Do at warm what Triton 3.6.0 otherwise leaves to the first launch: build the C launcher and
-    load the binary onto the device (``CompiledKernel._init_handles``).
+    """Do at warm what Triton otherwise leaves to a kernel's first launch: load its binary onto the
+    device (``CompiledKernel._init_handles``), and on Triton 3.6 also build its C launcher.
 
-    Triton builds one C launcher per distinct launcher source (23 for the 71 DeepSeek-V4-Flash keys;
-    constexpr values such as block sizes do not change it) and caches it on disk, but concurrent first
-    loads of one launcher each run the C compiler. Loads that share a launcher therefore take turns:
-    the first builds it, the others load it (a cold Flash warm on the H200 host: 23 compiler runs).
+    Triton 3.6 builds one C launcher per distinct launcher source (23 for the 71 DeepSeek-V4-Flash
+    keys; constexpr values such as block sizes do not change it) and caches it on disk, but
+    concurrent first loads of one launcher each run the C compiler. Loads that share a launcher
+    therefore take turns: the first builds it, the others load it (a cold Flash warm on the H200
+    host: 23 compiler runs). From 3.7 on a load builds nothing (one generic launcher serves every
+    kernel), so loads run side by side.
     """
     if getattr(compiled, "module", None) is not None:
         return
     src = compiled.src
     signature, constants = getattr(src, "signature", None), getattr(src, "constants", None)
-    if signature is None or constants is None:  # not an ASTSource: no way to tell launchers apart
-        compiled._init_handles()
+    if not RELEASE.per_signature_launcher or signature is None or constants is None:
+        compiled._init_handles()  # nothing to build, or not an ASTSource: no way to tell launchers apart
         return
     identity = _launcher_identity(compiled, signature, constants)
     with _ids_lock:
@@ -218,9 +263,9 @@ def finish_load(compiled: Any) -> None:
 
 
 def _launcher_identity(compiled: Any, signature: Any, constants: Any) -> str:
-    """What tells one C launcher from another: on CUDA, Triton's own cache key for the launcher's
-    source (which constexpr values such as block sizes leave unchanged); elsewhere the signature and
-    constants."""
+    """What tells one C launcher from another (Triton 3.6): on CUDA, Triton's own cache key for the
+    launcher's source (which constexpr values such as block sizes leave unchanged); elsewhere the
+    signature and constants."""
     if getattr(getattr(compiled.metadata, "target", None), "backend", None) == "cuda":
         return _triton_launchers.launcher_source(compiled)[0]
     tensordesc = getattr(compiled.metadata, "tensordesc_meta", None)
@@ -246,8 +291,76 @@ def source_hash(jit: JITFunction) -> str:
 # -- hooks (monitor) ----------------------------------------------------------------------------
 
 
+@attrs.frozen(kw_only=True)
+class CompileRequest:
+    """A compile Triton is about to run, as its pre-compile hook (``knobs.runtime.jit_cache_hook``)
+    describes it.
+
+    :ivar key: Triton's in-memory cache key of the launch.
+    :ivar jit_name: the jit function's full name; ``jit`` the function itself.
+    :ivar specialization: readable signature, constants, attributes and options.
+    :ivar specialization_data: Triton's own replayable serialization (``JITFunction.preload``).
+    """
+
+    key: str
+    jit_name: str
+    jit: Any
+    specialization: dict[str, Any]
+    specialization_data: str | None
+    is_warmup: bool
+
+
+def _request(key: Any, fn: Any, compile: Mapping[str, Any], is_warmup: bool) -> CompileRequest:
+    spec: dict[str, Any] = {k: compile.get(k) for k in ("num_warps", "num_stages", "num_ctas", "enable_fp_fusion")}
+    spec["signature"] = {getattr(p, "name", str(p)): v for p, v in dict(compile.get("signature") or {}).items()}
+    spec["constants"] = {str(k): str(v) for k, v in dict(compile.get("constants") or {}).items()}
+    spec["attrs"] = {str(k): str(v) for k, v in dict((compile.get("configs") or [{}])[0]).items()}
+    spec["manual_warmup"] = is_warmup
+    return CompileRequest(
+        key=str(key),
+        jit_name=f"{fn.module}.{fn.name}",
+        jit=getattr(fn, "jit_function", None),
+        specialization=spec,
+        specialization_data=compile.get("specialization_data"),
+        is_warmup=is_warmup,
+    )
+
+
+@attrs.frozen
+class HookHandle:
+    """What :func:`install_compile_hook` installed and what was there before."""
+
+    hook: Callable[..., Any]
+    previous: Callable[..., Any] | None
+
+
+def install_compile_hook(callback: Callable[[CompileRequest], None]) -> HookHandle:
+    """Call ``callback`` before every compile Triton runs (it may raise to refuse the compile); the
+    hook installed before keeps being called after it. Triton has one slot
+    (``knobs.runtime.jit_cache_hook``, keyword arguments ``key, repr, fn, compile, is_manual_warmup,
+    already_compiled``); :func:`remove_compile_hook` puts the previous one back."""
+    previous = triton.knobs.runtime.jit_cache_hook
+
+    def hook(*, key: Any, repr: str, fn: Any, compile: Any, is_manual_warmup: bool, already_compiled: bool) -> Any:
+        callback(_request(key, fn, compile, is_manual_warmup))
+        if previous is not None:
+            return previous(
+                key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup, already_compiled=already_compiled
+            )
+        return None
+
+    triton.knobs.runtime.jit_cache_hook = hook
+    return HookHandle(hook, previous)
+
+
+def remove_compile_hook(handle: HookHandle) -> None:
+    """Undo :func:`install_compile_hook` (only if nobody replaced the hook since)."""
+    if triton.knobs.runtime.jit_cache_hook is handle.hook:
+        triton.knobs.runtime.jit_cache_hook = handle.previous
+
+
 def get_jit_cache_hook() -> Any:
-    """Triton's single pre-compile hook slot (``knobs.runtime.jit_cache_hook``, 3.6.0)."""
+    """Triton's single pre-compile hook slot (``knobs.runtime.jit_cache_hook``)."""
     return triton.knobs.runtime.jit_cache_hook
 
 
@@ -255,13 +368,24 @@ def set_jit_cache_hook(hook: Any) -> None:
     triton.knobs.runtime.jit_cache_hook = hook
 
 
-def add_load_hook(hook: Any) -> None:
-    """Add to Triton's kernel-load-start chain (called before a module is loaded onto the device)."""
+_load_wrappers: dict[Callable[[str], None], Callable[..., None]] = {}
+
+
+def add_load_hook(callback: Callable[[str], None]) -> None:
+    """Call ``callback(jit_name)`` before Triton loads a kernel's module onto the device (its
+    kernel-load-start hook chain, whose hooks take ``module, function, name, metadata_group, hash``)."""
+
+    def hook(module: Any, function: Any, name: str, metadata_group: Any, hash: str) -> None:
+        callback(name)
+
+    _load_wrappers[callback] = hook
     triton.knobs.runtime.kernel_load_start_hook.add(hook)
 
 
-def remove_load_hook(hook: Any) -> None:
-    triton.knobs.runtime.kernel_load_start_hook.remove(hook)
+def remove_load_hook(callback: Callable[[str], None]) -> None:
+    hook = _load_wrappers.pop(callback, None)
+    if hook is not None:
+        triton.knobs.runtime.kernel_load_start_hook.remove(hook)
 
 
 def load_hooks() -> tuple[Any, ...]:

@@ -1,5 +1,7 @@
 """Triton's disk cache and its key: what packs, distributed warms and replays rely on (part of the
-Triton adapter, checked against Triton 3.6.0; tested in ``tests/test_triton_adapter.py``).
+Triton adapter, checked against Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0; tested in
+``tests/test_triton_adapter.py``). The cache key formula (``get_cache_key``) is the same in all four;
+how ``preload`` decodes serialized constants is not (:class:`warmreg._triton_release.Release`).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import triton
 from triton.runtime.jit import JITFunction
 
 from ._triton import _device_id, cross_target, current_device, gpu_target
+from ._triton_release import RELEASE
 from .errors import WarmregError
 from .platform import Platform
 
@@ -34,7 +37,7 @@ _key_thread: threading.Thread | None = None
 def prefetch_triton_key() -> None:
     """Start computing Triton's ``triton_key()`` on a background thread, once per process.
 
-    Triton 3.6.0 hashes its own sources and the 415 MB ``libtriton.so`` the first time any compile or
+    Triton hashes its own sources and the 415 MB ``libtriton.so`` the first time any compile or
     cache lookup needs the key (~0.35 s on an H200 host); ``hashlib`` releases the GIL, so a warm
     overlaps it with loading plugins and planning. :func:`wait_triton_key` joins it.
     """
@@ -117,7 +120,8 @@ def portable_specialization(specialization_data: str) -> str:
 def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform) -> str:
     """The cache hash the *local* Triton gives a recorded specialization for ``platform``.
 
-    Mirrors ``JITFunction.preload`` up to ``compile``'s ``get_cache_key`` (Triton 3.6.0): the hash
+    Mirrors ``JITFunction.preload`` up to ``compile``'s ``get_cache_key``, decoding constants as the
+    installed release does (3.7 resolves jit-function constants, 3.8 turns lists into tuples): the hash
     includes ``triton_key()``, a digest of the Triton installation, so it differs between Python
     builds of one release and must be recomputed where a pack is installed.
     """
@@ -132,10 +136,18 @@ def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platf
     from triton.runtime.jit import convert_to_tuple_if_list
 
     data = json.loads(portable_specialization(specialization_data))
-    constexprs = {
-        tuple(k): tl.dtype(v) if tl.dtype.is_dtype(v) else tl.constexpr(v["constexpr"]) if isinstance(v, dict) and "constexpr" in v else v
-        for k, v in zip(data["constant_keys"], data["constant_vals"])
-    }
+    lists = convert_to_tuple_if_list if RELEASE.constexpr_lists_as_tuples else (lambda value: value)
+
+    def decode(value: Any) -> Any:
+        if tl.dtype.is_dtype(value):
+            return tl.dtype(value)
+        if isinstance(value, dict) and "constexpr" in value:
+            return tl.constexpr(lists(value["constexpr"]))
+        if isinstance(value, dict) and "jit_function" in value and RELEASE.jit_function_constants:
+            return _registered_jit(value["jit_function"])
+        return lists(value)
+
+    constexprs = {tuple(k): decode(v) for k, v in zip(data["constant_keys"], data["constant_vals"])}
     attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"]))
     signature = {k: convert_to_tuple_if_list(v) for k, v in data["signature"].items()}
     backend = make_backend(gpu_target(platform))
@@ -143,6 +155,17 @@ def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platf
     src = ASTSource(jit, signature, constexprs, attrs)
     key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def _registered_jit(name: str) -> Any:
+    """A jit function by Triton's ``module:qualname`` registry name (3.7+: how ``preload`` resolves
+    jit-function constants; Triton registers a function when it is first bound)."""
+    from triton.runtime import jit as jit_module
+
+    found = getattr(jit_module, "_triton_jit_function_registry", {}).get(name)
+    if found is None:
+        raise WarmregError(f"the Triton function {name!r} a specialization names is not loaded", fix="install the plugin that defines it")
+    return found
 
 
 def import_jit(fn_name: str) -> JITFunction:

@@ -1,6 +1,10 @@
 """The guarded fast launch: a warmed key's compiled kernel, launched without Triton's per-call binding.
 
-Part of the Triton adapter (checked against Triton 3.6.0, tested in ``tests/test_fast_launch.py``).
+Part of the Triton adapter (checked against Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0; tested in
+``tests/test_fast_launch.py``). What differs between releases comes from
+:data:`warmreg._triton_release.RELEASE`: the knobs ``JITFunction.run`` folds into a launch's options
+(3.9 adds ``fpsan_homomorphic_casts``), and from 3.8 on ``CompiledKernel.__del__`` unloads its module,
+so an entry holds its ``CompiledKernel`` (and so its module) for as long as it can launch it.
 
 ``JITFunction.run`` spends most of a small launch's host time on work that repeats identically for
 every call of one compile key: binding the arguments, specializing each one, formatting the cache key
@@ -29,9 +33,12 @@ from triton.knobs import HookChain
 from triton.runtime.driver import driver as _driver
 from triton.runtime.jit import JITFunction
 
+from ._triton import run_kwargs
+from ._triton_release import RELEASE
+
 __all__ = ["FastLaunch", "build"]
 
-#: Triton 3.6.0's width of a specialized int: i32 when it fits, u64 from 2**63, i64 otherwise.
+#: Triton's width of a specialized int (the same in 3.6-3.9): i32 when it fits, u64 from 2**63, i64 otherwise.
 _WIDTH = {
     "i32": "-2147483648 <= {v} < 2147483648",
     "i64": "-9223372036854775808 <= {v} < 9223372036854775808 and not -2147483648 <= {v} < 2147483648",
@@ -48,17 +55,26 @@ class FastLaunch:
     :ivar source: the generated guard-and-launch function's source (for review and tests).
     :ivar jit: the ``@triton.jit`` function it was built from: a launch whose kernel serves the key
         with another one (against the contract) takes Triton's path instead.
+    :ivar compiled: the ``CompiledKernel`` it launches; holding it keeps the module loaded (Triton
+        3.8+ unloads a module when its ``CompiledKernel`` is collected, e.g. after the jit function's
+        ``device_caches`` are cleared).
     """
 
-    __slots__ = ("device", "jit", "launch", "source")
+    __slots__ = ("compiled", "device", "jit", "launch", "source")
 
     def __init__(
-        self, launch: Callable[[tuple[int, ...], Mapping[str, Any]], bool], device: int, source: str, jit: Any = None
+        self,
+        launch: Callable[[tuple[int, ...], Mapping[str, Any]], bool],
+        device: int,
+        source: str,
+        jit: Any = None,
+        compiled: Any = None,
     ) -> None:
         self.launch = launch
         self.device = device
         self.source = source
         self.jit = jit
+        self.compiled = compiled
 
 
 def _device_getter() -> Callable[[], int]:
@@ -83,10 +99,7 @@ def build(
     """
     if jit.pre_run_hooks or not hasattr(compiled, "packed_metadata"):
         return None
-    full = dict(kwargs)
-    full.update(options)
-    full["debug"] = full.get("debug", jit.debug) or triton.knobs.runtime.debug
-    full["instrumentation_mode"] = triton.knobs.compilation.instrumentation_mode
+    full = run_kwargs(jit, kwargs, options)
     binder = jit.device_caches[device][4]
     bound, specialization, _ = binder(**full)
     runtime = triton.knobs.runtime
@@ -112,9 +125,14 @@ def build(
         checks.append(f"_gd{j}.get({name!r}, _run) == _g{j}")
     hooks_idle = [f"_rt.{h} is {v}" + (f" and not {v}.calls" if isinstance(env[v], HookChain) else "")
                   for h, v in (("launch_enter_hook", "_enter"), ("launch_exit_hook", "_exit"))]  # fmt: skip
-    # Triton's key also holds the debug and instrumentation knobs (read per call by JITFunction.run)
-    env.update(_ct=triton.knobs.compilation, _dbg=runtime.debug, _im=triton.knobs.compilation.instrumentation_mode)
-    checks += [*hooks_idle, "_rt.debug == _dbg", "_ct.instrumentation_mode == _im", f"_device_of() == {int(device)}"]
+    # Triton's key also holds the debug flag and the knobs JITFunction.run reads per call
+    env.update(_dbg=runtime.debug)
+    knob_checks = []
+    for j, (_name, path) in enumerate(RELEASE.run_option_knobs):
+        group, _, attr = path.partition(".")
+        env[f"_kg{j}"], env[f"_kv{j}"] = getattr(triton.knobs, group), full[_name]
+        knob_checks.append(f"_kg{j}.{attr} == _kv{j}")
+    checks += [*hooks_idle, "_rt.debug == _dbg", *knob_checks, f"_device_of() == {int(device)}"]
     lines = [
         "def launch(grid, kw):",
         f"    if len(kw) != {len(kwargs)}: return False",
@@ -131,7 +149,7 @@ def build(
     ]
     source = "\n".join(lines) + "\n"
     exec(_code(source, jit.fn.__qualname__), env)
-    return FastLaunch(env["launch"], int(device), source, jit)
+    return FastLaunch(env["launch"], int(device), source, jit, compiled)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -142,7 +160,7 @@ def _code(source: str, name: str) -> Any:
 
 
 def _guard(var: str, i: int, param: Any, ty: str, spec: Any, value: Any, env: dict[str, Any]) -> str | None:
-    """The Python condition under which Triton 3.6.0 specializes ``var`` exactly as it did ``value``
+    """The Python condition under which Triton specializes ``var`` exactly as it did ``value``
     (``""`` for no condition, ``None`` when there is no cheap exact condition)."""
     cls = type(value)
     if not isinstance(ty, str):  # tuples of arguments

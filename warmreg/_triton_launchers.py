@@ -1,6 +1,11 @@
 """Triton's C launchers, built ahead of time for a pack (part of the Triton adapter, checked against
 Triton 3.6.0's CUDA backend; tested in ``tests/test_pack_launchers.py``).
 
+Only Triton 3.6 builds a launcher per kernel signature. From 3.7 on (checked: 3.7.1, 3.8.0, 3.9.0)
+``make_launcher`` is gone: one generic launcher, compiled once with the driver's own utilities,
+launches every kernel, so there is nothing per kernel to prebuild, ship or exchange. On those
+releases :func:`build` and :func:`built_here` return no launchers and :data:`PER_KERNEL` is False.
+
 Before a compiled kernel's first launch, Triton 3.6.0 generates a small C extension per distinct
 signature (``make_launcher``), compiles it with the host's C compiler and caches the shared object
 under ``sha256(source + platform_key())`` as ``__triton_launcher<EXT_SUFFIX>``. A warm does that on
@@ -32,11 +37,16 @@ from typing import Any
 
 import attrs
 
+from ._triton_release import RELEASE
 from .errors import WarmregError
 
 __all__ = [
-    "Launcher", "LauncherError", "PythonABI", "build", "built_here", "fits_here", "install", "launcher_source", "local_abi", "python_abi",
+    "PER_KERNEL", "Launcher", "LauncherError", "PythonABI", "build", "built_here", "fits_here", "install", "launcher_source",
+    "local_abi", "python_abi",
 ]
+
+#: Whether the installed Triton builds a C launcher per kernel signature (3.6 only).
+PER_KERNEL: bool = RELEASE.per_signature_launcher
 
 _NAME = "__triton_launcher"
 
@@ -74,7 +84,12 @@ def platform_key() -> str:
 
 def launcher_source(compiled: Any) -> tuple[str, str]:
     """``(cache key, C source)`` of the launcher Triton builds for a compiled CUDA kernel, computed as
-    ``CudaLauncher.__init__`` and ``compile_module_from_src`` do (Triton 3.6.0)."""
+    ``CudaLauncher.__init__`` and ``compile_module_from_src`` do (Triton 3.6.0).
+
+    :raises LauncherError: on a Triton that builds no launcher per kernel (3.7+).
+    """
+    if not PER_KERNEL:
+        raise LauncherError(f"Triton {RELEASE.series} builds no C launcher per kernel", fix="nothing to build on this release")
     from triton.backends.nvidia.driver import make_launcher
 
     src = compiled.src
@@ -147,8 +162,12 @@ def _run(cmd: list[str]) -> None:
 def build(compiled: Iterable[Any], pythons: Iterable[str | None], *, workers: int = 4) -> list[Launcher]:
     """Build the distinct launchers of ``compiled`` (CUDA kernels) for each Python in ``pythons``.
 
+    Returns none on Triton 3.7+, which builds no launcher per kernel.
+
     :raises LauncherError: naming the interpreter or the compiler error.
     """
+    if not PER_KERNEL:
+        return []
     from triton.backends.nvidia.driver import include_dirs
 
     sources = dict(launcher_source(c) for c in compiled)
@@ -182,7 +201,10 @@ def build(compiled: Iterable[Any], pythons: Iterable[str | None], *, workers: in
 
 def built_here(compiled: Iterable[Any]) -> list[Launcher]:
     """The launchers of ``compiled`` (CUDA kernels) that this machine's Triton cache holds for its own
-    Python ABI: those the loads of a warm on this GPU built, read back to hand to other hosts."""
+    Python ABI: those the loads of a warm on this GPU built, read back to hand to other hosts (none
+    on Triton 3.7+)."""
+    if not PER_KERNEL:
+        return []
     from triton.runtime.cache import get_cache_manager
 
     name = f"{_NAME}{local_abi().ext_suffix}"

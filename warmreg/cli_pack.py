@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from ._triton_release import release_of
 from .cli import _EXTENSIONS
 
 __all__: list[str] = []
@@ -25,6 +26,8 @@ def cmd_build(args: argparse.Namespace) -> int:
     if manifest.launchers:
         versions = sorted({x.python for x in manifest.launchers})
         _out.print(f"  with {len(manifest.launchers)} prebuilt C launchers for Python {', '.join(versions)}")
+    elif not release_of(manifest.triton_version).per_signature_launcher:
+        _out.print(f"  no C launchers needed: Triton {manifest.triton_version} builds none per kernel")
     return 0
 
 
@@ -47,6 +50,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         for x in m.launchers:
             by_python[x.python] = by_python.get(x.python, 0) + 1
         _out.print("prebuilt C launchers: " + ", ".join(f"{n} for Python {v}" for v, n in sorted(by_python.items())))
+    elif not release_of(m.triton_version).per_signature_launcher:
+        _out.print(f"no C launchers: Triton {m.triton_version} builds none per kernel (one generic launcher serves every kernel)")
+    else:
+        _out.print("no prebuilt C launchers: the serving host builds them at warm (Triton 3.6 needs a C compiler there)")
     return 0
 
 

@@ -4,9 +4,8 @@ Two phases. First every key is bound and specialized on the calling thread throu
 launch code (the warm session captures the launch instead of running it); that needs neither the
 disk cache nor ``triton_key()``, so it overlaps the background hash of Triton's installation and
 comes before a pack is installed. Then each captured launch becomes ``JITFunction.warmup``, whose
-compiles run on a thread pool through Triton's async compile mode
-(``triton.runtime._async_compile``). Triton's compilation listener says whether each binary came
-from its disk cache.
+compiles run on a thread pool through Triton's async compile mode. Triton's compilation listener
+says whether each binary came from its disk cache. (Both through the adapter, :mod:`warmreg._triton`.)
 """
 
 from __future__ import annotations
@@ -20,9 +19,6 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextvars import ContextVar
 from typing import Any, Literal
-
-from triton import knobs
-from triton.runtime._async_compile import AsyncCompileMode
 
 from . import _triton, _triton_cache
 from .errors import KernelContractError, WarmregError
@@ -119,9 +115,8 @@ class _Session:
         options = spec.key.launch_options()
         task.jit_name = _triton.full_name(jit)
         task.triton_key, task.specialization_data = _triton.specialize(jit, spec.kwargs, options)
-        cache = jit.device_caches[_triton.current_device()][0]
         # Status before the compile starts: async compiles report through the listener at any time.
-        task.status = "memory" if task.triton_key in cache else "pending"
+        task.status = "memory" if _triton.in_memory(jit, task.triton_key) else "pending"
         task.launch = task.captured = (jit, spec.grid or (1,), spec.kwargs, options)
         return spec.outputs
 
@@ -184,16 +179,12 @@ class _TimedExecutor(Executor):
         self.inner.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
-def _listener(previous: Any) -> Callable[..., None]:
-    def listener(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
-        task = getattr(_tls, "task", None)
-        if task is not None:
-            task.status = "disk_cache" if cache_hit else "compiled"
-            task.binary_hash = metadata.get("hash") if isinstance(metadata, dict) else None
-        if previous is not None:
-            previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
-
-    return listener
+def _on_compiled(cache_hit: bool, metadata: Any) -> None:
+    """Triton produced (or found in its disk cache) the binary of the task compiling on this thread."""
+    task = getattr(_tls, "task", None)
+    if task is not None:
+        task.status = "disk_cache" if cache_hit else "compiled"
+        task.binary_hash = metadata.get("hash") if isinstance(metadata, dict) else None
 
 
 def _describe(exc: BaseException) -> str:
@@ -230,13 +221,11 @@ def compile_keys(
     tasks = [_Task(kp, key) for kp, key in items]
     on_done = (lambda task: advance(task.result())) if advance is not None else None
     session = _Session()
-    previous_listener = knobs.compilation.listener
-    knobs.compilation.listener = _listener(previous_listener)
     session_token = WARM_SESSION.set(session)
     warm_token = IN_WARMUP.set(True)
     pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="warmreg-compile") if workers > 1 else None
     try:
-        with _triton.cross_target(platform):
+        with _triton.compile_listener(_on_compiled), _triton.cross_target(platform):
             stopped = _bind_all(tasks, on_error, on_done)
             if before_compile is not None:
                 before_compile()
@@ -254,7 +243,6 @@ def compile_keys(
             pool.shutdown(wait=True, cancel_futures=True)
         IN_WARMUP.reset(warm_token)
         WARM_SESSION.reset(session_token)
-        knobs.compilation.listener = previous_listener
     return [t.result() for t in tasks]
 
 
@@ -300,7 +288,7 @@ def _run_serial(
 def _run_async(
     tasks: list[_Task], executor: Executor, on_error: OnError, on_done: Callable[[_Task], None] | None, stopped: bool
 ) -> None:
-    with AsyncCompileMode(executor, ignore_errors=True):
+    with _triton.async_compile(executor):
         for task in tasks:
             if task.launch is None and task.status == "failed":
                 continue  # failed (and reported) while binding

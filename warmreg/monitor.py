@@ -262,8 +262,7 @@ class _State:
     def __init__(self) -> None:
         self.lock = threading.RLock()
         self.stack: list[Monitor] = []
-        self.previous_hook: Any = None
-        self.installed_hook: Any = None
+        self.hook: _triton.HookHandle | None = None
 
     @property
     def top(self) -> Monitor | None:
@@ -277,43 +276,32 @@ def _owner(jit_name: str) -> str | None:
     return KNOWLEDGE.owner.get(jit_name)
 
 
-def _jit_cache_hook(*, key: str, repr: str, fn: Any, compile: Any, is_manual_warmup: bool, already_compiled: bool) -> Any:
-    previous = _STATE.previous_hook
+def _on_compile(request: _triton.CompileRequest) -> None:
+    """Before every compile Triton runs (its pre-compile hook): a miss unless warmreg itself compiles."""
     active = _STATE.top
-    if active is not None and active.mode != "off" and not IN_WARMUP.get():
-        launch = LAUNCH.get()
-        jit = getattr(fn, "jit_function", None)
-        jit_name = f"{fn.module}.{fn.name}"
-        kernel = launch[0] if launch else _owner(jit_name)
-        runtime_key = launch[1] if launch else None
-        nearest, diff = _nearest_key(kernel, runtime_key) if kernel and runtime_key is not None else (None, ())
-        t_nearest, t_diff = _triton_diff(jit_name, key, jit)
-        if nearest is None and t_nearest is not None:
-            nearest, diff = t_nearest, ()
-        spec = {k: compile.get(k) for k in ("signature", "num_warps", "num_stages", "num_ctas", "enable_fp_fusion")}
-        spec["signature"] = {getattr(p, "name", str(p)): v for p, v in dict(compile.get("signature") or {}).items()}
-        spec["constants"] = {str(k): str(v) for k, v in dict(compile.get("constants") or {}).items()}
-        spec["attrs"] = {str(k): str(v) for k, v in dict((compile.get("configs") or [{}])[0]).items()}
-        spec["manual_warmup"] = is_manual_warmup
-        miss = Miss(
-            kind="compile",
-            jit_name=jit_name,
-            kernel=kernel,
-            runtime_key=runtime_key,
-            nearest=nearest,
-            diff=diff,
-            triton_key=key,
-            triton_diff=t_diff,
-            specialization=spec,
-            specialization_data=compile.get("specialization_data"),
-            target=_current_target(),
-        )
-        active._missed(miss)  # raises in error mode: before the compile
-    if previous is not None:
-        return previous(
-            key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup, already_compiled=already_compiled
-        )
-    return None
+    if active is None or active.mode == "off" or IN_WARMUP.get():
+        return
+    launch = LAUNCH.get()
+    kernel = launch[0] if launch else _owner(request.jit_name)
+    runtime_key = launch[1] if launch else None
+    nearest, diff = _nearest_key(kernel, runtime_key) if kernel and runtime_key is not None else (None, ())
+    t_nearest, t_diff = _triton_diff(request.jit_name, request.key, request.jit)
+    if nearest is None and t_nearest is not None:
+        nearest, diff = t_nearest, ()
+    miss = Miss(
+        kind="compile",
+        jit_name=request.jit_name,
+        kernel=kernel,
+        runtime_key=runtime_key,
+        nearest=nearest,
+        diff=diff,
+        triton_key=request.key,
+        triton_diff=t_diff,
+        specialization=dict(request.specialization),
+        specialization_data=request.specialization_data,
+        target=_current_target(),
+    )
+    active._missed(miss)  # raises in error mode: before the compile
 
 
 def _current_target() -> str | None:
@@ -326,7 +314,7 @@ def _current_target() -> str | None:
         return None
 
 
-def _load_hook(module: Any, function: Any, name: str, metadata_group: Any, hash: str) -> None:
+def _on_load(name: str) -> None:
     active = _STATE.top
     if active is None or active.mode == "off" or IN_WARMUP.get():
         return
@@ -352,10 +340,8 @@ def arm(mode: Mode = "error", *, record: str | Path | None = None) -> Monitor:
     mon = Monitor(mode, record)
     with _STATE.lock:
         if not _STATE.stack:
-            _STATE.previous_hook = _triton.get_jit_cache_hook()
-            _STATE.installed_hook = _jit_cache_hook
-            _triton.set_jit_cache_hook(_jit_cache_hook)
-            _triton.add_load_hook(_load_hook)
+            _STATE.hook = _triton.install_compile_hook(_on_compile)
+            _triton.add_load_hook(_on_load)
             _triton.wrap_autotuner_bench(_autotune_hook)
             ON_LAUNCH.append(note_launch)
         _STATE.stack.append(mon)
@@ -371,11 +357,11 @@ def disarm(mon: Monitor | None = None) -> None:
         if target in _STATE.stack:
             _STATE.stack.remove(target)
         if not _STATE.stack:
-            if _triton.get_jit_cache_hook() is _STATE.installed_hook:
-                _triton.set_jit_cache_hook(_STATE.previous_hook)
-            _triton.remove_load_hook(_load_hook)
+            if _STATE.hook is not None:
+                _triton.remove_compile_hook(_STATE.hook)
+            _triton.remove_load_hook(_on_load)
             _triton.unwrap_autotuner_bench()
-            _STATE.previous_hook = _STATE.installed_hook = None
+            _STATE.hook = None
             if note_launch in ON_LAUNCH:
                 ON_LAUNCH.remove(note_launch)
 

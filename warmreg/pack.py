@@ -312,8 +312,8 @@ def build(
 def _build_launchers(
     results: list[KeyResult], platform: Platform, pythons: list[str | None], staged: Path, out: str, workers: int, *, required: bool
 ) -> list[PackLauncher]:
-    if not pythons or platform.backend != "cuda":
-        return []
+    if not pythons or platform.backend != "cuda" or not _triton_launchers.PER_KERNEL:
+        return []  # Triton 3.7+ launches every kernel through one generic launcher: nothing to carry
     compiled = []
     for r in results:
         kernel = _triton_cache.memory_kernel(_triton_cache.import_jit(r.jit_name or ""), r.triton_key or "", platform)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,15 +27,18 @@ def newest_triton(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
     return python, version.stdout.strip()
 
 
-def test_unsupported_newest_triton_is_refused_in_one_line(newest_triton: tuple[Path, str]) -> None:
-    """on the newest Triton release, a release warmreg does not support is refused in one line (CLI exit 2)"""
+def test_newest_triton_plans_if_supported_else_is_refused_in_one_line(newest_triton: tuple[Path, str]) -> None:
+    """on the newest Triton release: a supported one plans; one warmreg does not support is refused in
+    one line (CLI exit 2)"""
+    from warmreg._triton_release import SUPPORTED_TRITON
+
     python, version = newest_triton
     done = subprocess.run(
         [str(python), "-m", "warmreg", "plan", str(ROOT / "examples" / "deepseek_v4_flash.json"), "--target", "cuda:90"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "WARMREG_ALLOW_UNSUPPORTED_TRITON": "0"},
     )  # fmt: skip
-    if version.startswith("3.6"):
-        assert done.returncode == 0, done.stderr  # nothing newer than the supported release exists
+    if ".".join(version.split(".")[:2]) in SUPPORTED_TRITON:
+        assert done.returncode == 0, done.stderr
         return
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2 and len(lines) == 1, done.stderr
