@@ -138,3 +138,20 @@ def test_other_system_errors_and_a_persistent_race_still_fail_the_key(monkeypatc
     report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale(sizes=(17,)))], entry_points=False, workers=2, on_error="continue")
     assert [r.status for r in report.results] == ["failed"] and "recursion depth mismatch" in report.results[0].error
     assert len(calls) == 4  # bounded: a race that keeps failing is reported, not retried forever
+
+
+def test_warm_with_progress_on_a_pool_finishes(tmp_path: Path) -> None:
+    """From Triton 3.7 an unresolved FutureKernel forwards attribute reads to result(): reporting a
+    key's progress from its own pool thread must not wait for itself (it hung the CLI's warm)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import warmreg; from tests.helpers import CONFIG, Plugin, Scale; "
+        "r = warmreg.warm(CONFIG, target='cuda:90', plugins=[Plugin(Scale())], entry_points=False, workers=2, progress=True); "
+        "print('ok', r.compiled + r.from_cache, len(r.failed))"
+    )
+    env = {**__import__("os").environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env,
+                          cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+    assert done.returncode == 0 and done.stdout.split()[:3] == ["ok", "3", "0"], done.stderr[-2000:]

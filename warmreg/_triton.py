@@ -178,6 +178,14 @@ def in_memory(jit: JITFunction, key: str) -> bool:
     return key in jit.device_caches[current_device()][0]
 
 
+def is_future_kernel(obj: Any) -> bool:
+    """Whether ``obj`` is an async compile's ``FutureKernel`` (3.7+ forwards its attributes to
+    ``result()``, so reading one waits for the compile)."""
+    from triton.runtime._async_compile import FutureKernel
+
+    return isinstance(obj, FutureKernel)
+
+
 @contextlib.contextmanager
 def async_compile(executor: Executor) -> Iterator[None]:
     """Triton's async compile mode (``triton.runtime._async_compile.AsyncCompileMode``, errors left to

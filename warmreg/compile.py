@@ -76,6 +76,9 @@ class _Task:
         self.captured: tuple[Any, tuple[int, ...], Any, dict[str, Any]] | None = None
 
     def result(self) -> KeyResult:
+        # an unresolved async compile reports nothing yet: from Triton 3.7 a FutureKernel forwards
+        # attribute reads to result(), which would wait here (on a pool thread: for itself)
+        compiled = None if _triton.is_future_kernel(self.compiled) else self.compiled
         return KeyResult(
             kernel=self.kp.name,
             key=self.key,
@@ -84,10 +87,10 @@ class _Task:
             load_seconds=self.load_seconds,
             error=self.error,
             triton_key=self.triton_key,
-            binary_hash=self.binary_hash or getattr(self.compiled, "hash", None),
+            binary_hash=self.binary_hash or getattr(compiled, "hash", None),
             jit_name=self.jit_name,
             specialization_data=self.specialization_data,
-            cache_files=_triton.cache_files(self.compiled) if self.compiled is not None and self.status != "failed" else {},
+            cache_files=_triton.cache_files(compiled) if compiled is not None and self.status != "failed" else {},
         )
 
 
