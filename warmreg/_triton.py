@@ -20,7 +20,6 @@ from concurrent.futures import Executor
 from typing import Any
 
 import attrs
-
 import torch
 import triton
 from triton.backends.compiler import GPUTarget

@@ -74,7 +74,7 @@ RELEASES: dict[str, Release] = {
             constexpr_lists_as_tuples=True, per_signature_launcher=False, unloads_on_del=True,
             run_option_knobs=(*_BASE_KNOBS, ("fpsan_homomorphic_casts", "compilation.fpsan_homomorphic_casts")),
         ),
-    )  # fmt: skip
+    )
 }
 #: Triton release series warmreg's adapter was checked against.
 SUPPORTED_TRITON = tuple(RELEASES)
