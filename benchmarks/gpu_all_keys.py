@@ -4,7 +4,9 @@ For each example config: ``warm()`` (optionally from a pack), arm the monitor in
 for every kernel and every key launch the kernel's own launch code with real device tensors shaped
 exactly like its ``warmup_inputs(key)`` (same shape, strides and storage offset, so the same
 alignment), zero-filled so every index stays in bounds. Records, per kernel: launches, misses,
-failures, the first launch's time and the median steady-state launch time.
+failures, the first launch's time, the median steady-state launch time, and how many launches went
+through Triton's ``JITFunction.run`` instead of warmup's guarded fast path (0 when every warmed key
+is served by its fast launch).
 
     python benchmarks/gpu_all_keys.py examples/deepseek_v4_flash.json [more configs] [--pack CONFIG=PACK]
 """
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, write
@@ -47,7 +50,18 @@ def _timed(fn: Any) -> float:
     return (time.perf_counter() - t) * 1e3
 
 
+_RUNS = [0]
+_REAL_RUN = JITFunction.run
+
+
+def _counting_run(self: Any, *args: Any, **kwargs: Any) -> Any:
+    _RUNS[0] += 1
+    return _REAL_RUN(self, *args, **kwargs)
+
+
 def run_config(config: str, pack: str | None) -> dict[str, Any]:
+    from warmreg.kernel import FAST_TABLES
+
     t = time.perf_counter()
     report = warmreg.warm(config, pack=pack, on_error="continue", monitor="record")
     warm_wall = time.perf_counter() - t
@@ -57,8 +71,11 @@ def run_config(config: str, pack: str | None) -> dict[str, Any]:
     device = torch.device("cuda")
     kernels: dict[str, Any] = {}
     for kp in plan.kernels:
-        row: dict[str, Any] = {"keys": len(kp.keys), "launched": 0, "failures": [], "first_ms": [], "steady_ms": []}
+        row: dict[str, Any] = {"keys": len(kp.keys), "launched": 0, "failures": [], "first_ms": [], "steady_ms": [],
+                               "fast_entries": len(FAST_TABLES.get(kp.name, {}))}  # fmt: skip
         launcher = getattr(kp.kernel, kp.kernel.launcher)
+        _RUNS[0] = 0
+        JITFunction.run = _counting_run  # type: ignore[method-assign]
         for key in kp.keys:
             try:
                 inputs = {k: materialize(v, device) for k, v in kp.kernel.warmup_inputs(key).items()}
@@ -69,6 +86,8 @@ def run_config(config: str, pack: str | None) -> dict[str, Any]:
             except Exception as exc:  # reported per key; the sweep goes on
                 row["failures"].append(f"{key}: {type(exc).__name__}: {exc}"[:600])
                 traceback.print_exc(limit=3)
+        JITFunction.run = _REAL_RUN  # type: ignore[method-assign]
+        row["triton_run_calls"] = _RUNS[0]
         row["median_first_ms"] = median(row["first_ms"])
         row["median_steady_ms"] = median(row["steady_ms"])
         kernels[kp.name] = row
@@ -99,7 +118,9 @@ def main() -> None:
     for r in results:
         launched = sum(k["launched"] for k in r["kernels"].values())
         failures = sum(len(k["failures"]) for k in r["kernels"].values())
-        print(f"{r['config']}: {r['warm_summary']}; {launched} keys launched, {failures} launch failures, {len(r['misses'])} misses")
+        slow = sum(k["triton_run_calls"] for k in r["kernels"].values())
+        print(f"{r['config']}: {r['warm_summary']}; {launched} keys launched, {failures} launch failures, "
+              f"{len(r['misses'])} misses, {slow} launches through JITFunction.run")  # fmt: skip
     print("->", path)
 
 

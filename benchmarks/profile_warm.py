@@ -65,7 +65,9 @@ for stage in ("make_ttir", "make_ttgir"):
     patch(nvc.CUDABackend, stage, "stage " + stage, static=True)
 for stage in ("make_llir", "make_ptx", "make_cubin"):
     patch(nvc.CUDABackend, stage, "stage " + stage)
-patch(nvd, "compile_module_from_src", "launcher build/load")
+for attr in ("compile_module_from_src", "compile_module_from_file"):  # 3.6-3.7 / 3.8+: the launcher's C module
+    if hasattr(nvd, attr):
+        patch(nvd, attr, "launcher build/load")
 patch(cc.CompiledKernel, "_init_handles", "init_handles (load)")
 patch(rj.JITFunction, "_do_compile", "_do_compile (submit)")
 patch(wc, "_bind", "warmreg bind (launch code + submit)")

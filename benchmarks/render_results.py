@@ -1,5 +1,6 @@
-"""Render the README's Results section from benchmarks/results/h200.json (``benchmarks/run_gpu.py``)
-and the CPU machine's and the 2-GPU run's result files.
+"""Render the README's Results section from the H200 runs (``benchmarks/results/h200_triton-*.json``,
+one per Triton release, from ``benchmarks/run_gpu.py``) and the CPU machine's and the 2-GPU run's
+result files.
 
     python benchmarks/render_results.py          # rewrites the block between the markers in README.md
 """
@@ -18,6 +19,21 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 def _load(name: str) -> dict[str, Any] | None:
     path = RESULTS / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def _release_key(path: Path) -> tuple[int, ...]:
+    version = path.stem.split("_triton-", 1)[1]
+    return tuple(int(p) if p.isdigit() else 0 for p in version.split("."))
+
+
+def gpu_runs() -> list[tuple[str, dict[str, Any]]]:
+    """(Triton version, results) of each H200 run, oldest release first."""
+    paths = sorted(RESULTS.glob("h200_triton-*.json"), key=_release_key)
+    return [(p.stem.split("_triton-", 1)[1], json.loads(p.read_text())) for p in paths]
+
+
+def _steps(gpu: dict[str, Any]) -> dict[str, Any]:
+    return {name: st["result"] for name, st in gpu.get("steps", {}).items() if st.get("result")}
 
 
 def _machine(d: dict[str, Any]) -> str:
@@ -123,8 +139,8 @@ def all_keys_table(d: dict[str, Any]) -> list[str]:
 
     out = ["Every warmed key launched for real (`benchmarks/gpu_all_keys.py`, monitor recording), first launch after "
            "warm against the median of 20 steady-state launches (ms, synchronized, medians over keys):", "",
-           "| config | warm | keys launched | launch failures | misses | first launch ms | steady launch ms |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+           "| config | warm | keys launched | launch failures | misses | launches through `JITFunction.run` | first launch ms | steady launch ms |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for c in d["configs"]:
         kernels = c["kernels"].values()
         launched = sum(k["launched"] for k in kernels)
@@ -132,8 +148,9 @@ def all_keys_table(d: dict[str, Any]) -> list[str]:
         first = [x for k in kernels for x in k["first_ms"]]
         steady = [x for k in kernels for x in k["steady_ms"]]
         src = " (from pack)" if c.get("pack") else ""
+        slow = sum(k["triton_run_calls"] for k in kernels) if all("triton_run_calls" in k for k in kernels) else "-"
         out.append(f"| `{Path(c['config']).stem}`{src} | {c['warm_summary']} | {launched} | {failures} | {len(c['misses'])} "
-                   f"| {statistics.median(first):.3f} | {statistics.median(steady):.3f} |")  # fmt: skip
+                   f"| {slow} | {statistics.median(first):.3f} | {statistics.median(steady):.3f} |")  # fmt: skip
     return out + [""]
 
 
@@ -180,32 +197,59 @@ def multi_gpu_lines(d: dict[str, Any]) -> list[str]:
     ]
 
 
+def releases_table(gpus: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    """The H200 runs side by side, one row per Triton release: what a user of each release gets."""
+    out = ["The H200 runs side by side (one H200 host type, one day, each release's own CPU-built packs; details per release below):", "",
+           "| Triton | GPU tests | Flash cold (threads) s | Flash warm cache s | Flash from pack s | sweep launches / misses "
+           "| every key: launched / misses / through `JITFunction.run` | launch µs warmreg / Triton same work |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    for version, gpu in gpus:
+        steps = _steps(gpu)
+        flash = steps.get("warm_time:deepseek_v4_flash", {}).get("variants", {})
+        cell = {k: f"{flash[k]['wall']:.2f}" if k in flash else "-" for k in ("cold_threads", "warm_disk_cache", "from_pack")}
+        sweep = steps.get("sweep", {}).get("configs", [])
+        launches = sum(x["launches"] for c in sweep for x in c["kernels"].values())
+        misses = sum(x["misses"] for c in sweep for x in c["kernels"].values())
+        keys = steps.get("gpu_all_keys", {}).get("configs", [])
+        launched = sum(k["launched"] for c in keys for k in c["kernels"].values())
+        key_misses = sum(len(c["misses"]) for c in keys)
+        slow = sum(k.get("triton_run_calls", 0) for c in keys for k in c["kernels"].values())
+        lo = steps.get("gpu_proof", {}).get("launch_overhead_us", {})
+        tests_file = RESULTS / "gpu_tests" / f"gpu_tests_triton-{version}.txt"
+        tests = tests_file.read_text().strip().splitlines()[-1] if tests_file.exists() else "-"
+        us = f"{lo['median_warmreg']:.1f} / {lo['median_triton_direct_with_output_alloc']:.1f}" if lo else "-"
+        out.append(f"| {version} | {tests} | {cell['cold_threads']} | {cell['warm_disk_cache']} | {cell['from_pack']} "
+                   f"| {launches} / **{misses}** | {launched} / **{key_misses}** / {slow} | {us} |")  # fmt: skip
+    return out + [""]
+
+
 def render() -> str:
     lines: list[str] = []
-    gpu = _load("h200")
-    steps = {name: st["result"] for name, st in (gpu or {}).get("steps", {}).items() if st.get("result")}
+    gpus = gpu_runs()
     if (ROOT / "docs" / "warm_time.png").exists():
         lines += ["![warm time](docs/warm_time.png)", ""]
-    if gpu is not None:
-        status = ", ".join(f"{name} {'ok' if st['rc'] == 0 else 'rc ' + str(st['rc'])} ({st['wall_s']:.0f} s)" for name, st in gpu["steps"].items())
-        commands = " and ".join(f"`{c}`" for c in gpu.get("commands", [gpu["command"]]))
-        lines += [f"GPU run: {commands} on {_machine(gpu)}; steps: {status}.", ""]
-    runs = [("H200 host", steps[name]) for name in steps if name.startswith("warm_time:")]
+    runs = [(f"H200 host, Triton {version}", result) for version, gpu in gpus for name, result in _steps(gpu).items() if name.startswith("warm_time:")]
     cpu = _load("warm_time_cpu2core_cuda90")
     if cpu is not None:
-        runs.append(("CPU machine, 2 cores, cross cuda:90", cpu))
+        runs.append((f"CPU machine, 2 cores, cross cuda:90, Triton {cpu['machine']['triton']}", cpu))
+    if len(gpus) > 1:
+        lines += releases_table(gpus)
     if runs:
         lines += warm_table(runs)
-    for name, fn in (("profile_warm", profile_lines), ("gpu_proof", proof_lines), ("sweep", sweep_table), ("gpu_all_keys", all_keys_table)):
-        if name in steps:
-            lines += fn(steps[name])
+    for version, gpu in gpus:
+        steps = _steps(gpu)
+        status = ", ".join(f"{name} {'ok' if st['rc'] == 0 else 'rc ' + str(st['rc'])} ({st['wall_s']:.0f} s)" for name, st in gpu["steps"].items())
+        commands = " and ".join(f"`{c}`" for c in gpu.get("commands", [gpu["command"]]))
+        lines += [f"### H200, Triton {version}", "", f"GPU run: {commands} on {_machine(gpu)}; steps: {status}.", ""]
+        for name, fn in (("profile_warm", profile_lines), ("gpu_proof", proof_lines), ("sweep", sweep_table), ("gpu_all_keys", all_keys_table)):
+            if name in steps:
+                lines += fn(steps[name])
+        for name, title in (("kernels_dsv4_index", "DeepSeek-V4 index and metadata kernels"), ("kernels_numeric", "Numeric kernels (DeepSeek-V4, shared Q/KV RMSNorm, Kimi-K3 KDA)")):
+            if name in steps:
+                lines += kernels_table(steps[name], title)
     multi = _load("multi_gpu_h200x2")
     if multi is not None:
-        lines += multi_gpu_lines(multi)
-    for name, title in (("kernels_dsv4_index", "DeepSeek-V4 index and metadata kernels"), ("kernels_numeric", "Numeric kernels (DeepSeek-V4, shared Q/KV RMSNorm, Kimi-K3 KDA)")):
-        data = steps.get(name) or _load(f"{name}_h200")  # an earlier separate run, if this one lacks it
-        if data is not None:
-            lines += kernels_table(data, title)
+        lines += ["### Two H200s", "", *multi_gpu_lines(multi)]
     return "\n".join(lines)
 
 
@@ -218,17 +262,18 @@ def chart() -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    gpu = _load("h200")
-    flash = ((gpu or {}).get("steps", {}).get("warm_time:deepseek_v4_flash") or {}).get("result")
-    runs = [(n, d) for n, d in (("h200", flash), ("cpu2core_cuda90", _load("warm_time_cpu2core_cuda90"))) if d is not None]
+    runs = [(f"H200 host, 16 CPUs, Triton {version}", _steps(gpu).get("warm_time:deepseek_v4_flash")) for version, gpu in gpu_runs()]
+    runs += [("CPU machine, 2 cores (cross-compile cuda:90)", _load("warm_time_cpu2core_cuda90"))]
+    runs = [(n, d) for n, d in runs if d is not None]
+    if not runs:
+        return None
     labels = ["cold, 1 worker", "cold, threads", "cold, processes", "warm disk cache", "from pack"]
     keys = ["cold_serial", "cold_threads", "cold_processes", "warm_disk_cache", "from_pack"]
     fig, ax = plt.subplots(figsize=(8, 3.6))
     width = 0.8 / len(runs)
     for i, (name, d) in enumerate(runs):
         values = [d["variants"].get(k, {}).get("wall", 0.0) for k in keys]
-        where = "H200 host, 16 CPUs" if name == "h200" else "CPU machine, 2 cores (cross-compile cuda:90)"
-        bars = ax.bar([x + i * width for x in range(len(keys))], values, width, label=where)
+        bars = ax.bar([x + i * width for x in range(len(keys))], values, width, label=name)
         ax.bar_label(bars, fmt="%.1f", fontsize=7)
     ax.set_xticks([x + width * (len(runs) - 1) / 2 for x in range(len(keys))], labels, fontsize=8)
     ax.set_ylabel("seconds")

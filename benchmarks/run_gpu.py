@@ -1,4 +1,5 @@
-"""The GPU proof in one command: every benchmark, one results file, ``benchmarks/results/<gpu>.json``.
+"""The GPU proof in one command: every benchmark, one results file per GPU and Triton release,
+``benchmarks/results/<gpu>_triton-<version>.json`` (e.g. ``h200_triton-3.8.0.json``).
 
 Runs, each in its own subprocess (fresh Triton caches inside each benchmark):
 
@@ -68,12 +69,14 @@ def _steps(packs: dict[str, str]) -> list[tuple[str, str, list[str]]]:
 
 
 def _gpu_slug() -> str:
+    """``h200_triton-3.8.0``: the results file's stem, one per GPU model and Triton release."""
     import torch
+    import triton
 
     if not torch.cuda.is_available():
         raise SystemExit("run_gpu.py needs a CUDA GPU; the CPU dry runs are the individual scripts' --device cpu")
     name = torch.cuda.get_device_name().lower().replace("nvidia", "").strip()
-    return "".join(ch if ch.isalnum() else "_" for ch in name).strip("_")
+    return "".join(ch if ch.isalnum() else "_" for ch in name).strip("_") + f"_triton-{triton.__version__}"
 
 
 def main() -> None:

@@ -254,6 +254,57 @@ def test_gpu_warm_prepares_fast_launches_so_even_a_first_launch_skips_triton(mon
     assert runs == [] and not mon.misses
 
 
+@pytest.mark.gpu
+def test_gpu_no_launch_from_an_unloaded_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton frees a kernel by dropping its ``CompiledKernel`` (its ``device_caches`` cleared, as
+    ``JITFunction`` does when it is redefined); from 3.8 that unloads the module. A warmed entry holds
+    its ``CompiledKernel``, so the module stays loaded and the fast path still launches it; once the
+    entry goes too, Triton really unloads it (the check can fail)."""
+    import gc
+
+    from triton.runtime.jit import JITFunction
+
+    from tests.helpers import CONFIG, Plugin, Scale
+    from warmreg.kernel import FAST_TABLES
+
+    unloaded: list[Any] = []
+    chain = getattr(triton.knobs.runtime, "kernel_unload_hook", None)  # 3.8+: called before an unload
+
+    def record(module: Any, function: Any, name: str, group: Any, hash: str) -> None:
+        unloaded.append(module)
+
+    if chain is not None:
+        chain.add(record)
+    try:
+        scale = Scale()
+        FAST_TABLES.pop(scale.name, None)
+        warmreg.warm(CONFIG, plugins=[Plugin(scale)], entry_points=False)
+        x = torch.randn(48, device="cuda", dtype=torch.float16)
+        key = scale.dispatch(x=x, block=64)
+        entry = FAST_TABLES[scale.name][key]
+        module = entry.compiled.module
+        assert module is not None
+        for caches in scale.jit.device_caches.values():  # Triton's references to every kernel of this jit
+            caches[0].clear()
+        gc.collect()
+        assert module not in unloaded and entry.compiled.module == module
+        runs: list[int] = []
+        real_run = JITFunction.run
+        monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: runs.append(1) or real_run(self, *a, **k))
+        out = Scale()(x, 3.0)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, x * 3.0)
+        assert runs == []  # launched from the entry, not recompiled or reloaded by Triton
+        monkeypatch.undo()
+        if chain is not None:
+            del FAST_TABLES[scale.name], entry
+            gc.collect()
+            assert module in unloaded  # nothing else held it: without the entry's reference it is gone
+    finally:
+        if chain is not None:
+            chain.remove(record)
+
+
 def test_an_entry_serves_only_the_jit_function_it_was_built_from() -> None:
     """A kernel whose ``jit_for(key)`` differs from the entry's jit (two instances under one name
     that disagree, against the contract) takes Triton's path instead of the other binary."""

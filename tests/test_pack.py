@@ -100,3 +100,10 @@ def test_a_pack_of_another_triton_release_is_refused_in_one_line_naming_both(tmp
         assert f"was built with Triton {other}, this machine has {triton.__version__}" in str(info.value)
         assert "\n" not in str(info.value)
     assert not _entries(triton_cache)
+
+
+def test_build_of_a_config_no_kernel_serves_names_the_model_type_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "p.tar.gz"
+    with pytest.raises(PackError, match="no kernel declares a key for model_type 'nobody'") as info:
+        packs.build({**CONFIG, "model": {"model_type": "nobody"}}, out, target="cuda:90", entry_points=False)
+    assert "warmreg plugins" in str(info.value) and not out.exists()

@@ -61,7 +61,8 @@ def test_release_table_row_matches_the_installed_triton() -> None:
     assert RELEASE.jit_function_constants == ("jit_function" in serialize)
     assert RELEASE.constexpr_lists_as_tuples == ("convert_to_tuple_if_list(value['constexpr'])" in inspect.getsource(JITFunction.preload))
     assert RELEASE.per_signature_launcher == hasattr(nvidia_driver, "make_launcher")
-    assert RELEASE.unloads_on_del == ("unload_module" in inspect.getsource(getattr(CompiledKernel, "__del__", lambda: None)))
+    own_del = vars(CompiledKernel).get("__del__")
+    assert RELEASE.unloads_on_del == (own_del is not None and "unload_module" in inspect.getsource(own_del))
     import re
 
     added = re.findall(r'kwargs\["(\w+)"\] = knobs\.(\w+\.\w+)', inspect.getsource(JITFunction.run))
@@ -320,3 +321,28 @@ def test_loads_without_a_per_kernel_launcher_run_side_by_side() -> None:
     for t in threads:
         t.join()
     assert all(k.module is not None for k in kernels) and not met.broken
+
+
+def test_nothing_outside_the_adapter_touches_a_private_triton_name() -> None:
+    """Triton's internals (runtime, compiler, backends, knobs, _C, underscored names) are reached only
+    from ``warmreg/_triton*.py``; kernels may use the language (``triton.jit``, ``triton.language``)."""
+    import ast
+    from pathlib import Path
+
+    public_modules = ("triton", "triton.language", "triton.language.extra", "triton.language.extra.cuda")
+    internal = {"runtime", "compiler", "backends", "knobs", "_C", "tools", "testing"}
+    found = []
+    for path in sorted(Path(warmreg.__file__).parent.rglob("*.py")):
+        if path.name.startswith("_triton"):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                found += [f"{path.name}: import {a.name}" for a in node.names if a.name.startswith("triton") and a.name not in public_modules]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("triton"):
+                if node.module not in public_modules or any(a.name.startswith("_") for a in node.names):
+                    found.append(f"{path.name}: from {node.module} import {', '.join(a.name for a in node.names)}")
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "triton":
+                if node.attr in internal or (node.attr.startswith("_") and node.attr != "__version__"):
+                    found.append(f"{path.name}:{node.lineno}: triton.{node.attr}")
+    assert found == []

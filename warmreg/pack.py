@@ -269,14 +269,19 @@ def build(
         one) whose ABI the pack carries Triton's C launchers for, so that a serving host with that
         Python neither runs a C compiler nor waits for one; empty for none. Default: this interpreter
         when a C compiler and its headers are at hand (the pack then simply has none otherwise).
-    :raises PackError: if a key failed to compile (no pack is written), a launcher could not be built,
-        or the output exists.
+    :raises PackError: if no kernel declares a key for the config, a key failed to compile (no pack is
+        written), a launcher could not be built, or the output exists.
     """
     out = Path(output)
     if out.exists() and not force:
         raise PackError(str(out), "already exists", fix="pass force=True (--force) or another path")
     the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points)
     platform = the_plan.platform
+    if not the_plan.num_keys:
+        raise PackError(
+            str(out), f"no kernel declares a key for model_type {the_plan.config.model_type!r} on {platform.target}",
+            fix="install the model family's plugin (`warmreg plugins` lists what is loaded)",
+        )
     with tempfile.TemporaryDirectory(prefix="warmreg-build-") as tmp:
         with _cache_at(os.path.join(tmp, "cache")):
             _triton.forget_compiled()  # compile into the empty cache, even keys this process has loaded
