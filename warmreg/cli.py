@@ -1,6 +1,7 @@
 """The ``warmreg`` command line: ``plugins``, ``plan``, ``warm`` (and more from later modules).
 
-Errors warmreg raises on purpose print as one line on stderr with exit code 2, no traceback.
+Errors warmreg raises on purpose, and disk errors (``OSError``), print as one line on stderr with
+exit code 2, no traceback.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import WarmregError
@@ -94,6 +96,10 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
 
 def _warm_and_show(args: argparse.Namespace, warm: Callable[..., Any]) -> int:
+    if args.json:
+        from ._output import check_output
+
+        check_output(args.json, "--json")
     report = warm(  # on_error="continue": failures are listed below and give exit code 1
         args.config,
         target=args.target,
@@ -149,7 +155,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except WarmregError as exc:
-        _err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        _err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
+    except OSError as exc:  # a disk or path problem warmreg did not name itself: still one line
+        where = f": {exc.filename}" if exc.filename else ""
+        _err.print(f"[red]error:[/] {escape(str(exc.strerror or exc))}{escape(where)}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         _err.print("[red]interrupted[/]")

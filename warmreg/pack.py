@@ -38,6 +38,7 @@ import attrs
 import triton
 
 from . import _triton, _triton_cache, _triton_launchers
+from ._output import check_output
 from ._pack_format import (
     _ARCHIVES,
     FORMAT,
@@ -225,6 +226,7 @@ def build(
     out = Path(output)
     if out.exists() and not force:
         raise PackError(str(out), "already exists", fix="pass force=True (--force) or another path")
+    check_output(out, "pack output", create_parents=True)  # before compiling, not after
     the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points)
     platform = the_plan.platform
     with tempfile.TemporaryDirectory(prefix="warmreg-build-") as tmp:
