@@ -33,7 +33,7 @@ class Limits:
     total: int = 2 * 1024 * 1024 * 1024  # all files a manifest lists, together
     entries: int = 10_000
     launchers: int = 1_000
-    members: int = 50_000  # members of an archive (listed or not)
+    members: int = 25_000  # members of an archive (listed or not): two files per entry, launchers
     files_per_entry: int = 16
 
 

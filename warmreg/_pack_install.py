@@ -24,7 +24,7 @@ from .errors import CacheError, WarmregError
 from .platform import Platform
 from .warm import _check_cache_writable
 
-__all__ = ["install_entries"]
+__all__ = ["install_entries", "local_hash"]
 
 
 def install_entries(
@@ -52,7 +52,7 @@ def install_entries(
         try:
             if isinstance(blobs, WarmregError):
                 raise blobs
-            ready.append((entry, blobs, _local_hash(entry, jits, platform, pack)))
+            ready.append((entry, blobs, local_hash(entry, jits, platform, pack)))
         except WarmregError as exc:
             refused.append((f"{entry.kernel} {entry.key.get('fields')}", str(exc)))
     if refused and all_or_nothing:
@@ -71,7 +71,12 @@ def install_entries(
     return installed, len(published) - installed, tuple(refused)
 
 
-def _local_hash(entry: PackEntry, jits: Mapping[str, Any], platform: Platform, pack: str) -> str:
+def local_hash(entry: PackEntry, jits: Mapping[str, Any], platform: Platform, pack: str) -> str:
+    """The cache hash the local Triton gives an entry (what install writes it under).
+
+    :raises PackError: if its Triton function is not among ``jits``, changed since the build, or
+        its specialization is not one this Triton reads.
+    """
     jit = jits.get(entry.jit_name)
     if jit is None:
         raise PackError(

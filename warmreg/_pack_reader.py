@@ -134,7 +134,7 @@ class Reader:
                 continue
             name = self._member_name(info.filename)
             mode = info.external_attr >> 16
-            if (mode and not stat.S_ISREG(mode)) or info.flag_bits & 0x1:
+            if stat.S_IFMT(mode) not in (0, stat.S_IFREG) or info.flag_bits & 0x1:  # 0: no type recorded
                 raise PackError(self.name, f"member {name!r} is a link, special or encrypted file", fix=_NO_LINKS)
             if info.file_size > LIMITS.member:
                 raise PackError(self.name, f"member {name!r} is too large ({info.file_size} bytes)", fix="do not use this pack")

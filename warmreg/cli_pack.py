@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,8 +65,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def refusal_lines(refused: Sequence[tuple[str, str]], *, most: int = 5) -> list[str]:
     """Refusals summarized by reason: one line per distinct reason (at most ``most``), with a count."""
     by_reason: dict[str, list[str]] = {}
-    for what, why in refused:
-        by_reason.setdefault(why, []).append(what)
+    for what, why in refused:  # hashes and paths differ per entry, the reason does not
+        by_reason.setdefault(re.sub(r"[0-9a-f]{16,}", "<hash>", why), []).append(what)
     lines = []
     for why, whats in sorted(by_reason.items(), key=lambda item: -len(item[1]))[:most]:
         count = f"{len(whats)} entries, e.g. " if len(whats) > 1 else ""

@@ -49,7 +49,7 @@ from ._pack_format import (
     PackLauncher,
     _sha256,
 )
-from ._pack_install import install_entries
+from ._pack_install import install_entries, local_hash
 from ._pack_reader import Reader, check_entries, check_launchers
 from .compile import compile_keys
 from .errors import CacheError, WarmregError
@@ -86,9 +86,11 @@ def _open(path: str | Path) -> Reader:
     return Reader(Path(path))
 
 
-def verify(path: str | Path, *, target: str | Platform | None = None) -> Manifest:
-    """Check a pack completely, as install does before it writes: manifest digest and fields, member
-    names and types, every file's size and sha256, each entry's metadata, Triton/ptxas/target.
+def verify(path: str | Path, *, target: str | Platform | None = None, jits: Mapping[str, Any] | None = None) -> Manifest:
+    """Check a pack completely, exactly as install does before it writes: manifest digest and fields,
+    member names and types, every file's size and sha256, each entry's metadata, Triton/ptxas/target,
+    and each entry's Triton function (among ``jits``, as for :func:`install`; never imported), its
+    source hash and its specialization.
 
     :returns: the manifest.
     :raises PackError: on the first problem, saying which and why.
@@ -96,13 +98,17 @@ def verify(path: str | Path, *, target: str | Platform | None = None) -> Manifes
     reader = _open(path)
     try:
         manifest = reader.manifest()
-        _check_machine(reader, manifest, resolve_platform(target) if target is not None else None)
-        for _entry, checked in check_entries(reader, manifest):
-            if isinstance(checked, PackError):
-                raise checked
+        platform = resolve_platform(target) if target is not None else Platform.parse(manifest.target)
+        _check_machine(reader, manifest, platform)
+        checked = check_entries(reader, manifest)
         check_launchers(reader, manifest)
     finally:
         reader.close()
+    known = loaded_jits() if jits is None else jits
+    for entry, blobs in checked:
+        if isinstance(blobs, PackError):
+            raise blobs
+        local_hash(entry, known, platform, reader.name)
     return manifest
 
 
