@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from .errors import WarmregError
@@ -27,8 +28,10 @@ def check_output(path: str | os.PathLike[str], what: str, *, create_parents: boo
         problem = f"cannot be written: the directory {parent} does not exist"
     elif not parent.is_dir():
         problem = f"cannot be written: {parent} is not a directory"
-    elif not os.access(parent, os.W_OK | os.X_OK):
-        problem = f"cannot be written: {parent} is not writable"
     else:
-        return
+        try:  # access() says yes to root on /proc or a read-only mount: try it, as the writer will
+            with tempfile.NamedTemporaryFile(dir=parent, prefix=".warmreg-probe-"):
+                return
+        except OSError as exc:
+            problem = f"cannot be written: {parent} is not writable ({exc.strerror})"
     raise WarmregError(f"{what} {path} {problem}", fix="pass a path in an existing, writable directory")

@@ -116,18 +116,23 @@ def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash:
     directory.mkdir(parents=True, exist_ok=True)
     writer = uuid.uuid4().hex[:12]
     children: dict[str, str] = {}
-    for name, data in blobs.items():
-        if name == meta_name:
-            meta = _json.loads(data, max_depth=16, max_values=100_000)
-            if not isinstance(meta, dict):
-                raise PackError(f"entry {entry.kernel}", f"{name} is not Triton metadata (a JSON object)", fix="rebuild the pack")
-            meta["hash"] = local_hash  # the entry now lives under the local key
-            data = json.dumps(meta).encode()
-        stem, _, ext = name.rpartition(".")
-        final = directory / f"{stem}.{writer}.{ext}"
-        _atomic_write(final, data)
-        children[name] = str(final)
-    _atomic_write(group, json.dumps({"child_paths": children}).encode())
+    try:
+        for name, data in blobs.items():
+            if name == meta_name:
+                meta = _json.loads(data, max_depth=16, max_values=100_000)
+                if not isinstance(meta, dict):
+                    raise PackError(f"entry {entry.kernel}", f"{name} is not Triton metadata (a JSON object)", fix="rebuild the pack")
+                meta["hash"] = local_hash  # the entry now lives under the local key
+                data = json.dumps(meta).encode()
+            stem, _, ext = name.rpartition(".")
+            final = directory / f"{stem}.{writer}.{ext}"
+            _atomic_write(final, data)
+            children[name] = str(final)
+        _atomic_write(group, json.dumps({"child_paths": children}).encode())
+    except BaseException:
+        for path in children.values():  # a failed entry leaves none of its files (a kill may leave some)
+            Path(path).unlink(missing_ok=True)
+        raise
     return True
 
 
