@@ -8,6 +8,7 @@ from __future__ import annotations
 from .config import WarmConfig
 from .domains import next_pow2, powers_of_two, runtime_platform, token_counts
 from .errors import (
+    CacheError,
     CompileFailed,
     CompileKeyError,
     ConfigError,
@@ -42,6 +43,7 @@ from .warm import plan, prefetch, warm
 __version__ = "0.1.0"
 
 __all__ = [
+    "CacheError",
     "CompileFailed",
     "CompileKey",
     "CompileKeyError",

@@ -172,6 +172,11 @@ def knob(path: str) -> Any:
     return getattr(getattr(triton.knobs, group), name)
 
 
+def is_jit_function(obj: Any) -> bool:
+    """Whether ``obj`` is a ``@triton.jit`` function (``triton.runtime.jit.JITFunction``; 3.6-3.9)."""
+    return isinstance(obj, JITFunction)
+
+
 def in_memory(jit: JITFunction, key: str) -> bool:
     """Whether ``jit`` holds a kernel under Triton's in-memory ``key`` for the current device."""
     return key in jit.device_caches[current_device()][0]

@@ -1,18 +1,21 @@
 """The ``warmreg`` command line: ``plugins``, ``plan``, ``warm`` (and more from later modules).
 
-Errors warmreg raises on purpose print as one line on stderr with exit code 2, no traceback.
+Errors warmreg raises on purpose, and disk errors (``OSError``), print as one line on stderr with
+exit code 2, no traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from .errors import WarmregError
@@ -94,6 +97,10 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
 
 def _warm_and_show(args: argparse.Namespace, warm: Callable[..., Any]) -> int:
+    if args.json:
+        from ._output import check_output
+
+        check_output(args.json, "--json")
     report = warm(  # on_error="continue": failures are listed below and give exit code 1
         args.config,
         target=args.target,
@@ -110,8 +117,11 @@ def _warm_and_show(args: argparse.Namespace, warm: Callable[..., Any]) -> int:
     _out.print(table)
     for r in report.failed:
         _err.print(f"[red]failed[/] {r.kernel} {r.key}: {r.error}")
-    if args.json:
-        Path(args.json).write_text(report.dumps())
+    if args.json:  # whole or not at all: under torchrun every rank writes the same path
+        out = Path(args.json)
+        staged = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        staged.write_text(report.dumps())
+        os.replace(staged, out)
         _out.print(f"report written to {args.json}")
     return 1 if report.failed else 0
 
@@ -149,7 +159,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except WarmregError as exc:
-        _err.print(f"[red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        _err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        return 2
+    except OSError as exc:  # a disk or path problem warmreg did not name itself: still one line
+        where = f": {exc.filename}" if exc.filename else ""
+        _err.print(f"[red]error:[/] {escape(str(exc.strerror or exc))}{escape(where)}", highlight=False, soft_wrap=True)
         return 2
     except KeyboardInterrupt:
         _err.print("[red]interrupted[/]")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ._triton_release import release_of
@@ -35,7 +38,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .pack import inspect_pack
 
     m = inspect_pack(args.pack)
-    _out.print(f"pack {args.pack}: format {m.format}, warmreg {m.warmreg_version}, Triton {m.triton_version}, target {m.target}, ptxas {m.ptxas_version}, built on Python {m.python}, model {m.model_type}")
+    head = f"pack {args.pack}: format {m.format}, warmreg {m.warmreg_version}, Triton {m.triton_version}, target {m.target}, ptxas {m.ptxas_version}, built on Python {m.python}, model {m.model_type}"
+    _out.print(escape(head))  # every string of a manifest is the pack's: never rich markup
     table = Table("kernel", "keys", "bytes")
     rows: dict[str, list[int]] = {}
     for e in m.entries:
@@ -43,15 +47,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         row[0] += 1
         row[1] += sum(f.size for f in e.files)
     for name, (n, size) in sorted(rows.items()):
-        table.add_row(name, str(n), str(size))
+        table.add_row(escape(name), str(n), str(size))
     _out.print(table)
     if m.launchers:
         by_python: dict[str, int] = {}
         for x in m.launchers:
             by_python[x.python] = by_python.get(x.python, 0) + 1
-        _out.print("prebuilt C launchers: " + ", ".join(f"{n} for Python {v}" for v, n in sorted(by_python.items())))
+        _out.print(escape("prebuilt C launchers: " + ", ".join(f"{n} for Python {v}" for v, n in sorted(by_python.items()))))
     elif not release_of(m.triton_version).per_signature_launcher:
-        _out.print(f"no C launchers: Triton {m.triton_version} builds none per kernel (one generic launcher serves every kernel)")
+        _out.print(escape(f"no C launchers: Triton {m.triton_version} builds none per kernel (one generic launcher serves every kernel)"))
     else:
         _out.print("no prebuilt C launchers: the serving host builds them at warm (Triton 3.6 needs a C compiler there)")
     return 0
@@ -61,20 +65,37 @@ def cmd_verify(args: argparse.Namespace) -> int:
     from .pack import verify
 
     m = verify(args.pack, target=args.target)
-    _out.print(f"[green]ok[/] {args.pack}: {len(m.entries)} entries, every file matches its sha256; fits Triton {m.triton_version} and {m.target}")
+    _out.print(f"[green]ok[/] {escape(args.pack)}: {len(m.entries)} entries, every file matches its sha256; fits Triton {m.triton_version} and {m.target}")
     return 0
 
 
+def refusal_lines(refused: Sequence[tuple[str, str]], *, most: int = 5) -> list[str]:
+    """Refusals summarized by reason: one line per distinct reason (at most ``most``), with a count."""
+    by_reason: dict[str, list[str]] = {}
+    for what, why in refused:  # hashes and paths differ per entry, the reason does not
+        by_reason.setdefault(re.sub(r"[0-9a-f]{16,}", "<hash>", why), []).append(what)
+    lines = []
+    for why, whats in sorted(by_reason.items(), key=lambda item: -len(item[1]))[:most]:
+        count = f"{len(whats)} entries, e.g. " if len(whats) > 1 else ""
+        lines.append(f"refused {count}{whats[0][:120]}: {why}")
+    if len(by_reason) > most:
+        lines.append(f"refused {sum(len(w) for _, w in sorted(by_reason.items(), key=lambda i: -len(i[1]))[most:])} more entries for {len(by_reason) - most} other reasons")
+    return lines
+
+
 def cmd_install(args: argparse.Namespace) -> int:
-    from .pack import install
+    from .pack import PackError, install
 
     r = install(args.pack, target=args.target, all_or_nothing=args.all_or_nothing)
+    if r.refused and not r.installed and not r.present:  # the pack did nothing here: one error line
+        lines = refusal_lines(r.refused, most=1)
+        raise PackError(args.pack, f"none of its {len(r.refused)} entries was installed; {lines[0]}")
     _out.print(
         f"{args.pack}: {r.installed} installed, {r.present} already present, {len(r.refused)} refused, "
-        f"{r.launchers} C launchers in {r.seconds:.2f} s"
-    )
-    for what, why in r.refused:
-        _out.print(f"[yellow]refused[/] {what}: {why}", highlight=False)
+        f"{r.launchers} C launchers in {r.seconds:.2f} s", soft_wrap=True,
+    )  # fmt: skip
+    for line in refusal_lines(r.refused):
+        _out.print(f"[yellow]{escape(line)}[/]", highlight=False, soft_wrap=True)
     return 1 if r.refused else 0
 
 

@@ -9,7 +9,6 @@ missing or invalid.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -18,45 +17,55 @@ from typing import Any, TypeVar
 
 import attrs
 
+from . import _json
 from .errors import ConfigError
 
-__all__ = ["SERVING_FIELDS", "WarmConfig"]
+__all__ = ["CONFIG_FILE_MAX", "MODEL_INT_MAX", "SERVING_FIELDS", "WarmConfig"]
 
 _T = TypeVar("_T")
 
 
-def _positive_int(value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        return f"must be an int (got {type(value).__name__} {value!r})"
-    return None if value > 0 else f"must be > 0 (got {value})"
+def _int_in(low: int, high: int) -> Callable[[Any], str | None]:
+    """A validator of an int in ``low..high`` (``bool`` is not an int here)."""
 
+    def check(value: Any) -> str | None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            return f"must be an int (got {type(value).__name__} {repr(value)[:40]})"
+        if not low <= value <= high:
+            shown = value if abs(value) < 10**12 else f"an int of {value.bit_length()} bits"
+            return f"must be in {low}..{high} (got {shown})"
+        return None
 
-def _non_negative_int(value: Any) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        return f"must be an int (got {type(value).__name__} {value!r})"
-    return None if value >= 0 else f"must be >= 0 (got {value})"
+    return check
 
 
 def _string(value: Any) -> str | None:
-    return None if isinstance(value, str) and value else f"must be a non-empty string (got {value!r})"
+    return None if isinstance(value, str) and value else f"must be a non-empty string (got {repr(value)[:60]})"
 
 
-#: Serving settings understood by the core, each with its validator and meaning.
+#: The widest int any model field may hold (Triton's int32 kernel arguments); plugins narrow it.
+MODEL_INT_MAX = 2**31 - 1
+
+#: Serving settings understood by the core, each with its validator and meaning. Every int setting
+#: has a range (documented in the README), so no value reaches a plugin's arithmetic unchecked.
 SERVING_FIELDS: Mapping[str, tuple[Callable[[Any], str | None], str]] = MappingProxyType(
     {
-        "max_num_batched_tokens": (_positive_int, "tokens in one engine step (prefill chunk budget)"),
-        "max_num_seqs": (_positive_int, "requests in one engine step"),
-        "max_model_len": (_positive_int, "longest sequence, prompt plus output"),
-        "block_size": (_positive_int, "KV-cache block size in tokens (the KV manager's page)"),
+        "max_num_batched_tokens": (_int_in(1, 2**24), "tokens in one engine step (prefill chunk budget)"),
+        "max_num_seqs": (_int_in(1, 2**16), "requests in one engine step"),
+        "max_model_len": (_int_in(1, 2**24), "longest sequence, prompt plus output"),
+        "block_size": (_int_in(1, 2**16), "KV-cache block size in tokens (the KV manager's page)"),
         "kv_cache_dtype": (_string, "KV-cache storage format, e.g. fp8_ds_mla or auto"),
         "dtype": (_string, "model activation dtype, e.g. bfloat16"),
         "attention_backend": (_string, "attention backend name, e.g. FLASHMLA_SPARSE_DSV4"),
-        "tensor_parallel_size": (_positive_int, "tensor-parallel ranks"),
-        "num_speculative_tokens": (_non_negative_int, "draft tokens per decode step (0 = no speculation)"),
-        "decode_context_parallel_size": (_positive_int, "decode context-parallel ranks (1 = off)"),
-        "cp_kv_cache_interleave_size": (_positive_int, "tokens dealt to one DCP rank at a time"),
+        "tensor_parallel_size": (_int_in(1, 1024), "tensor-parallel ranks"),
+        "num_speculative_tokens": (_int_in(0, 64), "draft tokens per decode step (0 = no speculation)"),
+        "decode_context_parallel_size": (_int_in(1, 1024), "decode context-parallel ranks (1 = off)"),
+        "cp_kv_cache_interleave_size": (_int_in(1, 2**16), "tokens dealt to one DCP rank at a time"),
     }
 )
+
+#: A config file is read only if it is a regular file of at most this many bytes.
+CONFIG_FILE_MAX = 16 * 1024 * 1024
 
 _ENGINE_FIELDS: dict[str, tuple[str, ...]] = {
     # vLLM-shaped objects: VllmConfig.<part>.<field>
@@ -151,11 +160,14 @@ class WarmConfig:
     @classmethod
     def _from_file(cls, path: Path, overrides: dict[str, Any]) -> WarmConfig:
         try:
-            data = json.loads(path.read_text())
+            data = _json.loads(_json.read_regular_file(path, limit=CONFIG_FILE_MAX), max_depth=64)
         except FileNotFoundError as exc:
             raise ConfigError(str(path), "does not exist", fix="pass the path of a config.json or a warmreg config") from exc
-        except json.JSONDecodeError as exc:
-            raise ConfigError(str(path), f"is not valid JSON ({exc})", fix="fix the file's syntax") from exc
+        except OSError as exc:
+            raise ConfigError(str(path), f"cannot be read ({exc.strerror})", fix="check the path and its permissions") from exc
+        except ValueError as exc:
+            first = (str(exc).splitlines() or [""])[0][:200]
+            raise ConfigError(str(path), f"is not a JSON config warmreg reads ({first})", fix="pass a config.json file") from exc
         if not isinstance(data, Mapping):
             raise ConfigError(str(path), "must hold a JSON object", fix="write {\"model\": {...}, \"serving\": {...}}")
         return cls._from_dict(data, overrides, str(path))
@@ -242,10 +254,15 @@ class WarmConfig:
         ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
+        if ok and kind is int and not -MODEL_INT_MAX <= value <= MODEL_INT_MAX:
+            raise ConfigError(
+                field, f"must be in -{MODEL_INT_MAX}..{MODEL_INT_MAX} (got an int of {value.bit_length()} bits)", plugin=plugin,
+                fix=fix or f"correct it in {self.source}",
+            )  # fmt: skip
         if not ok:
             raise ConfigError(
                 field,
-                f"must be {kind.__name__} (got {type(value).__name__} {value!r})",
+                f"must be {kind.__name__} (got {type(value).__name__} {repr(value)[:60]})",
                 plugin=plugin,
                 fix=fix or f"correct it in {self.source}",
             )

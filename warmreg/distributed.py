@@ -221,7 +221,7 @@ def sharded_compile(plan: Plan, *, group: Any, workers: int, on_error: OnError) 
             failed[(kernel, key)] = f"failed on rank {source}: {error}"
         if source == rank:
             continue
-        installed, present, refused = install_entries(theirs.entries, plan.platform, pack=f"rank {source}")
+        installed, present, refused = install_entries(theirs.entries, plan.platform, pack=f"rank {source}", jits=plan.jits())
         received += installed + present
         for what, why in refused:
             raise WarmregError(f"entry {what} from rank {source} was refused: {why}", fix="check that all ranks run the same warmreg, Triton and plugins")

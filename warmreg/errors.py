@@ -68,6 +68,19 @@ class CompileKeyError(WarmregError, ValueError):
         super().__init__(f"compile key {key}: {problem}", fix=fix)
 
 
+class CacheError(WarmregError):
+    """Triton's cache directory cannot be used: missing rights, a full disk, or not a directory.
+
+    :param directory: the cache directory (``TRITON_CACHE_DIR``).
+    """
+
+    def __init__(self, directory: str, problem: str, *, fix: str | None = None) -> None:
+        self.directory = directory
+        super().__init__(
+            f"the Triton cache directory {directory} {problem}", fix=fix or "free space, or set TRITON_CACHE_DIR to a writable directory"
+        )
+
+
 class CompileFailed(WarmregError):
     """One or more keys failed to compile during :func:`warmreg.warm` with ``on_error="raise"``.
 

@@ -29,8 +29,7 @@ import tempfile
 import time
 import uuid
 import zipfile
-from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ import attrs
 import triton
 
 from . import _triton, _triton_cache, _triton_launchers
+from ._output import check_output
 from ._pack_format import (
     _ARCHIVES,
     FORMAT,
@@ -47,22 +47,25 @@ from ._pack_format import (
     PackError,
     PackFile,
     PackLauncher,
-    _check_file,
-    _Reader,
     _sha256,
 )
+from ._pack_install import install_entries, local_hash
+from ._pack_reader import Reader, check_entries, check_launchers
 from .compile import compile_keys
-from .errors import WarmregError
+from .errors import CacheError, WarmregError
 from .key import CompileKey
 from .platform import Platform
+from .registry import loaded_jits
 from .report import KeyResult
 from .warm import default_workers, plan, resolve_platform
 
-__all__ = ["FORMAT", "InstallReport", "Manifest", "PackError", "PackLauncher", "build", "install", "verify"]
+__all__ = [
+    "FORMAT", "InstallReport", "Manifest", "PackError", "PackLauncher", "build", "install", "install_entries", "verify"
+]
 
 log = logging.getLogger("warmreg.pack")
 
-def _check_machine(reader: _Reader, manifest: Manifest, platform: Platform | None) -> None:
+def _check_machine(reader: Reader, manifest: Manifest, platform: Platform | None) -> None:
     if manifest.triton_version != triton.__version__:
         raise PackError(
             reader.name,
@@ -79,26 +82,43 @@ def _check_machine(reader: _Reader, manifest: Manifest, platform: Platform | Non
             )
 
 
-def verify(path: str | Path, *, target: str | Platform | None = None) -> Manifest:
-    """Check a pack completely: manifest digest, every file's size and sha256, Triton/ptxas/target.
+def _open(path: str | Path) -> Reader:
+    return Reader(Path(path))
+
+
+def verify(path: str | Path, *, target: str | Platform | None = None, jits: Mapping[str, Any] | None = None) -> Manifest:
+    """Check a pack completely, exactly as install does before it writes: manifest digest and fields,
+    member names and types, every file's size and sha256, each entry's metadata, Triton/ptxas/target,
+    and each entry's Triton function (among ``jits``, as for :func:`install`; never imported), its
+    source hash and its specialization.
 
     :returns: the manifest.
     :raises PackError: on the first problem, saying which and why.
     """
-    reader = _Reader(Path(path))
-    manifest = reader.manifest()
-    _check_machine(reader, manifest, resolve_platform(target) if target is not None else None)
-    for entry in manifest.entries:
-        for f in entry.files:
-            _check_file(reader, entry, f)
-    for launcher in manifest.launchers:
-        _check_file(reader, launcher, launcher.file)
+    reader = _open(path)
+    try:
+        manifest = reader.manifest()
+        platform = resolve_platform(target) if target is not None else Platform.parse(manifest.target)
+        _check_machine(reader, manifest, platform)
+        checked = check_entries(reader, manifest)
+        check_launchers(reader, manifest)
+    finally:
+        reader.close()
+    known = loaded_jits() if jits is None else jits
+    for entry, blobs in checked:
+        if isinstance(blobs, PackError):
+            raise blobs
+        local_hash(entry, known, platform, reader.name)
     return manifest
 
 
 def inspect_pack(path: str | Path) -> Manifest:
-    """Read a pack's manifest (digest checked; files not verified)."""
-    return _Reader(Path(path)).manifest()
+    """Read a pack's manifest (digest and fields checked; files not verified)."""
+    reader = _open(path)
+    try:
+        return reader.manifest()
+    finally:
+        reader.close()
 
 
 # -- installing ---------------------------------------------------------------------------------
@@ -117,67 +137,41 @@ class InstallReport:
     launchers: int = 0
 
 
-def install(path: str | Path, *, target: str | Platform | None = None, all_or_nothing: bool = False) -> InstallReport:
+def install(
+    path: str | Path, *, target: str | Platform | None = None, all_or_nothing: bool = False, jits: Mapping[str, Any] | None = None
+) -> InstallReport:
     """Install a pack into Triton's cache directory (``TRITON_CACHE_DIR``), under local cache keys.
+
+    Everything :func:`verify` checks is checked before the first write. A pack never causes an
+    import: each entry's Triton function is looked up among ``jits``.
 
     :param target: the platform this machine warms for (default: the pack's target).
     :param all_or_nothing: refuse the whole pack if any entry is refused.
+    :param jits: the Triton functions entries may be installed for, by full name (default: those of
+        every kernel class defined in this process once the installed plugins are loaded,
+        :func:`warmreg.registry.loaded_jits`); entries for any other function are refused.
     :raises PackError: for a pack that does not fit this machine at all, or under ``all_or_nothing``.
+    :raises CacheError: if the cache directory cannot be written (nothing unverified is left in it).
     """
     start = time.perf_counter()
-    reader = _Reader(Path(path))
-    manifest = reader.manifest()
-    platform = resolve_platform(target) if target is not None else Platform.parse(manifest.target)
-    _check_machine(reader, manifest, platform)
-    blobs: list[tuple[PackEntry, dict[str, bytes] | WarmregError]] = []
-    for entry in manifest.entries:
-        try:
-            blobs.append((entry, {f.name: _check_file(reader, entry, f) for f in entry.files}))
-        except WarmregError as exc:
-            blobs.append((entry, exc))
-    fitting = [x for x in manifest.launchers if _triton_launchers.fits_here(x.platform_key, x.file.name)]
-    launcher_blobs = [(x, _check_file(reader, x, x.file)) for x in fitting]  # verified before anything is written
-    installed, present, refused = install_entries(blobs, platform, pack=reader.name, all_or_nothing=all_or_nothing)
-    launchers = sum(_triton_launchers.install(x.cache_key, x.file.name, data) for x, data in launcher_blobs)
+    reader = _open(path)
+    try:
+        manifest = reader.manifest()
+        platform = resolve_platform(target) if target is not None else Platform.parse(manifest.target)
+        _check_machine(reader, manifest, platform)
+        blobs = check_entries(reader, manifest)
+        checked = check_launchers(reader, manifest)  # every launcher verified, as verify does
+    finally:
+        reader.close()
+    launcher_blobs = [(x, data) for x, data in checked if _triton_launchers.fits_here(x.platform_key, x.file.name)]
+    installed, present, refused = install_entries(
+        blobs, platform, pack=reader.name, jits=loaded_jits() if jits is None else jits, all_or_nothing=all_or_nothing
+    )
+    try:
+        launchers = sum(_triton_launchers.install(x.cache_key, x.file.name, data) for x, data in launcher_blobs)
+    except OSError as exc:
+        raise CacheError(_triton_cache.cache_dir(), f"cannot take the pack's C launchers ({exc.strerror or exc})") from exc
     return InstallReport(reader.name, installed, present, tuple(refused), time.perf_counter() - start, launchers)
-
-
-def install_entries(
-    items: Iterable[tuple[PackEntry, dict[str, bytes] | WarmregError]],
-    platform: Platform,
-    *,
-    pack: str,
-    all_or_nothing: bool = False,
-) -> tuple[int, int, tuple[tuple[str, str], ...]]:
-    """Write verified entries into the local Triton cache under the keys the local Triton computes.
-
-    Shared by pack install and the distributed warm (entries received from other ranks).
-
-    :param items: each entry with its files' bytes (already checked against the manifest), or the
-        error that refused it.
-    :returns: ``(installed, already present, refused (entry, reason))``.
-    :raises PackError: under ``all_or_nothing`` if any entry is refused; nothing is written then.
-    """
-    ready: list[tuple[PackEntry, dict[str, bytes], str]] = []
-    refused: list[tuple[str, str]] = []
-    for entry, blobs in items:
-        try:
-            if isinstance(blobs, WarmregError):
-                raise blobs
-            jit = _triton_cache.import_jit(entry.jit_name)
-            if _triton.source_hash(jit) != entry.source_hash:
-                raise PackError(pack, f"kernel {entry.jit_name} changed since the pack was built (source hash differs)", fix="rebuild the pack")
-            ready.append((entry, blobs, _triton_cache.local_cache_hash(jit, entry.specialization_data, platform)))
-        except WarmregError as exc:
-            refused.append((f"{entry.kernel} {entry.key.get('fields')}", str(exc)))
-    if refused and all_or_nothing:
-        raise PackError(pack, f"{len(refused)} entries refused (all-or-nothing): {refused[0][1]}", fix="rebuild the pack")
-    cache = Path(_triton_cache.cache_dir())
-    # entries are independent, and each file's fsync waits on the disk with the GIL released
-    with ThreadPoolExecutor(max_workers=min(8, max(1, len(ready))), thread_name_prefix="warmreg-install") as pool:
-        published = list(pool.map(lambda item: _publish(cache, *item), ready))
-    installed = sum(published)
-    return installed, len(published) - installed, tuple(refused)
 
 
 def entry_from_result(result: KeyResult, kernel: Any) -> tuple[PackEntry, dict[str, bytes]]:
@@ -195,43 +189,6 @@ def entry_from_result(result: KeyResult, kernel: Any) -> tuple[PackEntry, dict[s
         binary_hash=result.binary_hash or "", files=files,
     )  # fmt: skip
     return entry, blobs
-
-
-def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash: str) -> bool:
-    """Write one entry's files under unique names, then atomically publish its group file."""
-    directory = cache / _triton_cache.cache_subdir(local_hash)
-    meta_name = next(n for n in blobs if n.endswith(".json"))
-    group = directory / f"__grp__{meta_name}"
-    if group.exists():
-        try:
-            existing = json.loads(group.read_text())["child_paths"]
-            if all(Path(p).is_file() for p in existing.values()):
-                return False  # already installed (by us, another installer, or Triton itself)
-        except (ValueError, KeyError, TypeError):
-            pass  # a damaged group file is replaced below
-    directory.mkdir(parents=True, exist_ok=True)
-    writer = uuid.uuid4().hex[:12]
-    children: dict[str, str] = {}
-    for name, data in blobs.items():
-        if name == meta_name:
-            meta = json.loads(data)
-            meta["hash"] = local_hash  # the entry now lives under the local key
-            data = json.dumps(meta).encode()
-        stem, _, ext = name.rpartition(".")
-        final = directory / f"{stem}.{writer}.{ext}"
-        _atomic_write(final, data)
-        children[name] = str(final)
-    _atomic_write(group, json.dumps({"child_paths": children}).encode())
-    return True
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.tmp.{uuid.uuid4().hex}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # -- building -----------------------------------------------------------------------------------
@@ -275,6 +232,7 @@ def build(
     out = Path(output)
     if out.exists() and not force:
         raise PackError(str(out), "already exists", fix="pass force=True (--force) or another path")
+    check_output(out, "pack output", create_parents=True)  # before compiling, not after
     the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points)
     platform = the_plan.platform
     if not the_plan.num_keys:

@@ -7,11 +7,12 @@ compiles once per distinct key) and computes each kernel's keys from its domains
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import attrs
 
+from . import _triton
 from .config import WarmConfig
 from .errors import PluginError
 from .kernel import TritonKernel
@@ -19,7 +20,7 @@ from .key import CompileKey
 from .platform import Platform, Predicate
 from .space import enumerate_keys
 
-__all__ = ["KernelPlan", "Plan", "Registry", "Skipped"]
+__all__ = ["KernelPlan", "Plan", "Registry", "Skipped", "loaded_jits"]
 
 
 @attrs.frozen
@@ -143,6 +144,10 @@ class Plan:
             for key in kp.keys:
                 yield kp, key
 
+    def jits(self) -> dict[str, Any]:
+        """Every ``@triton.jit`` function the plan's kernels may launch, by Triton's full name."""
+        return {_triton.full_name(j): j for kp in self.kernels for j in kp.kernel.jits() if j is not None}
+
     def kernel(self, name: str) -> KernelPlan:
         """The plan of one kernel by name.
 
@@ -168,3 +173,22 @@ class Plan:
             ],
             "skipped": [attrs.asdict(s) for s in self.skipped],
         }
+
+
+def loaded_jits(plugins: Iterable[Any] = (), *, entry_points: bool = True) -> dict[str, Any]:
+    """The ``@triton.jit`` functions of every kernel class defined in this process, by Triton's full
+    name, once the installed plugins (and ``plugins``) are loaded: what a pack may supply binaries
+    for. Nothing is imported on behalf of a pack; a plugin that fails to load is skipped.
+    """
+    from .plugins import load_plugins
+
+    load_plugins(plugins, entry_points=entry_points, on_plugin_error="skip")
+    found: dict[str, Any] = {}
+    todo: list[type[Any]] = [TritonKernel]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        jit = cls.__dict__.get("jit")
+        if _triton.is_jit_function(jit):
+            found[_triton.full_name(jit)] = jit
+    return found

@@ -6,6 +6,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import triton
@@ -13,7 +14,7 @@ import triton
 from . import _triton, _triton_cache
 from .compile import OnError, check_on_error, compile_keys
 from .config import WarmConfig
-from .errors import CompileFailed, ConfigError, WarmregError
+from .errors import CacheError, CompileFailed, ConfigError, WarmregError
 from .platform import Platform
 from .plugins import OnPluginError, call_register_hooks, load_plugins
 from .registry import Plan, Registry
@@ -153,7 +154,7 @@ def warm(
         # runs while Triton's installation is still being hashed; the install needs that hash
         from .pack import install
 
-        r = install(os.fspath(pack), target=the_plan.platform)  # type: ignore[arg-type]
+        r = install(os.fspath(pack), target=the_plan.platform, jits=the_plan.jits())  # type: ignore[arg-type]
         pack_note.append(
             f"{pack}: {r.installed} installed, {r.present} present, {len(r.refused)} refused, "
             f"{r.launchers} C launchers in {r.seconds:.2f} s"
@@ -203,20 +204,20 @@ def warm(
     return report
 
 
-def _check_cache_writable() -> None:
-    """Refuse early, in one line, a Triton cache directory that cannot be written."""
+def _check_cache_writable() -> Path:
+    """Refuse early, in one line, a Triton cache directory that cannot be written; returns it."""
     import tempfile
 
-    directory = _triton_cache.cache_dir()
+    directory = Path(_triton_cache.cache_dir())
+    if directory.exists() and not directory.is_dir():
+        raise CacheError(str(directory), "is not a directory", fix="set TRITON_CACHE_DIR to a directory")
     try:
         os.makedirs(directory, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=directory, prefix=".warmreg-probe-"):
             pass
     except OSError as exc:
-        raise WarmregError(
-            f"the Triton cache directory {directory} is not writable ({exc.strerror})",
-            fix="set TRITON_CACHE_DIR to a writable directory",
-        ) from exc
+        raise CacheError(str(directory), f"is not writable ({exc.strerror})", fix="set TRITON_CACHE_DIR to a writable directory") from exc
+    return directory
 
 
 def _compile_with_progress(

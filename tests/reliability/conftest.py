@@ -2,7 +2,8 @@
 
 ``python3 -m pytest tests/reliability --reliability-report docs/reliability.md`` rewrites the table
 between the markers in that file: one row per test (what was tried, from the docstring's first
-line, and the outcome of this run).
+line, and the outcome of this run), and the figures per class of cases (tried, handled, failures;
+a generator's class is the part of its case name before ": ").
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 _ROWS: list[tuple[str, str, str]] = []
+_FIGURES: dict[tuple[str, str], list[int]] = {}  # (area, what was tried) -> [cases, handled, failures]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -23,10 +25,19 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     report = yield
     if report.when == "call" or (report.when == "setup" and report.skipped):
         doc = (getattr(item, "obj", None).__doc__ or item.name).strip().splitlines()[0]  # type: ignore[union-attr]
+        area = Path(str(item.fspath)).stem.removeprefix("test_").replace("_", " ")
         callspec = getattr(item, "callspec", None)
+        kind = doc
+        if callspec is not None and "name" in callspec.params and ": " in str(callspec.params["name"]):
+            kind = str(callspec.params["name"]).split(": ")[0]  # a generator's class of cases
+        row = _FIGURES.setdefault((area, kind), [0, 0, 0])
+        row[0] += 1
+        if report.outcome == "passed":
+            row[1] += 1
+        elif report.outcome == "failed":
+            row[2] += 1
         if callspec is not None:
             doc = f"{doc}: **{callspec.id}**"
-        area = Path(str(item.fspath)).stem.removeprefix("test_").replace("_", " ")
         _ROWS.append((area, doc, report.outcome))
     return report
 
@@ -38,9 +49,19 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     lines = ["| area | tried | outcome |", "| --- | --- | --- |"]
     lines += [f"| {area} | {doc} | {outcome} |" for area, doc, outcome in _ROWS]
     table = "\n".join(lines)
+    figures = ["| area | class of cases | cases | handled | failures |", "| --- | --- | ---: | ---: | ---: |"]
+    figures += [f"| {area} | {kind} | {n} | {ok} | {bad} |" for (area, kind), (n, ok, bad) in _FIGURES.items()]
+    total = [sum(v[i] for v in _FIGURES.values()) for i in range(3)]
+    figures.append(f"| **all** | | **{total[0]}** | **{total[1]}** | **{total[2]}** |")
     target = Path(path)
-    start, end = "<!-- table:start -->", "<!-- table:end -->"
-    text = target.read_text() if target.exists() else f"{start}\n{end}\n"
+    text = target.read_text() if target.exists() else ""
+    text = _between(text, "<!-- figures:start -->", "<!-- figures:end -->", "\n".join(figures))
+    target.write_text(_between(text, "<!-- table:start -->", "<!-- table:end -->", table))
+
+
+def _between(text: str, start: str, end: str, body: str) -> str:
+    if start not in text:
+        text += f"\n{start}\n{end}\n"
     head, _, rest = text.partition(start)
     _, _, tail = rest.partition(end)
-    target.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+    return f"{head}{start}\n{body}\n{end}{tail}"

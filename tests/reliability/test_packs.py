@@ -13,6 +13,7 @@ import pytest
 
 import warmreg
 from tests.helpers import CONFIG, Plugin, Scale
+from warmreg import _pack_install
 from warmreg import pack as packs
 from warmreg.pack import PackError
 
@@ -153,7 +154,7 @@ def test_crash_mid_install_leaves_no_half_written_entry_and_a_rerun_completes(
     built: Path, triton_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """a crash mid-install leaves no half-written entry visible (others, published in parallel, are whole), and a re-run completes"""
-    real_write = packs._atomic_write
+    real_write = _pack_install._atomic_write
     calls = {"n": 0}
 
     def dying_write(path: Path, data: bytes) -> None:
@@ -162,8 +163,8 @@ def test_crash_mid_install_leaves_no_half_written_entry_and_a_rerun_completes(
             raise OSError("simulated crash")
         real_write(path, data)
 
-    monkeypatch.setattr(packs, "_atomic_write", dying_write)
-    with pytest.raises(OSError, match="simulated crash"):
+    monkeypatch.setattr(_pack_install, "_atomic_write", dying_write)
+    with pytest.raises(warmreg.CacheError, match="simulated crash"):
         packs.install(built)
     # entries are published in parallel: others may be whole and visible, the one that died is not
     groups = list(triton_cache.rglob("__grp__*"))
@@ -171,7 +172,7 @@ def test_crash_mid_install_leaves_no_half_written_entry_and_a_rerun_completes(
     for group in groups:  # every entry Triton can see is whole
         children = json.loads(group.read_text())["child_paths"]
         assert children and all(Path(p).is_file() for p in children.values())
-    monkeypatch.setattr(packs, "_atomic_write", real_write)
+    monkeypatch.setattr(_pack_install, "_atomic_write", real_write)
     rerun = packs.install(built)
     assert rerun.installed == 3 - len(groups) and rerun.present == len(groups)
     report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False)
