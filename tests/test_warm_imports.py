@@ -51,3 +51,42 @@ def test_warm_launch_code_of_the_examples_imports_no_sympy() -> None:
     out = subprocess.run([sys.executable, "-c", _CHILD, *configs], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split() == ["keys", "135"]
+
+
+_NO_TORCH = r"""
+import sys, traceback
+
+class _NoTorch:
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch" or name.startswith("torch."):
+            traceback.print_stack(limit=20)
+            raise ImportError("imported torch")
+
+sys.meta_path.insert(0, _NoTorch())
+from warmreg.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_the_cli_refuses_bad_input_without_importing_torch(tmp_path: Path) -> None:
+    """torch's import alone takes 2 s on the 2-core machine: a bad config, target, output or cache
+    directory, and a pack refused for what it is, answer without it (exit 2, one line)."""
+    config = tmp_path / "c.json"
+    config.write_text('{"model": {"model_type": "deepseek_v4"}, "serving": {"max_num_batched_tokens": 64, "max_model_len": 0}}')
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    example = str(ROOT / "examples" / "kimi_k3.json")
+    cases = [
+        (["plan", str(config), "--target", "cuda:90"], "serving.max_model_len", {}),
+        (["warm", example, "--target", "cuda:9x"], "cuda:9x", {}),
+        (["warm", example, "--target", "cuda:90", "--json", str(tmp_path / "missing" / "r.json")], "does not exist", {}),
+        (["build", example, "--target", "cuda:90", "-o", str(not_a_dir / "p.tar.gz")], "not a directory", {}),
+        (["pack", "verify", str(not_a_dir)], "pack", {}),
+        (["pack", "install", str(not_a_dir)], "pack", {}),
+        (["warm", example, "--target", "cuda:90"], "not a directory", {"TRITON_CACHE_DIR": str(not_a_dir)}),
+    ]
+    for argv, needle, env in cases:
+        done = subprocess.run([sys.executable, "-c", _NO_TORCH, *argv], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                              env={**__import__("os").environ, **env})  # fmt: skip
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], (argv, done.stderr[-2000:])

@@ -5,6 +5,11 @@ The public API: everything a plugin or an engine needs is importable from here.
 
 from __future__ import annotations
 
+import importlib
+import sys
+import types
+from typing import TYPE_CHECKING, Any
+
 from .config import WarmConfig
 from .domains import next_pow2, powers_of_two, runtime_platform, token_counts
 from .errors import (
@@ -19,9 +24,7 @@ from .errors import (
     WarmregError,
 )
 from .hookspecs import hookimpl
-from .kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
 from .key import CompileKey, FieldDiff, IntClass, dtype_name, int_class, int_class_rep, is_aligned
-from .monitor import JitMissError, Miss, Monitor, arm, disarm, monitor
 from .platform import (
     Platform,
     Predicate,
@@ -35,10 +38,50 @@ from .platform import (
     sm_below,
     supports_pdl,
 )
-from .registry import KernelPlan, Plan, Registry
 from .report import KeyResult, WarmReport
-from .space import enumerate_keys
-from .warm import plan, prefetch, warm
+
+if TYPE_CHECKING:
+    from .kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
+    from .monitor import JitMissError, Miss, Monitor, arm, disarm, monitor
+    from .registry import KernelPlan, Plan, Registry
+    from .space import enumerate_keys
+    from .warm import plan, prefetch, warm
+
+# Imported on first use: these modules import torch (about 2 s on a small machine), which the CLI's
+# refusals, pack checks and config checks do not need.
+_LAZY = {
+    **dict.fromkeys(("LaunchSpec", "TritonKernel", "kernel_launcher", "meta"), "kernel"),
+    **dict.fromkeys(("JitMissError", "Miss", "Monitor", "arm", "disarm", "monitor"), "monitor"),
+    **dict.fromkeys(("KernelPlan", "Plan", "Registry"), "registry"),
+    "enumerate_keys": "space",
+    **dict.fromkeys(("plan", "prefetch", "warm"), "warm"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'warmreg' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+class _Package(types.ModuleType):
+    """``warmreg.warm`` and ``warmreg.monitor`` are the functions: importing the modules of the same
+    name (``warmreg.warm``, ``warmreg.monitor``) must not rebind them to the modules."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in ("warm", "monitor") and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 __version__ = "0.1.0"
 

@@ -22,7 +22,6 @@ from . import _json, _triton, _triton_cache
 from ._pack_format import PackEntry, PackError, _one_line, check_name
 from .errors import CacheError, WarmregError
 from .platform import Platform
-from .warm import _check_cache_writable
 
 __all__ = ["install_entries", "local_hash"]
 
@@ -60,7 +59,7 @@ def install_entries(
         raise PackError(pack, f"{len(refused)} entries refused (all-or-nothing): {refused[0][1]}{more}", fix="rebuild the pack")
     if not ready:
         return 0, 0, tuple(refused)
-    cache = _check_cache_writable()
+    cache = _triton_cache.check_cache_writable()
     try:
         # entries are independent, and each file's fsync waits on the disk with the GIL released
         with ThreadPoolExecutor(max_workers=min(8, len(ready)), thread_name_prefix="warmreg-install") as pool:

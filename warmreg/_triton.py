@@ -17,10 +17,9 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
@@ -32,6 +31,9 @@ from . import _triton_launchers
 from ._triton_release import RELEASE, SUPPORTED_TRITON, UnsupportedTriton, check_version
 from .errors import TargetError
 from .platform import Platform
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "SUPPORTED_TRITON",
@@ -89,6 +91,8 @@ class _CrossTargetDriver(DriverBase):
         return self.target
 
     def get_active_torch_device(self) -> torch.device:
+        import torch
+
         return torch.device("meta")
 
     def get_benchmarker(self) -> Any:
@@ -130,6 +134,8 @@ def current_device() -> int:
 
 def set_device(device: int) -> None:
     """Make ``device`` current on this thread (Triton loads modules onto the current device)."""
+    import torch
+
     if torch.cuda.is_available():
         torch.cuda.set_device(device)
 

@@ -6,7 +6,10 @@ how ``preload`` decodes serialized constants is not (:class:`warmreg._triton_rel
 
 from __future__ import annotations
 
+import os
+import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 import triton
@@ -14,11 +17,12 @@ from triton.runtime.jit import JITFunction
 
 from ._triton import _device_id, cross_target, current_device, gpu_target
 from ._triton_release import RELEASE
-from .errors import WarmregError
+from .errors import CacheError, WarmregError
 from .platform import Platform
 
 __all__ = [
     "cache_dir",
+    "check_cache_writable",
     "cache_subdir",
     "import_jit",
     "local_cache_hash",
@@ -77,6 +81,23 @@ def cache_dir() -> str:
     if not path:
         raise WarmregError("Triton has no cache directory", fix="set TRITON_CACHE_DIR")
     return str(path)
+
+
+def check_cache_writable() -> Path:
+    """Refuse early, in one line, a Triton cache directory that cannot be written; returns it.
+
+    :raises CacheError: if it is not a directory or cannot be written.
+    """
+    directory = Path(cache_dir())
+    if directory.exists() and not directory.is_dir():
+        raise CacheError(str(directory), "is not a directory", fix="set TRITON_CACHE_DIR to a directory")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".warmreg-probe-"):
+            pass
+    except OSError as exc:
+        raise CacheError(str(directory), f"is not writable ({exc.strerror})", fix="set TRITON_CACHE_DIR to a writable directory") from exc
+    return directory
 
 
 def memory_kernel(jit: JITFunction, triton_key: str, platform: Platform) -> Any:

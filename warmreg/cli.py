@@ -46,10 +46,22 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: argparse.Namespace) -> Any:
+    """The config and target checked before the pipeline (and torch) is imported: a bad one is one
+    quick line."""
+    from .config import WarmConfig
+    from .platform import Platform
+
+    if args.target is not None:
+        Platform.parse(args.target)
+    return WarmConfig.load(args.config)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
+    config = _config(args)
     from .warm import plan
 
-    p = plan(args.config, target=args.target, on_plugin_error="skip" if args.skip_broken_plugins else "raise")
+    p = plan(config, target=args.target, on_plugin_error="skip" if args.skip_broken_plugins else "raise")
     if args.json:
         print(json.dumps(p.to_json(), indent=2))
         return 0
@@ -84,6 +96,14 @@ def _init_distributed(target: str | None) -> bool:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
+    if args.json:
+        from ._output import check_output
+
+        check_output(args.json, "--json")
+    args.config = _config(args)
+    from ._triton_cache import check_cache_writable
+
+    check_cache_writable()
     from .warm import warm
 
     started = _init_distributed(args.target) if not args.no_distributed else False
@@ -97,10 +117,6 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
 
 def _warm_and_show(args: argparse.Namespace, warm: Callable[..., Any]) -> int:
-    if args.json:
-        from ._output import check_output
-
-        check_output(args.json, "--json")
     report = warm(  # on_error="continue": failures are listed below and give exit code 1
         args.config,
         target=args.target,

@@ -51,13 +51,14 @@ from ._pack_format import (
 )
 from ._pack_install import install_entries, local_hash
 from ._pack_reader import Reader, check_entries, check_launchers
-from .compile import compile_keys
+from .config import WarmConfig
 from .errors import CacheError, WarmregError
 from .key import CompileKey
-from .platform import Platform
-from .registry import loaded_jits
+from .platform import Platform, resolve_platform
 from .report import KeyResult
-from .warm import default_workers, plan, resolve_platform
+
+# The planning and compiling modules (and torch with them) are imported where a build or an entry
+# check needs them, so that a pack refused for what it is costs no torch import.
 
 __all__ = [
     "FORMAT", "InstallReport", "Manifest", "PackError", "PackLauncher", "build", "install", "install_entries", "verify"
@@ -104,7 +105,11 @@ def verify(path: str | Path, *, target: str | Platform | None = None, jits: Mapp
         check_launchers(reader, manifest)
     finally:
         reader.close()
-    known = loaded_jits() if jits is None else jits
+    if jits is None:
+        from .registry import loaded_jits
+
+        jits = loaded_jits()
+    known = jits
     for entry, blobs in checked:
         if isinstance(blobs, PackError):
             raise blobs
@@ -164,9 +169,12 @@ def install(
     finally:
         reader.close()
     launcher_blobs = [(x, data) for x, data in checked if _triton_launchers.fits_here(x.platform_key, x.file.name)]
-    installed, present, refused = install_entries(
-        blobs, platform, pack=reader.name, jits=loaded_jits() if jits is None else jits, all_or_nothing=all_or_nothing
-    )
+    if jits is None:
+        _triton_cache.check_cache_writable()  # before the plugins load: an unusable cache is one quick line
+        from .registry import loaded_jits
+
+        jits = loaded_jits()
+    installed, present, refused = install_entries(blobs, platform, pack=reader.name, jits=jits, all_or_nothing=all_or_nothing)
     try:
         launchers = sum(_triton_launchers.install(x.cache_key, x.file.name, data) for x, data in launcher_blobs)
     except OSError as exc:
@@ -233,6 +241,11 @@ def build(
     if out.exists() and not force:
         raise PackError(str(out), "already exists", fix="pass force=True (--force) or another path")
     check_output(out, "pack output", create_parents=True)  # before compiling, not after
+    config = WarmConfig.load(config)  # a bad config or target is refused before the pipeline imports
+    resolve_platform(target)
+    from .compile import compile_keys
+    from .warm import default_workers, plan
+
     the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points)
     platform = the_plan.platform
     if not the_plan.num_keys:

@@ -23,6 +23,7 @@ __all__ = [
     "is_fp8_fnuz",
     "is_rocm",
     "is_xpu",
+    "resolve_platform",
     "rocm_arch_in",
     "sm_at_least",
     "sm_below",
@@ -185,3 +186,15 @@ def rocm_arch_in(*archs: str) -> Predicate:
 def has_feature(name: str) -> Predicate:
     """An optional backend or capability present on the deployment (``cuda:90+cutedsl``)."""
     return Predicate(f"has({name})", lambda p: name in p.features)
+
+
+def resolve_platform(target: str | Platform | None) -> Platform:
+    """``None``: the local GPU; a string such as ``"cuda:90"``: that cross target.
+
+    :raises TargetError: if the string does not parse or no GPU is visible for ``None``.
+    """
+    if isinstance(target, Platform):
+        return target
+    if target is None:
+        return Platform.detect()
+    return Platform.parse(target)

@@ -6,7 +6,6 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import triton
@@ -14,25 +13,13 @@ import triton
 from . import _triton, _triton_cache
 from .compile import OnError, check_on_error, compile_keys
 from .config import WarmConfig
-from .errors import CacheError, CompileFailed, ConfigError, WarmregError
-from .platform import Platform
+from .errors import CompileFailed, ConfigError, WarmregError
+from .platform import Platform, resolve_platform
 from .plugins import OnPluginError, call_register_hooks, load_plugins
 from .registry import Plan, Registry
 from .report import KeyResult, WarmReport
 
 __all__ = ["default_workers", "plan", "prefetch", "resolve_platform", "warm"]
-
-
-def resolve_platform(target: str | Platform | None) -> Platform:
-    """``None``: the local GPU; a string such as ``"cuda:90"``: that cross target.
-
-    :raises TargetError: if the string does not parse or no GPU is visible for ``None``.
-    """
-    if isinstance(target, Platform):
-        return target
-    if target is None:
-        return Platform.detect()
-    return Platform.parse(target)
 
 
 def default_workers() -> int:
@@ -146,7 +133,7 @@ def warm(
 
     shard_group = resolve_group(group, distributed)
     the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points, on_plugin_error=on_plugin_error)
-    _check_cache_writable()
+    _triton_cache.check_cache_writable()
     pack_note: list[str] = []
 
     def install_pack() -> None:
@@ -202,22 +189,6 @@ def warm(
     if monitor is not None and monitor != "off":
         arm(monitor, record=record)  # type: ignore[arg-type]
     return report
-
-
-def _check_cache_writable() -> Path:
-    """Refuse early, in one line, a Triton cache directory that cannot be written; returns it."""
-    import tempfile
-
-    directory = Path(_triton_cache.cache_dir())
-    if directory.exists() and not directory.is_dir():
-        raise CacheError(str(directory), "is not a directory", fix="set TRITON_CACHE_DIR to a directory")
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".warmreg-probe-"):
-            pass
-    except OSError as exc:
-        raise CacheError(str(directory), f"is not writable ({exc.strerror})", fix="set TRITON_CACHE_DIR to a writable directory") from exc
-    return directory
 
 
 def _compile_with_progress(
