@@ -14,16 +14,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-_CHILD = r"""
+_BLOCK = r"""
 import sys, traceback
 
-class _NoSympy:
+class _Blocked:
     def find_spec(self, name, path=None, target=None):
-        if name == "sympy" or name.startswith("sympy."):
-            traceback.print_stack(limit=14)
-            raise ImportError("warm imported sympy")
+        if name == "{module}" or name.startswith("{module}."):
+            traceback.print_stack(limit=20)
+            raise ImportError("imported {module}")
 
-sys.meta_path.insert(0, _NoSympy())
+sys.meta_path.insert(0, _Blocked())
+"""
+
+_CHILD = _BLOCK.format(module="sympy") + r"""
 import warmreg
 from warmreg.kernel import WARM_SESSION
 
@@ -53,16 +56,7 @@ def test_warm_launch_code_of_the_examples_imports_no_sympy() -> None:
     assert out.stdout.split() == ["keys", "135"]
 
 
-_NO_TORCH = r"""
-import sys, traceback
-
-class _NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            traceback.print_stack(limit=20)
-            raise ImportError("imported torch")
-
-sys.meta_path.insert(0, _NoTorch())
+_NO_TORCH = _BLOCK.format(module="torch") + r"""
 from warmreg.cli import main
 sys.exit(main(sys.argv[1:]))
 """
