@@ -105,11 +105,7 @@ def verify(path: str | Path, *, target: str | Platform | None = None, jits: Mapp
         check_launchers(reader, manifest)
     finally:
         reader.close()
-    if jits is None:
-        from .registry import loaded_jits
-
-        jits = loaded_jits()
-    known = jits
+    known = _installed_jits(manifest) if jits is None else jits
     for entry, blobs in checked:
         if isinstance(blobs, PackError):
             raise blobs
@@ -124,6 +120,21 @@ def inspect_pack(path: str | Path) -> Manifest:
         return reader.manifest()
     finally:
         reader.close()
+
+
+def _installed_jits(manifest: Manifest) -> Mapping[str, Any]:
+    """The jit functions of the kernels defined in this process once the installed plugins are loaded,
+    by full name; without loading the plugins (nor torch) when no entry names a function of a package
+    that a plugin provides or this process has imported (every entry is then refused, as it would be
+    after loading them)."""
+    from .plugins import plugin_packages
+
+    packages = plugin_packages() | {name.split(".", 1)[0] for name in list(sys.modules)}
+    if not any(e.jit_name.split(".", 1)[0] in packages for e in manifest.entries):
+        return {}
+    from .registry import loaded_jits
+
+    return loaded_jits()
 
 
 # -- installing ---------------------------------------------------------------------------------
@@ -171,9 +182,7 @@ def install(
     launcher_blobs = [(x, data) for x, data in checked if _triton_launchers.fits_here(x.platform_key, x.file.name)]
     if jits is None:
         _triton_cache.check_cache_writable()  # before the plugins load: an unusable cache is one quick line
-        from .registry import loaded_jits
-
-        jits = loaded_jits()
+        jits = _installed_jits(manifest)
     installed, present, refused = install_entries(blobs, platform, pack=reader.name, jits=jits, all_or_nothing=all_or_nothing)
     try:
         launchers = sum(_triton_launchers.install(x.cache_key, x.file.name, data) for x, data in launcher_blobs)

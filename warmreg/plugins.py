@@ -40,6 +40,14 @@ def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
     return f"{dist.name}:{ep.name}" if dist is not None else ep.name
 
 
+def plugin_packages() -> frozenset[str]:
+    """The top-level packages whose kernels installed plugins can register: ``warmreg`` (its shared
+    ops) and the package of each entry point in the ``warmreg`` group, read from the distributions'
+    metadata without importing them."""
+    eps = importlib.metadata.entry_points(group=hookspecs.PROJECT)
+    return frozenset({"warmreg", *(ep.module.split(".")[0] for ep in eps)})
+
+
 def load_plugins(
     extra: Iterable[Any] = (), *, entry_points: bool = True, on_plugin_error: OnPluginError = "raise"
 ) -> PluginSet:

@@ -488,3 +488,22 @@ def test_sigkilled_install_leaves_no_temporary_files_after_a_rerun(base: Members
     report = packs.install(pack)
     assert report.installed == 3
     assert [p.exists() for p in planted] == [False, True] * 3
+
+
+def test_a_pack_naming_only_functions_no_plugin_package_holds_is_refused_without_loading_plugins(
+    base: Members, tmp_path: Path, triton_cache: Path
+) -> None:
+    """From the shell, loading the plugins means importing torch (2 s and more on the 2-core machine):
+    entries naming functions of packages no installed plugin provides are refused before that, with
+    the same answer."""
+    import subprocess
+
+    from tests.test_warm_imports import _NO_TORCH
+
+    hostile = _tar(tmp_path, edited(base, _every_entry(lambda p, e: e.update(jit_name="this.f"))))
+    for command in ("verify", "install"):
+        done = subprocess.run([sys.executable, "-c", _NO_TORCH, "pack", command, str(hostile)], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "TRITON_CACHE_DIR": str(triton_cache)})  # fmt: skip
+        lines = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and len(lines) == 1 and "'this.f'" in lines[0] and "never imports" in lines[0], done.stderr[-2000:]
+    assert files_under(triton_cache) == set()
