@@ -13,6 +13,7 @@ refuses an unsupported release with one readable line.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -24,7 +25,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 from triton.runtime.driver import driver as _driver
-from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction, compute_cache_key
 
 from . import _triton_launchers
@@ -178,11 +178,6 @@ def knob(path: str) -> Any:
     return getattr(getattr(triton.knobs, group), name)
 
 
-def is_jit_function(obj: Any) -> bool:
-    """Whether ``obj`` is a ``@triton.jit`` function (``triton.runtime.jit.JITFunction``; 3.6-3.9)."""
-    return isinstance(obj, JITFunction)
-
-
 def in_memory(jit: JITFunction, key: str) -> bool:
     """Whether ``jit`` holds a kernel under Triton's in-memory ``key`` for the current device."""
     return key in jit.device_caches[current_device()][0]
@@ -291,8 +286,14 @@ def _launcher_identity(compiled: Any, signature: Any, constants: Any) -> str:
 
 
 def is_jit(obj: Any) -> bool:
-    """Whether ``obj`` is a ``@triton.jit`` function (compiled or, under TRITON_INTERPRET=1, interpreted)."""
-    return isinstance(obj, (JITFunction, InterpretedFunction))
+    """Whether ``obj`` is a ``@triton.jit`` function (compiled or, under TRITON_INTERPRET=1, interpreted).
+
+    Triton's interpreter (which imports numpy) is looked at only if something already imported it.
+    """
+    if isinstance(obj, JITFunction):
+        return True
+    interpreter = sys.modules.get("triton.runtime.interpreter")
+    return interpreter is not None and isinstance(obj, interpreter.InterpretedFunction)
 
 
 def full_name(jit: Any) -> str:

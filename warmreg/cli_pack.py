@@ -20,12 +20,16 @@ _out = Console()
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from .pack import build
+    from .pack import build, build_wheel
 
     pythons = [] if args.no_launchers else args.launcher_python  # None: this interpreter, if it can
-    manifest = build(args.config, args.output, target=args.target, workers=args.workers, force=args.force, launcher_pythons=pythons)
+    options = {"target": args.target, "workers": args.workers, "launcher_pythons": pythons}
+    if args.wheel:
+        wrote, manifest = build_wheel(args.config, args.output, **options)
+    else:
+        wrote, manifest = args.output, build(args.config, args.output, force=args.force, **options)
     kernels = {e.kernel for e in manifest.entries}
-    _out.print(f"wrote {args.output}: {len(manifest.entries)} keys over {len(kernels)} kernels for {manifest.target} (Triton {manifest.triton_version})")
+    _out.print(f"wrote {wrote}: {len(manifest.entries)} keys over {len(kernels)} kernels for {manifest.target} (Triton {manifest.triton_version})")
     if manifest.launchers:
         versions = sorted({x.python for x in manifest.launchers})
         _out.print(f"  with {len(manifest.launchers)} prebuilt C launchers for Python {', '.join(versions)}")
@@ -112,6 +116,10 @@ def _install(sub: Any) -> None:
         "repeatable; default: this interpreter), e.g. the serving host's python3.12",
     )  # fmt: skip
     b.add_argument("--no-launchers", action="store_true", help="carry no prebuilt C launchers")
+    b.add_argument(
+        "--wheel", action="store_true",
+        help="write an installable wheel into the directory -o names; warm installs an installed pack wheel first",
+    )  # fmt: skip
     b.set_defaults(func=cmd_build)
     p = sub.add_parser("pack", help="inspect, verify or install a pack")
     psub = p.add_subparsers(dest="pack_command", required=True)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 import attrs
 import torch
 
-from . import _triton, _triton_fast, _triton_interp
+from . import _triton, _triton_fast
 from .errors import KernelContractError
 from .key import LAUNCH_OPTIONS, CompileKey
 
@@ -123,6 +123,8 @@ def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
                 return spec.outputs
         options = spec.key.launch_options()
         if _on_cpu(spec.kwargs):
+            from . import _triton_interp  # the interpreter (and numpy) only for a CPU launch
+
             _triton_interp.interpreted(jit)[spec.grid](**spec.kwargs, **options)
             return spec.outputs
         token = LAUNCH.set((self.name, spec.key)) if ON_LAUNCH else None

@@ -61,7 +61,8 @@ from .report import KeyResult
 # check needs them, so that a pack refused for what it is costs no torch import.
 
 __all__ = [
-    "FORMAT", "InstallReport", "Manifest", "PackError", "PackLauncher", "build", "install", "install_entries", "verify"
+    "FORMAT", "InstallReport", "Manifest", "PackError", "PackLauncher", "build", "build_wheel", "install", "install_entries",
+    "installed_for", "verify",
 ]
 
 log = logging.getLogger("warmreg.pack")
@@ -292,6 +293,53 @@ def build(
         (staged / "manifest.json").write_text(json.dumps(manifest.to_json(), indent=1))
         _publish_pack(staged, out)
     return manifest
+
+
+def build_wheel(config: Any, out_dir: str | Path, *, label: str | None = None, **kwargs: Any) -> tuple[Path, Manifest]:
+    """:func:`build` a pack and write it as an installable wheel into ``out_dir``
+    (``warmreg_pack_<label>_<target>-<version>-py3-none-any.whl``); returns the wheel's path and the
+    pack's manifest.
+
+    :param label: names the deployment in the wheel's name (default: the config file's stem, or the
+        model type for a config that is not a file).
+
+    ``pip install`` of the wheel registers the pack in the ``warmreg.packs`` entry-point group, and
+    :func:`warmreg.warm` installs it first wherever its model type, target and Triton release match.
+    Keyword arguments are :func:`build`'s.
+    """
+    from ._pack_wheel import write_wheel
+
+    out = Path(out_dir)
+    check_output(out / "probe.whl", "wheel output", create_parents=True)
+    with tempfile.TemporaryDirectory(prefix="warmreg-wheel-") as tmp:
+        pack_dir = Path(tmp) / "pack"
+        manifest = build(config, pack_dir, **kwargs)
+        if label is None:
+            label = Path(config).stem if isinstance(config, (str, os.PathLike)) else manifest.model_type
+        return write_wheel(pack_dir, manifest, out, label), manifest
+
+
+def installed_for(platform: Platform, model_type: str) -> list[Path]:
+    """The installed pack wheels' packs built for ``model_type`` on ``platform`` with this Triton
+    release; any other installed pack is skipped with a logged reason."""
+    from ._pack_wheel import installed_packs
+
+    found = []
+    for name, path in installed_packs():
+        try:
+            m = inspect_pack(path)
+        except WarmregError as exc:
+            log.warning("installed pack %s skipped: %s", name, exc)
+            continue
+        if m.model_type != model_type:
+            continue  # another model's pack: not this warm's business
+        if m.target != platform.target:
+            log.info("installed pack %s skipped: built for %s, this warm is for %s", name, m.target, platform.target)
+        elif m.triton_version != triton.__version__:
+            log.warning("installed pack %s skipped: built with Triton %s, this machine has %s", name, m.triton_version, triton.__version__)
+        else:
+            found.append(path)
+    return found
 
 
 def _build_launchers(

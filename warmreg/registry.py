@@ -189,6 +189,6 @@ def loaded_jits(plugins: Iterable[Any] = (), *, entry_points: bool = True) -> di
         cls = todo.pop()
         todo.extend(cls.__subclasses__())
         jit = cls.__dict__.get("jit")
-        if _triton.is_jit_function(jit):
+        if _triton.is_jit(jit):
             found[_triton.full_name(jit)] = jit
     return found

@@ -115,7 +115,9 @@ def warm(
         has finished; disarm it with :func:`warmreg.disarm`.
     :param record: with ``monitor="record"``, the JSON-lines file misses are appended to.
     :param pack: install this pack into Triton's cache first (see :mod:`warmreg.pack`), so every
-        key it holds is a cache hit; refused entries are compiled as usual.
+        key it holds is a cache hit; refused entries are compiled as usual. Installed pack wheels
+        (``warmreg build --wheel``) built for this model type, target and Triton release are
+        installed first in any case; others are skipped with a logged reason.
     :param group: a ``torch.distributed`` process group to shard compiling over (default: the world
         group when torch.distributed is initialized); see :mod:`warmreg.distributed`.
     :param distributed: ``False`` never shards; ``None`` shards automatically when torch.distributed
@@ -135,22 +137,28 @@ def warm(
     the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points, on_plugin_error=on_plugin_error)
     _triton_cache.check_cache_writable()
     pack_note: list[str] = []
+    from .pack import installed_for
 
-    def install_pack() -> None:
+    packs: list[str | os.PathLike[str]] = [*installed_for(the_plan.platform, the_plan.config.model_type)]
+    if pack is not None:
+        packs.append(pack)
+
+    def install_packs() -> None:
         # between binding and compiling (compile_keys' before_compile): the launch code of every key
         # runs while Triton's installation is still being hashed; the install needs that hash
         from .pack import install
 
-        r = install(os.fspath(pack), target=the_plan.platform, jits=the_plan.jits())  # type: ignore[arg-type]
-        pack_note.append(
-            f"{pack}: {r.installed} installed, {r.present} present, {len(r.refused)} refused, "
-            f"{r.launchers} C launchers in {r.seconds:.2f} s"
-        )
+        for path in packs:
+            r = install(os.fspath(path), target=the_plan.platform, jits=the_plan.jits())
+            pack_note.append(
+                f"{path}: {r.installed} installed, {r.present} present, {len(r.refused)} refused, "
+                f"{r.launchers} C launchers in {r.seconds:.2f} s"
+            )
 
     plan_seconds = time.perf_counter() - start
     n_workers = workers or default_workers()
     show = sys.stderr.isatty() if progress is None else progress
-    before = install_pack if pack is not None else None
+    before = install_packs if packs else None
     shard = None
     if shard_group is not None:
         if before is not None:
@@ -171,7 +179,7 @@ def warm(
         plugins=the_plan.plugins,
         skipped=tuple(f"{s.kernel} ({s.plugin}): {s.reason}" for s in the_plan.skipped),
         plugin_problems=the_plan.plugin_problems,
-        pack=pack_note[0] if pack_note else None,
+        pack="; ".join(pack_note) or None,
         rank=shard.rank if shard else 0,
         world_size=shard.world_size if shard else 1,
         shard_compiled=shard.compiled_here if shard else None,

@@ -493,9 +493,10 @@ def test_sigkilled_install_leaves_no_temporary_files_after_a_rerun(base: Members
 def test_a_pack_naming_only_functions_no_plugin_package_holds_is_refused_without_loading_plugins(
     base: Members, tmp_path: Path, triton_cache: Path
 ) -> None:
-    """From the shell, loading the plugins means importing torch (2 s and more on the 2-core machine):
-    entries naming functions of packages no installed plugin provides are refused before that, with
-    the same answer."""
+    """a pack naming only functions of packages no plugin provides: refused before the plugins (and torch) load
+
+    From the shell, loading the plugins means importing torch (2 s and more on the 2-core machine);
+    the answer is the same as after loading them."""
     import subprocess
 
     from tests.test_warm_imports import _NO_TORCH

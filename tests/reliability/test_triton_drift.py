@@ -28,8 +28,7 @@ def newest_triton(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 
 def test_newest_triton_plans_if_supported_else_is_refused_in_one_line(newest_triton: tuple[Path, str]) -> None:
-    """on the newest Triton release: a supported one plans; one warmreg does not support is refused in
-    one line (CLI exit 2)"""
+    """the newest Triton release plans if supported, else is refused in one line (CLI exit 2)"""
     from warmreg._triton_release import SUPPORTED_TRITON
 
     python, version = newest_triton
