@@ -142,8 +142,24 @@ def _warm_and_show(args: argparse.Namespace, warm: Callable[..., Any]) -> int:
     return 1 if report.failed else 0
 
 
+def _version() -> str:
+    """``warmreg 0.1.0 (Triton 3.8.0, torch 2.13.0+cpu)``, from the distributions' metadata (nothing imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"warmreg {__version__} (Triton {of('triton')}, torch {of('torch')})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="warmreg", description="Warm Triton kernels before serving.")
+    parser.add_argument("--version", action="version", version=_version(), help="warmreg's version and the Triton and torch it runs with")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("plugins", help="list installed plugins").set_defaults(func=cmd_plugins)
     p = sub.add_parser("plan", help="list kernels and keys a config needs (no compiling)")

@@ -162,14 +162,14 @@ class WarmConfig:
         try:
             data = _json.loads(_json.read_regular_file(path, limit=CONFIG_FILE_MAX), max_depth=64)
         except FileNotFoundError as exc:
-            raise ConfigError(str(path), "does not exist", fix="pass the path of a config.json or a warmreg config") from exc
+            raise ConfigError(str(path), "does not exist", fix="pass the path of a config.json or a warmreg config", file=True) from exc
         except OSError as exc:
-            raise ConfigError(str(path), f"cannot be read ({exc.strerror})", fix="check the path and its permissions") from exc
+            raise ConfigError(str(path), f"cannot be read ({exc.strerror})", fix="check the path and its permissions", file=True) from exc
         except ValueError as exc:
             first = (str(exc).splitlines() or [""])[0][:200]
-            raise ConfigError(str(path), f"is not a JSON config warmreg reads ({first})", fix="pass a config.json file") from exc
+            raise ConfigError(str(path), f"is not a JSON config warmreg reads ({first})", fix="pass a config.json file", file=True) from exc
         if not isinstance(data, Mapping):
-            raise ConfigError(str(path), "must hold a JSON object", fix="write {\"model\": {...}, \"serving\": {...}}")
+            raise ConfigError(str(path), "must hold a JSON object", fix="write {\"model\": {...}, \"serving\": {...}}", file=True)
         return cls._from_dict(data, overrides, str(path))
 
     @classmethod

@@ -25,15 +25,16 @@ class WarmregError(Exception):
 class ConfigError(WarmregError, ValueError):
     """A configuration field is missing or invalid.
 
-    :param field: dotted name of the field (``serving.max_num_seqs``).
+    :param field: dotted name of the field (``serving.max_num_seqs``), or the config file's path
+        with ``file=True``.
     :param plugin: the plugin or kernel that needs the field, if any.
     """
 
-    def __init__(self, field: str, problem: str, *, plugin: str | None = None, fix: str | None = None) -> None:
+    def __init__(self, field: str, problem: str, *, plugin: str | None = None, fix: str | None = None, file: bool = False) -> None:
         self.field = field
         self.plugin = plugin
         needed = f" (needed by {plugin})" if plugin else ""
-        super().__init__(f"config field '{field}' {problem}{needed}", fix=fix)
+        super().__init__(f"config {'file' if file else 'field'} '{field}' {problem}{needed}", fix=fix)
 
 
 class TargetError(WarmregError, ValueError):
