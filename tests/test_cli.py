@@ -29,3 +29,11 @@ def test_a_config_path_that_is_not_a_config_file_is_one_line_naming_the_file(kin
     assert main(["plan", str(path), "--target", "cuda:90"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: config file '{path}' "), err
+
+
+def test_an_unknown_model_type_says_where_the_plugins_come_from(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "llama.json"
+    path.write_text('{"model": {"model_type": "llama"}, "serving": {"max_num_batched_tokens": 64}}')
+    assert main(["plan", str(path), "--target", "cuda:90"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "'llama', which no installed plugin serves" in err and "plugins/" in err and "--find-links DIST warmreg-<family>" in err

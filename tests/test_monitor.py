@@ -102,7 +102,9 @@ def test_record_then_replay_round_trip(tmp_path: Path, triton_cache: Path) -> No
         __import__("shutil").rmtree(p)
     from warmreg.replay import replay
 
-    results = replay(record)
+    (skipped,) = replay(record)  # recorded on a machine without a GPU: no target in the record
+    assert not skipped.ok and skipped.skipped and "pass --target" in skipped.skipped and not list(triton_cache.rglob("*.cubin"))
+    results = replay(record, target="cuda:90")
     assert [r.ok for r in results] == [True]
     assert list(triton_cache.rglob("*.cubin"))
 
@@ -226,3 +228,24 @@ def test_cli_report_and_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str
     (row,) = data["kernels"]
     assert row["kernel"] == "tests.scale" and row["missed"] == 1 and row["hit"] == 1 and not data["complete"]
     assert main(["replay", str(record), "--target", "cuda:90"]) == 0
+
+
+def test_replay_says_what_it_skipped_and_why_and_fails_when_nothing_was_replayed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from warmreg.cli import main
+
+    record = tmp_path / "misses.jsonl"
+    records = [
+        {"kind": "load", "jit_name": "tests.helpers._scale_kernel"},
+        {"kind": "compile", "jit_name": "tests.helpers._scale_kernel", "specialization_data": "{}"},  # no target recorded
+        {"kind": "compile", "jit_name": "tests.helpers._scale_kernel", "target": "cuda:90"},  # no specialization data
+    ]
+    record.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["replay", str(record)]) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "skipped tests.helpers._scale_kernel: a load miss: nothing to compile" in out
+    assert "skipped tests.helpers._scale_kernel: the record names no target: pass --target, e.g. cuda:90" in out
+    assert "skipped tests.helpers._scale_kernel: the record holds no specialization data" in out
+    assert "0 of 3 records compiled, 0 failed, 3 skipped" in out
+    record.write_text("[1, 2]\n")
+    assert main(["replay", str(record)]) == 2
+    assert f"{record}:1: not a warmreg miss record" in capsys.readouterr().err

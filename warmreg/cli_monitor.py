@@ -22,9 +22,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
     results = replay(args.file, target=args.target)
     for r in results:
-        _out.print(f"{'[green]ok[/]' if r.ok else '[red]failed[/]'} {r.jit_name} for {r.target}{'' if r.ok else ': ' + str(r.error)}")
-    _out.print(f"{sum(r.ok for r in results)} of {len(results)} recorded specializations compiled")
-    return 0 if all(r.ok for r in results) else 1
+        if r.skipped:
+            _out.print(f"[yellow]skipped[/] {r.jit_name}: {r.skipped}", highlight=False)
+        else:
+            _out.print(f"{'[green]ok[/]' if r.ok else '[red]failed[/]'} {r.jit_name} for {r.target}{'' if r.ok else ': ' + str(r.error)}")
+    compiled, skipped = sum(r.ok for r in results), sum(1 for r in results if r.skipped)
+    failed = len(results) - compiled - skipped
+    _out.print(f"{compiled} of {len(results)} records compiled, {failed} failed, {skipped} skipped")
+    return 0 if compiled and not failed else 1  # nothing replayed is a failure too
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import attrs
 
-from . import _triton_cache
+from . import _json, _triton_cache
 from .errors import WarmregError
 from .monitor import Miss
 from .platform import Platform
@@ -15,45 +14,63 @@ from .platform import Platform
 __all__ = ["ReplayResult", "read_records", "replay"]
 
 
+#: The largest record file read (a record is a few kilobytes; a day of misses stays far below).
+RECORDS_MAX = 64 << 20
+
+
 @attrs.frozen
 class ReplayResult:
-    """Outcome of compiling one recorded specialization."""
+    """Outcome of one recorded miss: compiled, failed (``error``) or not attempted (``skipped``, why)."""
 
     jit_name: str
-    target: str
+    target: str | None
     ok: bool
     error: str | None = None
+    skipped: str | None = None
 
 
 def read_records(path: str | Path) -> list[Miss]:
-    """Read a record file (one JSON object per line).
+    """Read a record file (one JSON object per line), bounded in size and nesting.
 
-    :raises WarmregError: naming the file and line of a malformed record.
+    :raises WarmregError: naming the file, and the line of a malformed record.
     """
+    try:
+        text = _json.read_regular_file(path, limit=RECORDS_MAX).decode()
+    except (OSError, ValueError) as exc:
+        raise WarmregError(f"{path}: cannot be read as a record file ({exc})", fix="pass a file written by record mode") from exc
     misses = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
-            misses.append(Miss.from_json(json.loads(line)))
-        except (ValueError, TypeError) as exc:
+            misses.append(Miss.from_json(_json.loads(line)))
+        except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise WarmregError(f"{path}:{n}: not a warmreg miss record ({exc})", fix="pass a file written by record mode") from exc
     return misses
 
 
 def replay(path: str | Path, *, target: str | None = None) -> list[ReplayResult]:
-    """Compile every recorded compile miss into the Triton cache.
+    """Compile every recorded compile miss into the Triton cache; every other record is returned as
+    skipped, with the reason.
 
-    :param target: compile for this target instead of the one recorded (e.g. ``cuda:90`` on a CPU machine).
+    :param target: compile for this target instead of the one recorded (e.g. ``cuda:90`` on a CPU
+        machine); a record that names no target is skipped without it.
     """
+    if target is not None:
+        Platform.parse(target)  # a bad target is one error, not one per record
     results = []
     for miss in read_records(path):
-        if miss.kind != "compile" or not miss.specialization_data:
-            continue
-        where = target or miss.target or "cuda:90"
-        try:
-            _triton_cache.replay(miss.jit_name, miss.specialization_data, Platform.parse(where))
-            results.append(ReplayResult(miss.jit_name, where, True))
-        except Exception as exc:
-            results.append(ReplayResult(miss.jit_name, where, False, f"{type(exc).__name__}: {exc}"))
+        where = target or miss.target
+        if miss.kind != "compile":
+            results.append(ReplayResult(miss.jit_name, where, False, skipped=f"a {miss.kind} miss: nothing to compile"))
+        elif not miss.specialization_data:
+            results.append(ReplayResult(miss.jit_name, where, False, skipped="the record holds no specialization data"))
+        elif where is None:
+            results.append(ReplayResult(miss.jit_name, None, False, skipped="the record names no target: pass --target, e.g. cuda:90"))
+        else:
+            try:
+                _triton_cache.replay(miss.jit_name, miss.specialization_data, Platform.parse(where))
+                results.append(ReplayResult(miss.jit_name, where, True))
+            except Exception as exc:
+                results.append(ReplayResult(miss.jit_name, where, False, f"{type(exc).__name__}: {exc}"))
     return results

@@ -61,7 +61,11 @@ def plan(
         raise ConfigError(
             "model.model_type",
             f"is {cfg.model_type!r}, which no installed plugin serves (served: {', '.join(sorted(served))})",
-            fix="install the warmreg plugin of this model family (e.g. pip install warmreg-deepseek-v4), or check model_type",
+            fix=(
+                "check model_type, or install the warmreg plugin of this model family: warmreg-deepseek-v4 and "
+                "warmreg-kimi-k3 are built from the warmreg repository's plugins/ (not on an index yet: "
+                "pip install --find-links DIST warmreg-<family>, README 'Set up'); other families ship their own"
+            ),
         )
     return Plan(
         config=cfg,
