@@ -37,3 +37,23 @@ def test_an_unknown_model_type_says_where_the_plugins_come_from(tmp_path: Path, 
     assert main(["plan", str(path), "--target", "cuda:90"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "'llama', which no installed plugin serves" in err and "plugins/" in err and "--find-links DIST warmreg-<family>" in err
+
+
+def test_report_in_a_new_process_reads_the_key_types_of_installed_plugins(tmp_path: Path) -> None:
+    """A warm report names its keys' types (``warmreg_kimi_k3.kda:KDARecurrentKey``); a fresh process
+    knows them once the installed plugins are loaded."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    example = Path(__file__).resolve().parents[1] / "examples" / "kimi_k3.json"
+    warm_report, records = tmp_path / "warm.json", tmp_path / "misses.jsonl"
+    records.write_text("")
+
+    def cli(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "warmreg", *argv], capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+
+    assert cli("warm", str(example), "--target", "cuda:90", "--quiet", "--json", str(warm_report)).returncode == 0
+    done = cli("report", str(records), "--warm-report", str(warm_report))
+    assert done.returncode == 0 and "kimi_k3.kda_recurrent" in done.stdout, done.stderr[-2000:]

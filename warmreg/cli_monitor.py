@@ -34,7 +34,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from .coverage import coverage, load_observations
+    from .plugins import load_plugins
     from .report import WarmReport
+
+    load_plugins(on_plugin_error="skip")  # the plugins define the key types the files name
 
     used: dict[str, Any] = {}
     misses: list[Any] = []
