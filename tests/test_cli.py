@@ -57,3 +57,27 @@ def test_report_in_a_new_process_reads_the_key_types_of_installed_plugins(tmp_pa
     assert cli("warm", str(example), "--target", "cuda:90", "--quiet", "--json", str(warm_report)).returncode == 0
     done = cli("report", str(records), "--warm-report", str(warm_report))
     assert done.returncode == 0 and "kimi_k3.kda_recurrent" in done.stdout, done.stderr[-2000:]
+
+
+class _Typo:
+    @__import__("warmreg").hookimpl
+    def warmreg_register_kernel(self, registry: object) -> None:  # one letter short of the hook
+        raise AssertionError("never called")
+
+
+class _Unmarked:
+    def warmreg_register_kernels(self, registry: object) -> None:  # no @warmreg.hookimpl
+        raise AssertionError("never called")
+
+
+@pytest.mark.parametrize(("plugin", "needle"), [
+    (_Typo(), "defines warmreg_register_kernel, which is not a warmreg hook"),
+    (_Unmarked(), "registers nothing: warmreg_register_kernels lacks @warmreg.hookimpl"),
+    (object(), "registers nothing: it implements no warmreg hook"),
+])  # fmt: skip
+def test_a_plugin_whose_hooks_would_never_run_is_an_error_naming_it(plugin: object, needle: str) -> None:
+    import warmreg
+    from tests.helpers import CONFIG
+
+    with pytest.raises(warmreg.PluginError, match=needle):
+        warmreg.plan(CONFIG, target="cuda:90", plugins=[plugin], entry_points=False)

@@ -88,13 +88,28 @@ def load_plugins(
     return PluginSet(manager=pm, names=names, problems=tuple(problems))
 
 
+#: The hooks a plugin may implement (``warmreg.hookspecs``).
+HOOKS = ("warmreg_model_types", "warmreg_register_kernels")
+
+
 def _register(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    """Register ``plugin``, refusing one that implements no warmreg hook or names one that does not
+    exist (a typo, or a hook without ``@warmreg.hookimpl``), which would otherwise warm nothing."""
+    known = ", ".join(HOOKS)
+    unknown = sorted(a for a in dir(plugin) if a.startswith("warmreg_") and a not in HOOKS and callable(getattr(plugin, a, None)))
+    if unknown:
+        raise PluginError(name, f"defines {', '.join(unknown)}, which is not a warmreg hook", fix=f"name it one of: {known}")
     try:
         pm.register(plugin, name=name)
     except pluggy.PluginValidationError as exc:
         raise PluginError(name, f"hook signature does not match the spec: {exc}", fix="see warmreg.hookspecs") from exc
     except ValueError as exc:
         raise PluginError(name, f"cannot be registered: {exc}") from exc
+    if not pm.get_hookcallers(plugin):
+        pm.unregister(plugin)
+        plain = [h for h in HOOKS if callable(getattr(plugin, h, None))]
+        why = f"{', '.join(plain)} lacks @warmreg.hookimpl" if plain else "it implements no warmreg hook"
+        raise PluginError(name, f"registers nothing: {why}", fix=f"mark each of its hooks ({known}) with @warmreg.hookimpl")
 
 
 def call_register_hooks(
