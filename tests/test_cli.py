@@ -81,3 +81,34 @@ def test_a_plugin_whose_hooks_would_never_run_is_an_error_naming_it(plugin: obje
 
     with pytest.raises(warmreg.PluginError, match=needle):
         warmreg.plan(CONFIG, target="cuda:90", plugins=[plugin], entry_points=False)
+
+
+def _plan_json(capsys: pytest.CaptureFixture[str], *argv: str) -> object:
+    import json
+
+    assert main(["plan", *argv, "--target", "cuda:90", "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_plain_hugging_face_config_takes_its_serving_settings_from_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--serving FILE|JSON`` and ``--set key=value`` (VALUE read as JSON, else a string) over the
+    config's serving settings; ``serving=`` on plan() and warm() does the same from Python."""
+    import json
+
+    import warmreg
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "deepseek_v4_flash.json"
+    doc = json.loads(example.read_text())
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps(doc["model"]))  # a published config.json: no serving settings
+    serving = tmp_path / "serving.json"
+    serving.write_text(json.dumps(doc["serving"]))
+    want = _plan_json(capsys, str(example))
+    assert _plan_json(capsys, str(hf), "--serving", str(serving)) == want
+    assert _plan_json(capsys, str(hf), "--serving", json.dumps(doc["serving"])) == want
+    sets = [a for k, v in doc["serving"].items() for a in ("--set", f"{k}={v}")]
+    assert _plan_json(capsys, str(hf), *sets) == want
+    fewer = _plan_json(capsys, str(example), "--set", "kv_cache_dtype=auto")
+    assert fewer != want and warmreg.plan(example, target="cuda:90", serving={"kv_cache_dtype": "auto"}).to_json() == fewer
+    assert main(["plan", str(hf), "--target", "cuda:90", "--set", "max_model_len=0"]) == 2
+    assert "serving.max_model_len" in capsys.readouterr().err

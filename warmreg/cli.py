@@ -27,9 +27,19 @@ _err = Console(stderr=True)
 Command = Callable[[argparse.Namespace], int]
 
 
+def add_serving(p: argparse.ArgumentParser) -> None:
+    """``--serving FILE|JSON`` and repeatable ``--set key=value``: serving settings over the config's."""
+    p.add_argument("--serving", default=None, metavar="FILE|JSON", help="serving settings: a JSON file or a JSON object")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+        help="one serving setting (repeatable; VALUE is read as JSON, else as a string), e.g. max_num_batched_tokens=8192",
+    )  # fmt: skip
+
+
 def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="config.json of the model, or a warmreg config {model, serving}")
     p.add_argument("--target", default=None, help="cross-compile target, e.g. cuda:90, cuda:100, rocm:gfx942 (default: local GPU)")
+    add_serving(p)
     p.add_argument("--skip-broken-plugins", action="store_true", help="skip a plugin that fails instead of stopping")
 
 
@@ -46,15 +56,43 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+def serving_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The serving settings of ``--serving`` and then ``--set`` (later ones win)."""
+    from . import _json
+    from .config import CONFIG_FILE_MAX
+    from .errors import ConfigError
+
+    out: dict[str, Any] = {}
+    if args.serving is not None:
+        text = args.serving.strip()
+        try:
+            raw = text if text.startswith("{") else _json.read_regular_file(text, limit=CONFIG_FILE_MAX)
+            data = _json.loads(raw, max_depth=16)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(args.serving, f"is neither a JSON object nor a readable JSON file ({exc})", fix="pass --serving '{\"max_num_seqs\": 256}' or a file", file=True) from exc
+        if not isinstance(data, dict):
+            raise ConfigError(args.serving, "must hold a JSON object of serving settings", fix="pass --serving '{\"max_num_seqs\": 256}'", file=True)
+        out.update(data)
+    for setting in args.settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {setting}", "is not KEY=VALUE", fix="write e.g. --set max_num_batched_tokens=8192")
+        try:
+            out[key.strip()] = _json.loads(value, max_depth=4)
+        except ValueError:
+            out[key.strip()] = value  # a bare string: --set kv_cache_dtype=fp8
+    return out
+
+
 def _config(args: argparse.Namespace) -> Any:
-    """The config and target checked before the pipeline (and torch) is imported: a bad one is one
-    quick line."""
+    """The config (with ``--serving``/``--set``) and target, checked before the pipeline (and torch)
+    is imported: a bad one is one quick line."""
     from .config import WarmConfig
     from .platform import Platform
 
     if args.target is not None:
         Platform.parse(args.target)
-    return WarmConfig.load(args.config)
+    return WarmConfig.load(args.config, serving=serving_overrides(args))
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.console import Console
@@ -12,7 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ._triton_release import release_of
-from .cli import _EXTENSIONS
+from .cli import _EXTENSIONS, add_serving, serving_overrides
 
 __all__: list[str] = []
 
@@ -23,11 +24,14 @@ def cmd_build(args: argparse.Namespace) -> int:
     from .pack import build, build_wheel
 
     pythons = [] if args.no_launchers else args.launcher_python  # None: this interpreter, if it can
+    from .config import WarmConfig
+
+    config = WarmConfig.load(args.config, serving=serving_overrides(args))
     options = {"target": args.target, "workers": args.workers, "launcher_pythons": pythons}
     if args.wheel:
-        wrote, manifest = build_wheel(args.config, args.output, **options)
+        wrote, manifest = build_wheel(config, args.output, label=Path(args.config).stem, **options)
     else:
-        wrote, manifest = args.output, build(args.config, args.output, force=args.force, **options)
+        wrote, manifest = args.output, build(config, args.output, force=args.force, **options)
     kernels = {e.kernel for e in manifest.entries}
     _out.print(f"wrote {wrote}: {len(manifest.entries)} keys over {len(kernels)} kernels for {manifest.target} (Triton {manifest.triton_version})")
     if manifest.launchers:
@@ -106,6 +110,7 @@ def cmd_install(args: argparse.Namespace) -> int:
 def _install(sub: Any) -> None:
     b = sub.add_parser("build", help="compile a config's keys into a pack (no GPU needed with --target)")
     b.add_argument("config")
+    add_serving(b)
     b.add_argument("--target", default=None, help="e.g. cuda:90 (default: local GPU)")
     b.add_argument("-o", "--output", required=True, help="a directory, or a .tar / .tar.gz / .zip file")
     b.add_argument("--workers", type=int, default=None)

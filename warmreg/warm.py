@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import triton
@@ -37,10 +37,13 @@ def plan(
     plugins: Iterable[Any] = (),
     entry_points: bool = True,
     on_plugin_error: OnPluginError = "raise",
+    serving: Mapping[str, Any] | None = None,
 ) -> Plan:
     """The kernels and keys a deployment needs, without compiling anything.
 
     :param config: anything :meth:`WarmConfig.load` accepts.
+    :param serving: serving settings that override those of ``config`` (e.g. a plain Hugging Face
+        ``config.json`` with ``{"max_num_batched_tokens": 8192}``).
     :param target: ``None`` for the local GPU, or a target such as ``"cuda:90"``.
     :param plugins: extra plugin modules/objects besides the installed entry points.
     :param entry_points: load installed plugins (group ``warmreg``).
@@ -49,7 +52,7 @@ def plan(
     :raises PluginError: for a broken plugin under ``on_plugin_error="raise"``.
     """
     _triton.check_version()
-    cfg = WarmConfig.load(config)
+    cfg = WarmConfig.load(config, serving=serving)
     platform = resolve_platform(target)
     loaded = load_plugins(plugins, entry_points=entry_points, on_plugin_error=on_plugin_error)
     registry = Registry(cfg, platform)
@@ -103,6 +106,7 @@ def warm(
     pack: str | os.PathLike[str] | None = None,
     group: Any = None,
     distributed: bool | None = None,
+    serving: Mapping[str, Any] | None = None,
 ) -> WarmReport:
     """Compile (or load from cache) every key the deployment needs, before it serves.
 
@@ -126,6 +130,7 @@ def warm(
         group when torch.distributed is initialized); see :mod:`warmreg.distributed`.
     :param distributed: ``False`` never shards; ``None`` shards automatically when torch.distributed
         is initialized with more than one rank; ``True`` requires it.
+    :param serving: serving settings that override those of ``config`` (see :func:`plan`).
     :returns: the :class:`WarmReport`.
     :raises CompileFailed: under ``on_error`` ``"raise"`` or ``"stop"`` if any key failed; its
         ``report`` attribute holds the full report.
@@ -138,7 +143,7 @@ def warm(
     from .distributed import resolve_group, sharded_compile
 
     shard_group = resolve_group(group, distributed)
-    the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points, on_plugin_error=on_plugin_error)
+    the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points, on_plugin_error=on_plugin_error, serving=serving)
     _triton_cache.check_cache_writable()
     pack_note: list[str] = []
     from .pack import installed_for
