@@ -10,7 +10,7 @@ missing or invalid.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -230,6 +230,7 @@ class WarmConfig:
         check: Callable[[Any], str | None] | None = None,
         default: Any = attrs.NOTHING,
         fix: str | None = None,
+        choices: Iterable[Any] | None = None,
     ) -> _T:
         """Read one field, validated.
 
@@ -238,6 +239,8 @@ class WarmConfig:
         :param plugin: who needs the field; quoted in the error.
         :param check: extra validation returning a problem string or ``None``.
         :param default: value when missing; without it a missing field is an error.
+        :param choices: the values the plugin knows; any other is an error listing them (a setting
+            the plugin does not know must not silently drop kernels).
         :raises ConfigError: naming the field, the plugin and the fix.
         """
         section, _, name = field.partition(".")
@@ -266,6 +269,11 @@ class WarmConfig:
                 plugin=plugin,
                 fix=fix or f"correct it in {self.source}",
             )
+        if choices is not None and value not in (known := tuple(choices)):
+            raise ConfigError(
+                field, f"is {value!r}, which {plugin} does not know (accepted: {', '.join(map(str, known))})", plugin=plugin,
+                fix=fix or f"use one of those in {self.source}",
+            )  # fmt: skip
         problem = check(value) if check else None
         if problem:
             raise ConfigError(field, problem, plugin=plugin, fix=fix or f"correct it in {self.source}")

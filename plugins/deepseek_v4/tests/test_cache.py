@@ -316,3 +316,12 @@ def test_warm_compiles_the_writer_for_a_real_backend() -> None:
         FLASH, target="cuda:90", plugins=[_Plugin(INSERT, always=True)], entry_points=False, workers=2
     )
     assert report.ok and report.compiled == 1
+
+
+def test_a_kv_cache_dtype_the_plugin_does_not_know_is_an_error_listing_the_known_ones() -> None:
+    """``int3`` (or a typo) must not silently drop the FP8 cache kernels: the plan refuses it."""
+    with pytest.raises(warmreg.ConfigError, match=r"serving.kv_cache_dtype' is 'int3', which warmreg-deepseek-v4 does not know "
+                                                 r"\(accepted: fp8_ds_mla, auto, bfloat16\)"):  # fmt: skip
+        warmreg.plan(FLASH, target="cuda:90", plugins=[_Plugin()], entry_points=False, serving={"kv_cache_dtype": "int3"})
+    bf16 = warmreg.plan(FLASH, target="rocm:gfx942", plugins=[_Plugin()], entry_points=False, serving={"kv_cache_dtype": "auto"})
+    assert GATHER not in {k.name for k in bf16.kernels}  # a known value still chooses the kernels

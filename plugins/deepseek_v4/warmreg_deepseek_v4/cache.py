@@ -37,7 +37,7 @@ from .fp8_ds_mla import (
     ue8m0_to_f32,
     value_in_class,
 )
-from .model import DSV4, PLUGIN
+from .model import DSV4, PLUGIN, kv_cache_dtype
 
 __all__ = ["DequantGatherKCache", "DequantGatherKey", "dequant_gather_k_reference", "register"]
 
@@ -303,7 +303,7 @@ def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig
 
     :raises warmreg.ConfigError: if the model's head does not fit the layout (448 + 64).
     """
-    if config.get("serving.kv_cache_dtype", str, plugin=PLUGIN, default="fp8_ds_mla") != "fp8_ds_mla":
+    if kv_cache_dtype(config) != "fp8_ds_mla":
         return
     if model.head_dim != HEAD_DIM or model.qk_rope_head_dim != ROPE_DIM:
         raise warmreg.ConfigError(

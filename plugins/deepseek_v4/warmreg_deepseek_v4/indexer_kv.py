@@ -22,7 +22,7 @@ from ._indexer_common import (
     _rope_pairs,
 )
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
-from .model import PLUGIN
+from .model import kv_cache_dtype
 from .sparse_mla import compressed_block_size
 
 __all__ = [
@@ -140,7 +140,7 @@ def indexer_page_stride(config: warmreg.WarmConfig, tokens_per_page: int, head_d
     ``round_up(tokens_per_page * (head_dim + 4), 576)`` when the attention caches are ``fp8_ds_mla``,
     else rounded to 512. The launch reads the real stride from ``kv_cache.stride(0)``.
     """
-    layout = config.get("serving.kv_cache_dtype", str, plugin=PLUGIN, default="fp8_ds_mla")
+    layout = kv_cache_dtype(config)
     unit = 576 if layout == "fp8_ds_mla" else 512
     return triton.cdiv(tokens_per_page * (head_dim + _SCALE_BYTES), unit) * unit
 

@@ -13,12 +13,24 @@ import attrs
 
 import warmreg
 
-__all__ = ["PLUGIN", "DSV4", "compress_ratios"]
+__all__ = ["DSV4", "KV_CACHE_DTYPES", "PLUGIN", "compress_ratios", "kv_cache_dtype"]
 
 PLUGIN = "warmreg-deepseek-v4"
 #: The DeepSeek-V4 sparse backends support only a KV-manager block size of 256 (specs section 2).
 SPARSE_BLOCK_SIZE = 256
 SWA_PAGE_SIZE = 64
+#: ``serving.kv_cache_dtype`` values this plugin knows, in vLLM's names: ``fp8_ds_mla`` is the FP8
+#: MLA cache layout of DeepSeek-V4 (vLLM's ``--kv-cache-dtype fp8_ds_mla``), ``auto`` and ``bfloat16``
+#: a cache in the model dtype.
+KV_CACHE_DTYPES = ("fp8_ds_mla", "auto", "bfloat16")
+
+
+def kv_cache_dtype(config: warmreg.WarmConfig) -> str:
+    """``serving.kv_cache_dtype`` (default ``fp8_ds_mla``), one of :data:`KV_CACHE_DTYPES`.
+
+    :raises warmreg.ConfigError: for any other value, listing the known ones.
+    """
+    return config.get("serving.kv_cache_dtype", str, plugin=PLUGIN, default="fp8_ds_mla", choices=KV_CACHE_DTYPES)
 
 
 def _ratio(value: Any) -> str | None:
