@@ -112,3 +112,33 @@ def test_a_plain_hugging_face_config_takes_its_serving_settings_from_the_command
     assert fewer != want and warmreg.plan(example, target="cuda:90", serving={"kv_cache_dtype": "auto"}).to_json() == fewer
     assert main(["plan", str(hf), "--target", "cuda:90", "--set", "max_model_len=0"]) == 2
     assert "serving.max_model_len" in capsys.readouterr().err
+
+
+def test_piped_output_keeps_every_name_and_number_whole(tmp_path: Path) -> None:
+    """Not a terminal: no table cuts a kernel name, no line wraps mid-number."""
+    import os
+    import subprocess
+    import sys
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "deepseek_v4_flash.json"
+    done = subprocess.run([sys.executable, "-m", "warmreg", "plan", str(example), "--target", "cuda:90"], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "COLUMNS": "40"})  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    assert "deepseek_v4.indexer_prefill_chunk_metadata\t28\tdeepseek_v4" in lines and "71 keys over 17 kernels" in lines
+    assert "…" not in done.stdout
+
+
+def test_build_shows_progress_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import importlib
+
+    from tests.helpers import CONFIG, Plugin, Scale
+    from warmreg import pack as packs
+
+    warm_module = importlib.import_module("warmreg.warm")  # the module; warmreg.warm is the function
+    shown: list[int] = []
+    real = warm_module._compile_with_progress
+    monkeypatch.setattr(warm_module, "_compile_with_progress", lambda plan, *a, **k: shown.append(plan.num_keys) or real(plan, *a, **k))
+    packs.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, progress=True)
+    packs.build(CONFIG, tmp_path / "q", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, progress=False)
+    assert shown == [3]

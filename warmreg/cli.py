@@ -22,8 +22,23 @@ from .errors import WarmregError
 
 __all__ = ["main"]
 
-_out = Console()
-_err = Console(stderr=True)
+# Piped (not a terminal): lines are never wrapped and tables print as plain columns, whole.
+_out = Console(soft_wrap=not sys.stdout.isatty())
+_err = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
+
+
+def show_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[str]], *, console: Console | None = None) -> None:
+    """A table on a terminal; plain tab-separated lines (title, header, rows) when piped, so no
+    name is cut and no number is wrapped. Cells are plain text, never rich markup."""
+    out = console or _out
+    if out.is_terminal:
+        table = Table(*columns, title=escape(title) if title else None)
+        for row in rows:
+            table.add_row(*(escape(cell) for cell in row))
+        out.print(table)
+        return
+    lines = ([title] if title else []) + ["\t".join(line) for line in (columns, *rows)]
+    out.file.write("".join(f"{line}\n" for line in lines))
 Command = Callable[[argparse.Namespace], int]
 
 
@@ -47,10 +62,7 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from .plugins import load_plugins
 
     loaded = load_plugins(on_plugin_error="skip")
-    table = Table("plugin", title="warmreg plugins (entry-point group 'warmreg')")
-    for name in loaded.names:
-        table.add_row(name)
-    _out.print(table)
+    show_table("warmreg plugins (entry-point group 'warmreg')", ["plugin"], [[name] for name in loaded.names])
     for problem in loaded.problems:
         _err.print(f"[yellow]skipped[/] {problem}")
     return 0
@@ -103,10 +115,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(p.to_json(), indent=2))
         return 0
-    table = Table("kernel", "keys", "registered by", title=f"plan for {p.config.model_type} on {p.platform}")
-    for k in p.kernels:
-        table.add_row(k.name, str(len(k.keys)), ", ".join(k.plugins))
-    _out.print(table)
+    rows = [[k.name, str(len(k.keys)), ", ".join(k.plugins)] for k in p.kernels]
+    show_table(f"plan for {p.config.model_type} on {p.platform}", ["kernel", "keys", "registered by"], rows)
     _out.print(f"{p.num_keys} keys over {len(p.kernels)} kernels")
     for s in p.skipped:
         _out.print(f"[dim]not registered: {s.kernel} ({s.plugin}): {s.reason}[/]")
@@ -165,10 +175,11 @@ def _warm_and_show(args: argparse.Namespace, warm: Callable[..., Any]) -> int:
         pack=args.pack,
         distributed=False if args.no_distributed else None,
     )
-    table = Table("kernel", "keys", "compiled", "cached", "failed", "seconds", title=report.summary())
-    for name, row in sorted(report.per_kernel().items()):
-        table.add_row(name, str(row["keys"]), str(row["compiled"]), str(row["cached"]), str(row["failed"]), f"{row['seconds']:.2f}")
-    _out.print(table)
+    rows = [
+        [name, str(row["keys"]), str(row["compiled"]), str(row["cached"]), str(row["failed"]), f"{row['seconds']:.2f}"]
+        for name, row in sorted(report.per_kernel().items())
+    ]
+    show_table(report.summary(), ["kernel", "keys", "compiled", "cached", "failed", "seconds"], rows)
     for r in report.failed:
         _err.print(f"[red]failed[/] {r.kernel} {r.key}: {r.error}")
     if args.json:  # whole or not at all: under torchrun every rank writes the same path

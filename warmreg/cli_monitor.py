@@ -7,14 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-
-from .cli import _EXTENSIONS
+from .cli import _EXTENSIONS, _out, show_table
 
 __all__: list[str] = []
 
-_out = Console()
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -51,11 +47,8 @@ def cmd_report(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(cov.to_json(), indent=2))
     else:
-        table = Table("kernel", "declared", "compiled", "hit", "missed", "unused", title="warmreg coverage")
-        for row in cov.kernels:
-            missed = f"[red]{row.missed}[/]" if row.missed else "0"
-            table.add_row(row.kernel, str(row.declared), str(row.compiled), str(row.hit), missed, str(row.unused))
-        _out.print(table)
+        rows = [[row.kernel, str(row.declared), str(row.compiled), str(row.hit), str(row.missed), str(row.unused)] for row in cov.kernels]
+        show_table("warmreg coverage", ["kernel", "declared", "compiled", "hit", "missed", "unused"], rows)
         for miss in cov.misses:
             _out.print(miss.explain(), highlight=False)
     if args.require_complete and not cov.complete:

@@ -8,16 +8,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from ._triton_release import release_of
-from .cli import _EXTENSIONS, add_serving, serving_overrides
+from .cli import _EXTENSIONS, _out, add_serving, serving_overrides, show_table
 
 __all__: list[str] = []
 
-_out = Console()
 
 
 def cmd_build(args: argparse.Namespace) -> int:
@@ -48,15 +45,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     m = inspect_pack(args.pack)
     head = f"pack {args.pack}: format {m.format}, warmreg {m.warmreg_version}, Triton {m.triton_version}, target {m.target}, ptxas {m.ptxas_version}, built on Python {m.python}, model {m.model_type}"
     _out.print(escape(head))  # every string of a manifest is the pack's: never rich markup
-    table = Table("kernel", "keys", "bytes")
     rows: dict[str, list[int]] = {}
     for e in m.entries:
         row = rows.setdefault(e.kernel, [0, 0])
         row[0] += 1
         row[1] += sum(f.size for f in e.files)
-    for name, (n, size) in sorted(rows.items()):
-        table.add_row(escape(name), str(n), str(size))
-    _out.print(table)
+    show_table(None, ["kernel", "keys", "bytes"], [[name, str(n), str(size)] for name, (n, size) in sorted(rows.items())], console=_out)
     if m.launchers:
         by_python: dict[str, int] = {}
         for x in m.launchers:

@@ -235,11 +235,13 @@ def build(
     entry_points: bool = True,
     force: bool = False,
     launcher_pythons: Iterable[str | None] | None = None,
+    progress: bool | None = None,
 ) -> Manifest:
     """Compile every key of ``config`` for ``target`` and write a pack (no GPU needed for a cross target).
 
     :param output: a directory, or a file ending in ``.tar``, ``.tar.gz`` or ``.zip``.
     :param force: replace an existing output.
+    :param progress: show a progress bar while compiling (default: when stderr is a terminal).
     :param launcher_pythons: for CUDA targets, Python interpreters (names or paths; ``None`` is this
         one) whose ABI the pack carries Triton's C launchers for, so that a serving host with that
         Python neither runs a C compiler nor waits for one; empty for none. Default: this interpreter
@@ -254,7 +256,7 @@ def build(
     config = WarmConfig.load(config)  # a bad config or target is refused before the pipeline imports
     resolve_platform(target)
     from .compile import compile_keys
-    from .warm import default_workers, plan
+    from .warm import _compile_with_progress, default_workers, plan
 
     the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points)
     platform = the_plan.platform
@@ -266,7 +268,11 @@ def build(
     with tempfile.TemporaryDirectory(prefix="warmreg-build-") as tmp:
         with _cache_at(os.path.join(tmp, "cache")):
             _triton.forget_compiled()  # compile into the empty cache, even keys this process has loaded
-            results = compile_keys(the_plan.items(), platform=platform, workers=workers or default_workers(), on_error="continue")
+            n_workers = workers or default_workers()
+            if sys.stderr.isatty() if progress is None else progress:
+                results = _compile_with_progress(the_plan, n_workers, "continue")
+            else:
+                results = compile_keys(the_plan.items(), platform=platform, workers=n_workers, on_error="continue")
             failed = [r for r in results if r.status == "failed"]
             if failed:
                 raise PackError(str(out), f"{len(failed)} key(s) failed to compile; first: {failed[0].kernel}: {failed[0].error}", fix="fix the kernel")
