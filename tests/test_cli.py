@@ -142,3 +142,16 @@ def test_build_shows_progress_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_pa
     packs.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, progress=True)
     packs.build(CONFIG, tmp_path / "q", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, progress=False)
     assert shown == [3]
+
+
+def test_json_means_one_thing_on_every_verb(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--json``: the verb's result as JSON on stdout, nothing else there; ``--json FILE``: into FILE."""
+    import json
+
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "kimi_k3.json")
+    for argv, key in ((["plugins"], "plugins"), (["plan", example, "--target", "cuda:90"], "kernels")):
+        assert main([*argv, "--json"]) == 0
+        assert key in json.loads(capsys.readouterr().out)
+        out = tmp_path / f"{argv[0]}.json"
+        assert main([*argv, "--json", str(out)]) == 0
+        assert key in json.loads(out.read_text()) and f"JSON written to {out}" in capsys.readouterr().err

@@ -41,6 +41,37 @@ def show_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequenc
     out.file.write("".join(f"{line}\n" for line in lines))
 Command = Callable[[argparse.Namespace], int]
 
+#: ``--json`` alone: stdout.
+STDOUT = "-"
+
+
+def add_json(p: argparse.ArgumentParser, what: str) -> None:
+    """``--json [FILE]``, the same on every verb: the verb's result as JSON, on stdout (and nothing
+    else there) or, with FILE, written whole into FILE beside the usual output."""
+    p.add_argument("--json", nargs="?", const=STDOUT, default=None, metavar="FILE", help=f"{what} as JSON: on stdout, or into FILE")
+
+
+def check_json_output(args: argparse.Namespace) -> None:
+    """Refuse, before any work, a ``--json FILE`` that could not be written."""
+    if args.json not in (None, STDOUT):
+        from ._output import check_output
+
+        check_output(args.json, "--json")
+
+
+def emit_json(args: argparse.Namespace, text: str) -> bool:
+    """Write ``--json``'s JSON; returns whether it went to stdout (then print nothing else there).
+    A file is written whole or not at all (under torchrun every rank writes the same path)."""
+    if args.json == STDOUT:
+        sys.stdout.write(text.rstrip("\n") + "\n")
+        return True
+    out = Path(args.json)
+    staged = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    staged.write_text(text)
+    os.replace(staged, out)
+    _err.print(f"JSON written to {args.json}", markup=False, highlight=False)
+    return False
+
 
 def add_serving(p: argparse.ArgumentParser) -> None:
     """``--serving FILE|JSON`` and repeatable ``--set key=value``: serving settings over the config's."""
@@ -62,6 +93,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     from .plugins import load_plugins
 
     loaded = load_plugins(on_plugin_error="skip")
+    if args.json and emit_json(args, json.dumps({"plugins": list(loaded.names), "problems": list(loaded.problems)}, indent=2)):
+        return 0
     show_table("warmreg plugins (entry-point group 'warmreg')", ["plugin"], [[name] for name in loaded.names])
     for problem in loaded.problems:
         _err.print(f"[yellow]skipped[/] {problem}")
@@ -108,12 +141,12 @@ def _config(args: argparse.Namespace) -> Any:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    check_json_output(args)
     config = _config(args)
     from .warm import plan
 
     p = plan(config, target=args.target, on_plugin_error="skip" if args.skip_broken_plugins else "raise")
-    if args.json:
-        print(json.dumps(p.to_json(), indent=2))
+    if args.json and emit_json(args, json.dumps(p.to_json(), indent=2)):
         return 0
     rows = [[k.name, str(len(k.keys)), ", ".join(k.plugins)] for k in p.kernels]
     show_table(f"plan for {p.config.model_type} on {p.platform}", ["kernel", "keys", "registered by"], rows)
@@ -144,10 +177,7 @@ def _init_distributed(target: str | None) -> bool:
 
 
 def cmd_warm(args: argparse.Namespace) -> int:
-    if args.json:
-        from ._output import check_output
-
-        check_output(args.json, "--json")
+    check_json_output(args)
     args.config = _config(args)
     from ._triton_cache import check_cache_writable
 
@@ -175,19 +205,14 @@ def _warm_and_show(args: argparse.Namespace, warm: Callable[..., Any]) -> int:
         pack=args.pack,
         distributed=False if args.no_distributed else None,
     )
-    rows = [
-        [name, str(row["keys"]), str(row["compiled"]), str(row["cached"]), str(row["failed"]), f"{row['seconds']:.2f}"]
-        for name, row in sorted(report.per_kernel().items())
-    ]
-    show_table(report.summary(), ["kernel", "keys", "compiled", "cached", "failed", "seconds"], rows)
     for r in report.failed:
         _err.print(f"[red]failed[/] {r.kernel} {r.key}: {r.error}")
-    if args.json:  # whole or not at all: under torchrun every rank writes the same path
-        out = Path(args.json)
-        staged = out.with_name(f".{out.name}.{os.getpid()}.tmp")
-        staged.write_text(report.dumps())
-        os.replace(staged, out)
-        _out.print(f"report written to {args.json}")
+    if not (args.json and emit_json(args, report.dumps())):
+        rows = [
+            [name, str(row["keys"]), str(row["compiled"]), str(row["cached"]), str(row["failed"]), f"{row['seconds']:.2f}"]
+            for name, row in sorted(report.per_kernel().items())
+        ]
+        show_table(report.summary(), ["kernel", "keys", "compiled", "cached", "failed", "seconds"], rows)
     return 1 if report.failed else 0
 
 
@@ -210,15 +235,17 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="warmreg", description="Warm Triton kernels before serving.")
     parser.add_argument("--version", action="version", version=_version(), help="warmreg's version and the Triton and torch it runs with")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("plugins", help="list installed plugins").set_defaults(func=cmd_plugins)
+    pl = sub.add_parser("plugins", help="list installed plugins")
+    add_json(pl, "the plugins and the problems of those skipped")
+    pl.set_defaults(func=cmd_plugins)
     p = sub.add_parser("plan", help="list kernels and keys a config needs (no compiling)")
     _add_common(p)
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_json(p, "the plan, every key field by field,")
     p.set_defaults(func=cmd_plan)
     w = sub.add_parser("warm", help="compile every key a config needs")
     _add_common(w)
     w.add_argument("--workers", type=int, default=None, help="compile threads (default: all CPUs)")
-    w.add_argument("--json", metavar="FILE", default=None, help="write the WarmReport as JSON")
+    add_json(w, "the WarmReport")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
     w.add_argument("--pack", default=None, help="install this pack first (its keys become cache hits)")
     w.add_argument("--no-distributed", action="store_true", help="under torchrun, warm every key on every rank")

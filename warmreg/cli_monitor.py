@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .cli import _EXTENSIONS, _out, show_table
+from .cli import _EXTENSIONS, _out, add_json, emit_json, show_table
 
 __all__: list[str] = []
 
@@ -44,9 +44,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         misses.extend(m)
     warm_report = WarmReport.from_json(json.loads(Path(args.warm_report).read_text())) if args.warm_report else None
     cov = coverage(warm_report, used, misses)
-    if args.json:
-        print(json.dumps(cov.to_json(), indent=2))
-    else:
+    if not (args.json and emit_json(args, json.dumps(cov.to_json(), indent=2))):
         rows = [[row.kernel, str(row.declared), str(row.compiled), str(row.hit), str(row.missed), str(row.unused)] for row in cov.kernels]
         show_table("warmreg coverage", ["kernel", "declared", "compiled", "hit", "missed", "unused"], rows)
         for miss in cov.misses:
@@ -64,7 +62,7 @@ def _install(sub: Any) -> None:
     p = sub.add_parser("report", help="coverage: declared / compiled / hit / missed / unused per kernel")
     p.add_argument("files", nargs="+", help="monitor snapshots (Monitor.save) or record files")
     p.add_argument("--warm-report", default=None, help="the WarmReport JSON of the warm (warmreg warm --json)")
-    p.add_argument("--json", action="store_true", help="print the coverage as JSON")
+    add_json(p, "the coverage")
     p.add_argument("--require-complete", action="store_true", help="exit 1 if anything missed (for CI)")
     p.set_defaults(func=cmd_report)
 

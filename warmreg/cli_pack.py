@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 from rich.markup import escape
 
 from ._triton_release import release_of
-from .cli import _EXTENSIONS, _out, add_serving, serving_overrides, show_table
+from .cli import _EXTENSIONS, _out, add_json, add_serving, emit_json, serving_overrides, show_table
 
 __all__: list[str] = []
 
@@ -43,6 +44,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .pack import inspect_pack
 
     m = inspect_pack(args.pack)
+    if args.json and emit_json(args, json.dumps(m.to_json(), indent=1)):
+        return 0
     head = f"pack {args.pack}: format {m.format}, warmreg {m.warmreg_version}, Triton {m.triton_version}, target {m.target}, ptxas {m.ptxas_version}, built on Python {m.python}, model {m.model_type}"
     _out.print(escape(head))  # every string of a manifest is the pack's: never rich markup
     rows: dict[str, list[int]] = {}
@@ -124,6 +127,7 @@ def _install(sub: Any) -> None:
     psub = p.add_subparsers(dest="pack_command", required=True)
     i = psub.add_parser("inspect", help="show a pack's manifest")
     i.add_argument("pack")
+    add_json(i, "the manifest")
     i.set_defaults(func=cmd_inspect)
     v = psub.add_parser("verify", help="check every file and the fit to this machine")
     v.add_argument("pack")
