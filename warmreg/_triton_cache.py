@@ -24,6 +24,7 @@ __all__ = [
     "cache_dir",
     "check_cache_writable",
     "cache_subdir",
+    "remove_unfinished",
     "import_jit",
     "local_cache_hash",
     "memory_kernel",
@@ -81,6 +82,35 @@ def cache_dir() -> str:
     if not path:
         raise WarmregError("Triton has no cache directory", fix="set TRITON_CACHE_DIR")
     return str(path)
+
+
+def remove_unfinished(jit: JITFunction, specialization_data: str, platform: Platform) -> int:
+    """Remove what a failed compile of this specialization left in the cache: the stages Triton
+    wrote (``.source``, ``.ttir``, ...) before the one that failed, in an entry that has no group
+    file (``__grp__*``: Triton never reads such an entry). Returns how many files were removed.
+
+    Checked against Triton 3.6-3.9 (each writes every stage into the entry's directory as it goes
+    and the group file last).
+    """
+    try:
+        directory = Path(cache_dir()) / cache_subdir(local_cache_hash(jit, specialization_data, platform))
+        files = list(directory.iterdir()) if directory.is_dir() else []
+    except (OSError, WarmregError, ValueError, KeyError):
+        return 0
+    if not files or any(f.name.startswith("__grp__") for f in files):
+        return 0
+    removed = 0
+    for f in files:
+        try:
+            f.unlink()
+            removed += 1
+        except OSError:
+            pass
+    try:
+        directory.rmdir()
+    except OSError:
+        pass  # another process is writing there: its files are its own
+    return removed
 
 
 def check_cache_writable() -> Path:

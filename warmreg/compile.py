@@ -246,6 +246,9 @@ def compile_keys(
             pool.shutdown(wait=True, cancel_futures=True)
         IN_WARMUP.reset(warm_token)
         WARM_SESSION.reset(session_token)
+    for task in tasks:
+        if task.status == "failed" and task.captured is not None and task.specialization_data is not None:
+            _triton_cache.remove_unfinished(task.captured[0], task.specialization_data, platform)  # a failure leaves no files
     return [t.result() for t in tasks]
 
 

@@ -16,8 +16,11 @@ import attrs
 from .errors import TargetError
 
 __all__ = [
+    "CUDA_ARCHS",
     "Platform",
     "Predicate",
+    "ROCM_ARCHS",
+    "check_features",
     "has_feature",
     "is_cuda",
     "is_fp8_fnuz",
@@ -33,6 +36,16 @@ __all__ = [
 Backend = Literal["cuda", "rocm", "xpu"]
 #: ROCm architectures whose FP8 format is e4m3fnuz (MI300 family); gfx950 uses OCP e4m3fn.
 FNUZ_ARCHS = frozenset({"gfx940", "gfx941", "gfx942"})
+#: NVIDIA compute capabilities (sm_XY as XY) a target may name.
+CUDA_ARCHS = frozenset({70, 72, 75, 80, 86, 87, 89, 90, 100, 101, 103, 110, 120, 121})
+#: AMD GPU processors (LLVM's AMDGPU names) a target may name.
+ROCM_ARCHS = frozenset({
+    "gfx900", "gfx902", "gfx904", "gfx906", "gfx908", "gfx909", "gfx90a", "gfx90c", "gfx940", "gfx941", "gfx942", "gfx950",
+    "gfx1010", "gfx1011", "gfx1012", "gfx1013", "gfx1030", "gfx1031", "gfx1032", "gfx1033", "gfx1034", "gfx1035", "gfx1036",
+    "gfx1100", "gfx1101", "gfx1102", "gfx1103", "gfx1150", "gfx1151", "gfx1152", "gfx1153", "gfx1200", "gfx1201", "gfx1250",
+})  # fmt: skip
+#: Every feature name a predicate (:func:`has_feature`) of a loaded plugin checks.
+_FEATURES: set[str] = set()
 _TARGET = re.compile(r"^(cuda|rocm|xpu):([A-Za-z0-9_]+)((?:\+[a-z0-9_]+)*)$")
 
 
@@ -73,10 +86,15 @@ class Platform:
         if backend == "cuda":
             if not arch.isdigit() or not 30 <= int(arch) < 1000:
                 raise TargetError(target, f"CUDA arch {arch!r} is not a compute capability", fix="write e.g. cuda:90 for sm_90")
+            if int(arch) not in CUDA_ARCHS:
+                known = ", ".join(str(a) for a in sorted(CUDA_ARCHS))
+                raise TargetError(target, f"sm_{arch} is no NVIDIA GPU's compute capability", fix=f"use one of cuda:{{{known}}}")
             return cls("cuda", int(arch), features)
         if backend == "rocm":
             if not re.fullmatch(r"gfx[0-9a-f]{3,4}", arch):
                 raise TargetError(target, f"ROCm arch {arch!r} is not a gfx name", fix="write e.g. rocm:gfx942")
+            if arch not in ROCM_ARCHS:
+                raise TargetError(target, f"{arch} is no AMD GPU processor", fix=f"use one of rocm:{{{', '.join(sorted(ROCM_ARCHS, key=lambda a: (len(a), a)))}}}")
             return cls("rocm", arch, features)
         return cls("xpu", arch, features)
 
@@ -184,8 +202,27 @@ def rocm_arch_in(*archs: str) -> Predicate:
 
 
 def has_feature(name: str) -> Predicate:
-    """An optional backend or capability present on the deployment (``cuda:90+cutedsl``)."""
+    """An optional backend or capability present on the deployment (``cuda:90+cutedsl``).
+
+    Naming a feature here makes it known: a target with a feature no loaded plugin checks is
+    refused by :func:`warmreg.plan` (it would change nothing, so it is most likely a typo).
+    """
+    _FEATURES.add(name)
     return Predicate(f"has({name})", lambda p: name in p.features)
+
+
+def check_features(platform: Platform) -> None:
+    """Refuse a platform whose features no loaded plugin checks (call once the plugins registered).
+
+    :raises TargetError: naming the unknown features and the known ones.
+    """
+    unknown = sorted(platform.features - _FEATURES)
+    if unknown:
+        known = ", ".join(sorted(_FEATURES)) or "none"
+        raise TargetError(
+            platform.target, f"names {', '.join('+' + f for f in unknown)}, which no loaded plugin checks",
+            fix=f"drop it; features the loaded plugins know: {known}",
+        )  # fmt: skip
 
 
 def resolve_platform(target: str | Platform | None) -> Platform:

@@ -14,7 +14,7 @@ from . import _triton, _triton_cache
 from .compile import OnError, check_on_error, compile_keys
 from .config import WarmConfig
 from .errors import CompileFailed, ConfigError, WarmregError
-from .platform import Platform, resolve_platform
+from .platform import Platform, check_features, resolve_platform
 from .plugins import OnPluginError, call_register_hooks, load_plugins
 from .registry import Plan, Registry
 from .report import KeyResult, WarmReport
@@ -57,6 +57,7 @@ def plan(
     loaded = load_plugins(plugins, entry_points=entry_points, on_plugin_error=on_plugin_error)
     registry = Registry(cfg, platform)
     problems = call_register_hooks(loaded, registry, cfg, platform, on_plugin_error)
+    check_features(platform)
     result = registry.plan()
     names = tuple(n for n in loaded.names if n not in {p.split(":")[0] for p in problems})
     served = {t for types in loaded.manager.hook.warmreg_model_types() for t in types}
