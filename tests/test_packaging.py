@@ -71,3 +71,7 @@ def test_a_bare_venv_takes_the_plugin_and_runs_the_main_job(dist: Path, tmp_path
     _run(bindir / "warmreg", "warm", FLASH, "--target", "cuda:90", "--quiet", "--json", report, cwd=tmp_path, env=env)
     results = json.loads(report.read_text())["results"]
     assert len(results) == 71 and all(r["status"] == "disk_cache" for r in results), {r["status"] for r in results}
+    # the plugin template installs the same way, its core from the same wheelhouse
+    _run(py, "-m", "pip", "install", "-q", "--find-links", dist, ROOT / "examples" / "plugin_template", cwd=tmp_path)
+    _run(py, "-m", "pip", "check", cwd=tmp_path)
+    assert "template" in _run(bindir / "warmreg", "plugins", cwd=tmp_path, env=env)
