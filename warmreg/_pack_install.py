@@ -8,6 +8,7 @@ joined; a Triton function is looked up in a given map, never imported.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -106,12 +107,10 @@ def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash:
     if directory.is_dir():
         _sweep_temporaries(directory)
     if group.exists():
-        try:
+        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):  # a damaged group file is replaced below
             existing = _json.loads(group.read_bytes())["child_paths"]
             if all(Path(p).is_file() for p in existing.values()):
                 return False  # already installed (by us, another installer, or Triton itself)
-        except (ValueError, KeyError, TypeError, AttributeError):
-            pass  # a damaged group file is replaced below
     directory.mkdir(parents=True, exist_ok=True)
     writer = uuid.uuid4().hex[:12]
     children: dict[str, str] = {}

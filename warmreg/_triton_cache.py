@@ -6,6 +6,7 @@ how ``preload`` decodes serialized constants is not (:class:`warmreg._triton_rel
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import threading
@@ -101,15 +102,11 @@ def remove_unfinished(jit: JITFunction, specialization_data: str, platform: Plat
         return 0
     removed = 0
     for f in files:
-        try:
+        with contextlib.suppress(OSError):
             f.unlink()
             removed += 1
-        except OSError:
-            pass
-    try:
+    with contextlib.suppress(OSError):  # another process is writing there: its files are its own
         directory.rmdir()
-    except OSError:
-        pass  # another process is writing there: its files are its own
     return removed
 
 
@@ -123,8 +120,7 @@ def check_cache_writable() -> Path:
         raise CacheError(str(directory), "is not a directory", fix="set TRITON_CACHE_DIR to a directory")
     try:
         os.makedirs(directory, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=directory, prefix=".warmreg-probe-"):
-            pass
+        tempfile.NamedTemporaryFile(dir=directory, prefix=".warmreg-probe-").close()  # removed on close
     except OSError as exc:
         raise CacheError(str(directory), f"is not writable ({exc.strerror})", fix="set TRITON_CACHE_DIR to a writable directory") from exc
     return directory
