@@ -12,7 +12,7 @@ from typing import Any
 from rich.markup import escape
 
 from ._triton_release import release_of
-from .cli import _EXTENSIONS, _out, add_json, add_serving, emit_json, serving_overrides, show_table
+from .cli import _EXTENSIONS, _config, _out, add_json, add_serving, emit_json, show_table
 
 __all__: list[str] = []
 
@@ -22,9 +22,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     from .pack import build, build_wheel
 
     pythons = [] if args.no_launchers else args.launcher_python  # None: this interpreter, if it can
-    from .config import WarmConfig
-
-    config = WarmConfig.load(args.config, serving=serving_overrides(args))
+    config = _config(args)  # config, --serving/--set and target, checked before anything compiles
     options = {"target": args.target, "workers": args.workers, "launcher_pythons": pythons}
     if args.wheel:
         wrote, manifest = build_wheel(config, args.output, label=Path(args.config).stem, **options)

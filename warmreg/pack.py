@@ -88,6 +88,31 @@ def _open(path: str | Path) -> Reader:
     return Reader(Path(path))
 
 
+@attrs.frozen
+class _Checked:
+    """A pack read whole and checked as far as it can be without the plugins: what verify and
+    install both start from."""
+
+    name: str
+    manifest: Manifest
+    platform: Platform
+    entries: list[tuple[PackEntry, dict[str, bytes] | PackError]]  # each entry's files, or why it is refused
+    launchers: list[tuple[PackLauncher, bytes]]
+
+
+def _read_checked(path: str | Path, target: str | Platform | None) -> _Checked:
+    reader = _open(path)
+    try:
+        manifest = reader.manifest()
+        platform = resolve_platform(target) if target is not None else Platform.parse(manifest.target)
+        _check_machine(reader, manifest, platform)
+        entries = check_entries(reader, manifest)
+        launchers = check_launchers(reader, manifest)  # every launcher verified, whether it fits here or not
+    finally:
+        reader.close()
+    return _Checked(reader.name, manifest, platform, entries, launchers)
+
+
 def verify(path: str | Path, *, target: str | Platform | None = None, jits: Mapping[str, Any] | None = None) -> Manifest:
     """Check a pack completely, exactly as install does before it writes: manifest digest and fields,
     member names and types, every file's size and sha256, each entry's metadata, Triton/ptxas/target,
@@ -97,21 +122,13 @@ def verify(path: str | Path, *, target: str | Platform | None = None, jits: Mapp
     :returns: the manifest.
     :raises PackError: on the first problem, saying which and why.
     """
-    reader = _open(path)
-    try:
-        manifest = reader.manifest()
-        platform = resolve_platform(target) if target is not None else Platform.parse(manifest.target)
-        _check_machine(reader, manifest, platform)
-        checked = check_entries(reader, manifest)
-        check_launchers(reader, manifest)
-    finally:
-        reader.close()
-    known = _installed_jits(manifest) if jits is None else jits
-    for entry, blobs in checked:
+    read = _read_checked(path, target)
+    known = _installed_jits(read.manifest) if jits is None else jits
+    for entry, blobs in read.entries:
         if isinstance(blobs, PackError):
             raise blobs
-        local_hash(entry, known, platform, reader.name)
-    return manifest
+        local_hash(entry, known, read.platform, read.name)
+    return read.manifest
 
 
 def inspect_pack(path: str | Path) -> Manifest:
@@ -171,25 +188,17 @@ def install(
     :raises CacheError: if the cache directory cannot be written (nothing unverified is left in it).
     """
     start = time.perf_counter()
-    reader = _open(path)
-    try:
-        manifest = reader.manifest()
-        platform = resolve_platform(target) if target is not None else Platform.parse(manifest.target)
-        _check_machine(reader, manifest, platform)
-        blobs = check_entries(reader, manifest)
-        checked = check_launchers(reader, manifest)  # every launcher verified, as verify does
-    finally:
-        reader.close()
-    launcher_blobs = [(x, data) for x, data in checked if _triton_launchers.fits_here(x.platform_key, x.file.name)]
+    read = _read_checked(path, target)
+    launcher_blobs = [(x, data) for x, data in read.launchers if _triton_launchers.fits_here(x.platform_key, x.file.name)]
     if jits is None:
         _triton_cache.check_cache_writable()  # before the plugins load: an unusable cache is one quick line
-        jits = _installed_jits(manifest)
-    installed, present, refused = install_entries(blobs, platform, pack=reader.name, jits=jits, all_or_nothing=all_or_nothing)
+        jits = _installed_jits(read.manifest)
+    installed, present, refused = install_entries(read.entries, read.platform, pack=read.name, jits=jits, all_or_nothing=all_or_nothing)
     try:
         launchers = sum(_triton_launchers.install(x.cache_key, x.file.name, data) for x, data in launcher_blobs)
     except OSError as exc:
         raise CacheError(_triton_cache.cache_dir(), f"cannot take the pack's C launchers ({exc.strerror or exc})") from exc
-    return InstallReport(reader.name, installed, present, tuple(refused), time.perf_counter() - start, launchers)
+    return InstallReport(read.name, installed, present, tuple(refused), time.perf_counter() - start, launchers)
 
 
 def entry_from_result(result: KeyResult, kernel: Any) -> tuple[PackEntry, dict[str, bytes]]:
