@@ -158,13 +158,13 @@ def run_cli(capsys: pytest.CaptureFixture[str], *argv: str, timeout: float = 15)
     return Outcome(code, [line for line in err.splitlines() if line.strip()], seconds, out + err)
 
 
-def assert_refused(outcome: Outcome, needle: str, *, within: float = 2.0) -> None:
-    """Exit 2, one line on stderr naming the problem (``needle``, a regex), no traceback, in time."""
+def assert_refused(outcome: Outcome, needle: str) -> None:
+    """Exit 2, one line on stderr naming the problem (``needle``, a regex), no traceback. (``run_cli``'s
+    deadline turns a hang into a failure; how fast a refusal answers is ``benchmarks/cli_refusals.py``'s.)"""
     assert outcome.code == 2, outcome.text
     assert len(outcome.lines) == 1, outcome.text
     assert re.search(needle, outcome.lines[0], re.IGNORECASE), outcome.lines[0]
     assert "Traceback" not in outcome.text
-    assert outcome.seconds < within, f"took {outcome.seconds:.2f} s"
 
 
 def assert_nothing_written(root: Path, before: set[Path], cache: Path) -> None:

@@ -1,6 +1,6 @@
 """Hostile packs (issue 18): one generator per class of attack, each with its own cases. Every case
 is answered by ``pack verify`` and ``pack install`` with exit 2 and one line naming the problem, in
-under 2 s, with nothing written outside the Triton cache and nothing into it."""
+with nothing written outside the Triton cache and nothing into it (how fast: benchmarks/cli_refusals.py)."""
 
 from __future__ import annotations
 
@@ -423,7 +423,7 @@ def _many_members(base: Members, tmp: Path) -> tuple[Path, str]:
 @pytest.mark.parametrize("name", sorted(CASES))
 @pytest.mark.parametrize("command", ["verify", "install"])
 def test_hostile_pack(name: str, command: str, base: Members, tmp_path: Path, triton_cache: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """a hostile pack is answered with exit 2 and one line naming the problem, in under 2 s; nothing is written"""
+    """a hostile pack is answered with exit 2 and one line naming the problem; nothing is written"""
     (tmp_path / "outside").mkdir()
     probe = tmp_path / "probe"
     probe.mkdir()
@@ -452,7 +452,6 @@ def test_one_bad_entry_among_good_ones_is_summarized(base: Members, tmp_path: Pa
     assert outcome.code == 1 and "3 installed" in outcome.text and "900 refused" in outcome.text, outcome.text
     refusals = [line for line in outcome.text.splitlines() if line.startswith("refused")]
     assert len(refusals) == 1 and "900 entries" in refusals[0] and "gone.f" in refusals[0]
-    assert outcome.seconds < 10
 
 
 def test_unlisted_members_are_never_read(base: Members, tmp_path: Path) -> None:
