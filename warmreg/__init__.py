@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from .monitor import JitMissError, Miss, Monitor, arm, disarm, monitor
     from .registry import KernelPlan, Plan, Registry
     from .space import enumerate_keys
-    from .warm import plan, prefetch, warm
+    from .warm import plan, prefetch, reset_state, warm
 
 # Imported on first use: these modules import torch (about 2 s on a small machine), which the CLI's
 # refusals, pack checks and config checks do not need.
@@ -54,7 +54,7 @@ _LAZY = {
     **dict.fromkeys(("JitMissError", "Miss", "Monitor", "arm", "disarm", "monitor"), "monitor"),
     **dict.fromkeys(("KernelPlan", "Plan", "Registry"), "registry"),
     "enumerate_keys": "space",
-    **dict.fromkeys(("plan", "prefetch", "warm"), "warm"),
+    **dict.fromkeys(("plan", "prefetch", "reset_state", "warm"), "warm"),
 }
 
 
@@ -131,6 +131,7 @@ __all__ = [
     "next_pow2",
     "plan",
     "prefetch",
+    "reset_state",
     "powers_of_two",
     "rocm_arch_in",
     "runtime_platform",

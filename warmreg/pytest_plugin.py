@@ -4,6 +4,9 @@
   (``--warmreg-record=FILE`` for record mode; a coverage snapshot is written next to it).
 - fixture ``warmreg_monitor``: an armed monitor (record mode, in memory) for one test; read
   ``.misses`` and ``.counters()``.
+- fixture ``warmreg_isolated``: a fresh, empty Triton cache (``TRITON_CACHE_DIR``) for one test and
+  warmreg's process state reset before and after it (:func:`warmreg.reset_state`); plugin test suites
+  make it autouse in their ``conftest.py``.
 - marker ``@pytest.mark.warmreg_no_jit``: the test fails if its code compiles, loads or autotunes
   a Triton kernel; the failure lists each miss with its explanation.
 
@@ -13,11 +16,14 @@ Imports warmreg (and so torch and Triton) only when one of these is used.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-__all__ = ["pytest_addoption", "pytest_configure", "pytest_runtest_call", "pytest_unconfigure", "warmreg_monitor"]
+__all__ = [
+    "pytest_addoption", "pytest_configure", "pytest_runtest_call", "pytest_unconfigure", "warmreg_isolated", "warmreg_monitor",
+]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -61,6 +67,26 @@ def warmreg_monitor() -> Iterator[Any]:
 
     with monitor("record") as mon:
         yield mon
+
+
+@pytest.fixture
+def warmreg_isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A fresh, empty Triton cache directory (``TRITON_CACHE_DIR``, under ``tmp_path``) for one test,
+    with :func:`warmreg.reset_state` before and after it; yields the cache directory.
+
+    Make it autouse in a plugin's ``conftest.py``::
+
+        @pytest.fixture(autouse=True)
+        def isolated(warmreg_isolated): ...
+    """
+    from warmreg import reset_state
+
+    cache = tmp_path / "triton-cache"
+    cache.mkdir()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    reset_state()
+    yield cache
+    reset_state()
 
 
 @pytest.hookimpl(wrapper=True)

@@ -19,7 +19,7 @@ from .plugins import OnPluginError, call_register_hooks, load_plugins
 from .registry import Plan, Registry
 from .report import KeyResult, WarmReport
 
-__all__ = ["default_workers", "plan", "prefetch", "resolve_platform", "warm"]
+__all__ = ["default_workers", "plan", "prefetch", "reset_state", "warm"]
 
 
 def default_workers() -> int:
@@ -90,6 +90,21 @@ def prefetch() -> None:
     has not started, and waits for it only where it needs the hash. Idempotent; returns at once.
     """
     _triton_cache.prefetch_triton_key()
+
+
+def reset_state() -> None:
+    """Forget what this process warmed: Triton's compiled kernels in memory (of every jit function
+    defined so far), warmreg's fast launches and what the JIT monitor learned from earlier warms.
+
+    For test suites (the pytest fixture ``warmreg_isolated`` calls it around each test) and before
+    compiling into another cache directory. Armed monitors stay armed.
+    """
+    from .kernel import FAST_TABLES
+    from .monitor import KNOWLEDGE
+
+    _triton.forget_compiled()
+    FAST_TABLES.clear()
+    KNOWLEDGE.clear()
 
 
 def warm(
