@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, write
 
 import warmreg
-from warmreg.monitor import current
+from warmreg.monitoring import current
 
 
 def materialize(value: Any, device: torch.device) -> Any:
@@ -60,7 +60,7 @@ def _counting_run(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def run_config(config: str, pack: str | None) -> dict[str, Any]:
-    from warmreg.kernel import FAST_TABLES
+    from warmreg.launch import FAST_TABLES
 
     t = time.perf_counter()
     report = warmreg.warm(config, pack=pack, on_error="continue", monitor="record")

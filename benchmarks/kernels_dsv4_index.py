@@ -405,7 +405,7 @@ def main() -> None:
         report = warmreg.warm(CONFIG if Path(CONFIG).exists() else str(ROOT / CONFIG), monitor="record", on_error="continue")
         out["warm"] = {"wall_s": time.perf_counter() - t, "summary": report.summary(),
                        "failed": [(r.kernel, str(r.key), r.error) for r in report.failed]}  # fmt: skip
-        from warmreg.monitor import current
+        from warmreg.monitoring import current
 
         mon = current()
     else:

@@ -48,7 +48,7 @@ from warmreg_deepseek_v4.state_cache import SavePartialStates, save_partial_stat
 from warmreg_kimi_k3.kda import KDARecurrent, kda_recurrent_reference
 
 import warmreg
-from warmreg.monitor import current
+from warmreg.monitoring import current
 from warmreg.ops import FusedQKVRMSNorm, fused_qkv_rmsnorm_reference
 
 ROOT = Path(__file__).resolve().parents[1]

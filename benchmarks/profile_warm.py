@@ -32,7 +32,8 @@ import triton.runtime.cache as rc
 import triton.runtime.jit as rj
 from triton.backends.nvidia import compiler as nvc, driver as nvd
 import warmreg
-import warmreg.compile as wc
+import warmreg.bind as wb
+import warmreg.warmup as ww
 from warmreg import _triton
 
 if torch.cuda.is_available():
@@ -70,9 +71,9 @@ for attr in ("compile_module_from_src", "compile_module_from_file"):  # 3.6-3.7 
         patch(nvd, attr, "launcher build/load")
 patch(cc.CompiledKernel, "_init_handles", "init_handles (load)")
 patch(rj.JITFunction, "_do_compile", "_do_compile (submit)")
-patch(wc, "_bind", "warmreg bind (launch code + submit)")
+patch(wb, "_bind", "warmreg bind (launch code + specialize)")
 patch(_triton, "specialize", "warmreg specialize")
-patch(warmreg, "plan", "warmreg plan")
+patch(ww, "plan", "warmreg plan")
 
 t0 = time.perf_counter()
 r = warmreg.warm(CONFIG, target=TARGET, workers=WORKERS, on_error="continue", progress=False)

@@ -37,11 +37,15 @@ print(json.dumps({{"wall": time.perf_counter() - t, "plan_seconds": r.plan_secon
 
 _SHARD = """
 import json, sys, time, warmreg
-from warmreg.compile import compile_keys
+from warmreg.bind import Task, bind_all
+from warmreg.compile import compile_scope, compile_tasks
 p = warmreg.plan({config!r}, target={target!r})
 items = list(p.items())[{index}::{count}]
 t = time.perf_counter()
-res = compile_keys(items, platform=p.platform, workers=1, on_error="continue")
+tasks = [Task(kp, key) for kp, key in items]
+with compile_scope(p.platform):
+    bind_all(tasks, "continue", None)
+    compile_tasks(tasks, platform=p.platform, workers=1, on_error="continue")
 print(json.dumps({{"wall": time.perf_counter() - t, "n": len(items)}}))
 """
 

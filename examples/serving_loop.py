@@ -121,7 +121,7 @@ def main() -> None:
         reqs, n_dec = make_batch(rng, kind, cfg)
         tokens += step(plan, reqs, n_dec, torch.device("cuda"))
     torch.cuda.synchronize()
-    from warmreg.monitor import current
+    from warmreg.monitoring import current
 
     mon = current()
     print(f"served {args.steps} steps, {tokens} tokens; runtime misses: {len(mon.misses) if mon else 'n/a'}")

@@ -2,29 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from warmreg import _triton
-from warmreg.kernel import FAST_TABLES
-from warmreg.monitor import KNOWLEDGE
-
 
 @pytest.fixture(autouse=True)
-def triton_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A fresh, empty Triton cache directory (TRITON_CACHE_DIR) for each test."""
-    cache = tmp_path / "triton-cache"
-    cache.mkdir()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-    _triton.forget_compiled()
-    KNOWLEDGE.clear()
-    FAST_TABLES.clear()
-    yield cache
-    _triton.forget_compiled()
-    KNOWLEDGE.clear()
-    FAST_TABLES.clear()
+def triton_cache(warmreg_isolated: Path) -> Path:
+    """A fresh, empty Triton cache directory (TRITON_CACHE_DIR) for each test, and warmreg's state
+    reset around it (the public ``warmreg_isolated`` fixture)."""
+    return warmreg_isolated
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

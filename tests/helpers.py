@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -70,6 +71,18 @@ class Scale(warmreg.TritonKernel[ScaleKey]):
         out = torch.empty_like(x)
         grid = (triton.cdiv(x.numel(), block),) if x.numel() else None
         return warmreg.LaunchSpec(key, grid, dict(x_ptr=x, out_ptr=out, n=x.numel(), scale=scale, BLOCK=block), out)
+
+
+class CountedScale(Scale):
+    """:class:`Scale` that counts, per key, how often a warm runs the key's launch code
+    (``launch_for_warm``: ``warmup_inputs``, then the launcher)."""
+
+    name = "tests.counted_scale"
+    calls: ClassVar[Counter[ScaleKey]] = Counter()
+
+    def warmup_inputs(self, key: ScaleKey) -> Mapping[str, Any]:
+        CountedScale.calls[key] += 1
+        return super().warmup_inputs(key)
 
 
 @triton.jit

@@ -135,10 +135,10 @@ def test_build_shows_progress_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_pa
     from tests.helpers import CONFIG, Plugin, Scale
     from warmreg import pack as packs
 
-    warm_module = importlib.import_module("warmreg.warm")  # the module; warmreg.warm is the function
+    pipeline = importlib.import_module("warmreg.pipeline")
     shown: list[int] = []
-    real = warm_module._compile_with_progress
-    monkeypatch.setattr(warm_module, "_compile_with_progress", lambda plan, *a, **k: shown.append(plan.num_keys) or real(plan, *a, **k))
+    real = pipeline._progress
+    monkeypatch.setattr(pipeline, "_progress", lambda show, title, total: (show and shown.append(total)) or real(show, title, total))
     packs.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, progress=True)
     packs.build(CONFIG, tmp_path / "q", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, progress=False)
     assert shown == [3]

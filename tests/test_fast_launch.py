@@ -213,7 +213,7 @@ def test_every_planned_key_gets_a_fast_path(config: str) -> None:
     """Each key of the example configs: the guard built from its launch accepts that launch again."""
     from pathlib import Path
 
-    from warmreg.kernel import WARM_SESSION
+    from warmreg.launch import WARM_SESSION
 
     plan = warmreg.plan(Path(__file__).parents[1] / "examples" / f"{config}.json", target="cuda:90")
     missing = []
@@ -239,7 +239,7 @@ def test_gpu_warm_prepares_fast_launches_so_even_a_first_launch_skips_triton(mon
     from triton.runtime.jit import JITFunction
 
     from tests.helpers import CONFIG, Plugin, Scale
-    from warmreg.kernel import FAST_TABLES
+    from warmreg.launch import FAST_TABLES
 
     scale = Scale()
     report = warmreg.warm(CONFIG, plugins=[Plugin(scale)], entry_points=False)
@@ -265,7 +265,7 @@ def test_gpu_no_launch_from_an_unloaded_module(monkeypatch: pytest.MonkeyPatch) 
     from triton.runtime.jit import JITFunction
 
     from tests.helpers import CONFIG, Plugin, Scale
-    from warmreg.kernel import FAST_TABLES
+    from warmreg.launch import FAST_TABLES
 
     unloaded: list[Any] = []
     chain = getattr(triton.knobs.runtime, "kernel_unload_hook", None)  # 3.8+: called before an unload
@@ -309,7 +309,7 @@ def test_an_entry_serves_only_the_jit_function_it_was_built_from() -> None:
     """A kernel whose ``jit_for(key)`` differs from the entry's jit (two instances under one name
     that disagree, against the contract) takes Triton's path instead of the other binary."""
     from tests.helpers import Scale, _scale_kernel
-    from warmreg.kernel import FAST_TABLES
+    from warmreg.launch import FAST_TABLES
 
     launched: list[tuple[int, ...]] = []
     x = torch.arange(16, dtype=torch.float16)

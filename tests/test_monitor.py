@@ -145,7 +145,7 @@ def test_nested_contexts_and_exceptions_restore_everything() -> None:
 
 
 def _current() -> Any:
-    from warmreg.monitor import current
+    from warmreg.monitoring import current
 
     return current()
 

@@ -17,7 +17,7 @@ from tests.reliability.hostile import Pack
 from warmreg import _pack_wheel, _triton
 from warmreg import pack as packs
 from warmreg._triton_release import RELEASE
-from warmreg.kernel import FAST_TABLES
+from warmreg.launch import FAST_TABLES
 
 
 def _pip_install(wheel: Path, site: Path) -> None:

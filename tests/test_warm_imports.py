@@ -28,7 +28,7 @@ sys.meta_path.insert(0, _Blocked())
 
 _CHILD = _BLOCK.format(module="sympy") + r"""
 import warmreg
-from warmreg.kernel import WARM_SESSION
+from warmreg.launch import WARM_SESSION
 
 class Capture:
     def capture(self, kernel, spec):

@@ -6,10 +6,9 @@ The public API: everything a plugin or an engine needs is importable from here.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
 from .config import WarmConfig
 from .domains import next_pow2, powers_of_two, runtime_platform, token_counts
 from .errors import (
@@ -42,19 +41,21 @@ from .report import KeyResult, WarmReport
 
 if TYPE_CHECKING:
     from .kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
-    from .monitor import JitMissError, Miss, Monitor, arm, disarm, monitor
-    from .registry import KernelPlan, Plan, Registry
+    from .monitoring import JitMissError, Miss, Monitor, arm, disarm, monitor
+    from .planning import KernelPlan, Plan, plan
+    from .registry import Registry
     from .space import enumerate_keys
-    from .warm import plan, prefetch, reset_state, warm
+    from .warmup import prefetch, reset_state, warm
 
 # Imported on first use: these modules import torch (about 2 s on a small machine), which the CLI's
 # refusals, pack checks and config checks do not need.
 _LAZY = {
     **dict.fromkeys(("LaunchSpec", "TritonKernel", "kernel_launcher", "meta"), "kernel"),
-    **dict.fromkeys(("JitMissError", "Miss", "Monitor", "arm", "disarm", "monitor"), "monitor"),
-    **dict.fromkeys(("KernelPlan", "Plan", "Registry"), "registry"),
+    **dict.fromkeys(("JitMissError", "Miss", "Monitor", "arm", "disarm", "monitor"), "monitoring"),
+    **dict.fromkeys(("KernelPlan", "Plan", "plan"), "planning"),
+    "Registry": "registry",
     "enumerate_keys": "space",
-    **dict.fromkeys(("plan", "prefetch", "reset_state", "warm"), "warm"),
+    **dict.fromkeys(("prefetch", "reset_state", "warm"), "warmup"),
 }
 
 
@@ -70,20 +71,6 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
 
-
-class _Package(types.ModuleType):
-    """``warmreg.warm`` and ``warmreg.monitor`` are the functions: importing the modules of the same
-    name (``warmreg.warm``, ``warmreg.monitor``) must not rebind them to the modules."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in ("warm", "monitor") and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CacheError",

@@ -18,7 +18,10 @@ import attrs
 from . import _json
 from .errors import WarmregError
 
-__all__ = ["FORMAT", "LIMITS", "Manifest", "PackEntry", "PackError", "PackFile", "PackLauncher", "check_name"]
+__all__ = [
+    "FORMAT", "LIMITS", "Limits", "Manifest", "PackEntry", "PackError", "PackFile", "PackLauncher", "check_name",
+    "parse_manifest",
+]  # fmt: skip
 
 FORMAT = 2  # 2: optional prebuilt C launchers (format 1 packs still install)
 _ARCHIVES = (".tar", ".tar.gz", ".tgz", ".zip")

@@ -32,7 +32,7 @@ from ._pack_format import (
     parse_manifest,
 )
 
-__all__ = ["Reader", "check_entry", "check_launchers"]
+__all__ = ["Reader", "check_entries", "check_entry", "check_launchers"]
 
 _BROKEN = (tarfile.TarError, zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError, RuntimeError)
 _NO_LINKS = "do not use this pack; links and special files are never installed"

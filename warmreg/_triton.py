@@ -13,6 +13,7 @@ refuses an unsupported release with one readable line.
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 import weakref
@@ -35,18 +36,16 @@ from .platform import Platform
 if TYPE_CHECKING:
     import torch
 
+log = logging.getLogger("warmreg.compile")
+
 __all__ = [
-    "SUPPORTED_TRITON",
-    "CompileRequest",
-    "UnsupportedTriton",
-    "async_compile",
-    "check_version",
-    "compile_listener",
-    "cross_target",
-    "gpu_target",
-    "in_memory",
-    "specialization_key",
-]
+    "CompileRequest", "HookHandle", "SUPPORTED_TRITON", "UnsupportedTriton", "add_load_hook", "async_compile",
+    "cache_files", "check_version", "compile_listener", "cross_target", "current_device", "finish_load", "forget_compiled",
+    "full_name", "get_jit_cache_hook", "gpu_target", "in_memory", "install_compile_hook", "is_future_kernel", "is_jit",
+    "knob", "load_hooks", "param_names", "parse_specialization_key", "remove_compile_hook", "remove_load_hook",
+    "retrying_ast_race", "run_kwargs", "set_device", "set_jit_cache_hook", "source_hash", "specialization_key",
+    "specialize", "unwrap_autotuner_bench", "warmup", "wrap_autotuner_bench",
+]  # fmt: skip
 
 
 def gpu_target(platform: Platform) -> GPUTarget:
@@ -238,6 +237,29 @@ def warmup(jit: JITFunction, grid: tuple[int, ...], kwargs: Mapping[str, Any], o
     """Compile without launching (``JITFunction.warmup``); returns a CompiledKernel or FutureKernel."""
     _touched.add(jit)
     return jit.warmup(grid=grid, **kwargs, **options)
+
+
+#: CPython without gh-113035 (December 2023; 3.11.7 has the bug) keeps ``ast.parse``'s recursion
+#: depth in interpreter-wide state: two threads parsing at once (Triton parses each kernel's source
+#: while compiling) can then fail with this ``SystemError`` although both sources are fine (gh-106905).
+_AST_RACE = "AST constructor recursion depth mismatch"
+_AST_RACE_ATTEMPTS = 4
+
+
+def retrying_ast_race(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, run again when it fails only by CPython's ``ast.parse`` thread race.
+
+    The race fails a parse before Triton writes anything, so running the compile again is safe; each
+    attempt needs another thread parsing at the same instant to fail again.
+    """
+    for attempt in range(1, _AST_RACE_ATTEMPTS + 1):
+        try:
+            return fn(*args, **kwargs)
+        except SystemError as exc:
+            if _AST_RACE not in str(exc) or attempt == _AST_RACE_ATTEMPTS:
+                raise
+            log.debug("CPython ast.parse thread race (attempt %d), compiling again: %s", attempt, exc)
+    raise AssertionError("unreachable")
 
 
 def forget_compiled() -> None:

@@ -41,9 +41,9 @@ from ._triton_release import RELEASE
 from .errors import WarmregError
 
 __all__ = [
-    "PER_KERNEL", "Launcher", "LauncherError", "PythonABI", "build", "built_here", "fits_here", "install", "launcher_source",
-    "local_abi", "python_abi",
-]
+    "Launcher", "LauncherError", "PER_KERNEL", "PythonABI", "build", "built_here", "fits_here", "install",
+    "launcher_source", "local_abi", "platform_key", "python_abi",
+]  # fmt: skip
 
 #: Whether the installed Triton builds a C launcher per kernel signature (3.6 only).
 PER_KERNEL: bool = RELEASE.per_signature_launcher

@@ -16,7 +16,10 @@ import triton
 
 from .errors import WarmregError
 
-__all__ = ["ALLOW_UNSUPPORTED", "RELEASE", "RELEASES", "SUPPORTED_TRITON", "Release", "UnsupportedTriton", "check_version"]
+__all__ = [
+    "ALLOW_UNSUPPORTED", "RELEASE", "RELEASES", "Release", "SUPPORTED_TRITON", "UnsupportedTriton", "check_version",
+    "release_of",
+]  # fmt: skip
 
 #: Set to ``1`` to run warmreg on a Triton release it was not checked against (it warns instead of
 #: refusing; the adapter then treats it as the newest supported release).

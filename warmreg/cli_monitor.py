@@ -7,28 +7,28 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .cli import _EXTENSIONS, _out, add_json, emit_json, show_table
+from ._cli_common import add_json, emit_json, out, show_table
 
-__all__: list[str] = []
+__all__ = ["add_commands"]
 
 
 
-def cmd_replay(args: argparse.Namespace) -> int:
+def _cmd_replay(args: argparse.Namespace) -> int:
     from .replay import replay
 
     results = replay(args.file, target=args.target)
     for r in results:
         if r.skipped:
-            _out.print(f"[yellow]skipped[/] {r.jit_name}: {r.skipped}", highlight=False)
+            out.print(f"[yellow]skipped[/] {r.jit_name}: {r.skipped}", highlight=False)
         else:
-            _out.print(f"{'[green]ok[/]' if r.ok else '[red]failed[/]'} {r.jit_name} for {r.target}{'' if r.ok else ': ' + str(r.error)}")
+            out.print(f"{'[green]ok[/]' if r.ok else '[red]failed[/]'} {r.jit_name} for {r.target}{'' if r.ok else ': ' + str(r.error)}")
     compiled, skipped = sum(r.ok for r in results), sum(1 for r in results if r.skipped)
     failed = len(results) - compiled - skipped
-    _out.print(f"{compiled} of {len(results)} records compiled, {failed} failed, {skipped} skipped")
+    out.print(f"{compiled} of {len(results)} records compiled, {failed} failed, {skipped} skipped")
     return 0 if compiled and not failed else 1  # nothing replayed is a failure too
 
 
-def cmd_report(args: argparse.Namespace) -> int:
+def _cmd_report(args: argparse.Namespace) -> int:
     from .coverage import coverage, load_observations
     from .plugins import load_plugins
     from .report import WarmReport
@@ -48,23 +48,20 @@ def cmd_report(args: argparse.Namespace) -> int:
         rows = [[row.kernel, str(row.declared), str(row.compiled), str(row.hit), str(row.missed), str(row.unused)] for row in cov.kernels]
         show_table("warmreg coverage", ["kernel", "declared", "compiled", "hit", "missed", "unused"], rows)
         for miss in cov.misses:
-            _out.print(miss.explain(), highlight=False)
+            out.print(miss.explain(), highlight=False)
     if args.require_complete and not cov.complete:
         return 1
     return 0
 
 
-def _install(sub: Any) -> None:
+def add_commands(sub: Any) -> None:
     r = sub.add_parser("replay", help="compile the specializations in a record file")
     r.add_argument("file", help="JSON lines written by the monitor in record mode")
     r.add_argument("--target", default=None, help="compile for this target instead of the recorded one")
-    r.set_defaults(func=cmd_replay)
+    r.set_defaults(func=_cmd_replay)
     p = sub.add_parser("report", help="coverage: declared / compiled / hit / missed / unused per kernel")
     p.add_argument("files", nargs="+", help="monitor snapshots (Monitor.save) or record files")
     p.add_argument("--warm-report", default=None, help="the WarmReport JSON of the warm (warmreg warm --json)")
     add_json(p, "the coverage")
     p.add_argument("--require-complete", action="store_true", help="exit 1 if anything missed (for CI)")
-    p.set_defaults(func=cmd_report)
-
-
-_EXTENSIONS.append(_install)
+    p.set_defaults(func=_cmd_report)

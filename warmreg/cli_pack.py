@@ -11,68 +11,68 @@ from typing import Any
 
 from rich.markup import escape
 
+from ._cli_common import add_json, add_serving, emit_json, load_config, out, show_table
 from ._triton_release import release_of
-from .cli import _EXTENSIONS, _config, _out, add_json, add_serving, emit_json, show_table
 
-__all__: list[str] = []
-
+__all__ = ["add_commands"]
 
 
-def cmd_build(args: argparse.Namespace) -> int:
+
+def _cmd_build(args: argparse.Namespace) -> int:
     from .pack import build, build_wheel
 
     pythons = [] if args.no_launchers else args.launcher_python  # None: this interpreter, if it can
-    config = _config(args)  # config, --serving/--set and target, checked before anything compiles
+    config = load_config(args)  # config, --serving/--set and target, checked before anything compiles
     options = {"target": args.target, "workers": args.workers, "launcher_pythons": pythons}
     if args.wheel:
         wrote, manifest = build_wheel(config, args.output, label=Path(args.config).stem, **options)
     else:
         wrote, manifest = args.output, build(config, args.output, force=args.force, **options)
     kernels = {e.kernel for e in manifest.entries}
-    _out.print(f"wrote {wrote}: {len(manifest.entries)} keys over {len(kernels)} kernels for {manifest.target} (Triton {manifest.triton_version})")
+    out.print(f"wrote {wrote}: {len(manifest.entries)} keys over {len(kernels)} kernels for {manifest.target} (Triton {manifest.triton_version})")
     if manifest.launchers:
         versions = sorted({x.python for x in manifest.launchers})
-        _out.print(f"  with {len(manifest.launchers)} prebuilt C launchers for Python {', '.join(versions)}")
+        out.print(f"  with {len(manifest.launchers)} prebuilt C launchers for Python {', '.join(versions)}")
     elif not release_of(manifest.triton_version).per_signature_launcher:
-        _out.print(f"  no C launchers needed: Triton {manifest.triton_version} builds none per kernel")
+        out.print(f"  no C launchers needed: Triton {manifest.triton_version} builds none per kernel")
     return 0
 
 
-def cmd_inspect(args: argparse.Namespace) -> int:
+def _cmd_inspect(args: argparse.Namespace) -> int:
     from .pack import inspect_pack
 
     m = inspect_pack(args.pack)
     if args.json and emit_json(args, json.dumps(m.to_json(), indent=1)):
         return 0
     head = f"pack {args.pack}: format {m.format}, warmreg {m.warmreg_version}, Triton {m.triton_version}, target {m.target}, ptxas {m.ptxas_version}, built on Python {m.python}, model {m.model_type}"
-    _out.print(escape(head))  # every string of a manifest is the pack's: never rich markup
+    out.print(escape(head))  # every string of a manifest is the pack's: never rich markup
     rows: dict[str, list[int]] = {}
     for e in m.entries:
         row = rows.setdefault(e.kernel, [0, 0])
         row[0] += 1
         row[1] += sum(f.size for f in e.files)
-    show_table(None, ["kernel", "keys", "bytes"], [[name, str(n), str(size)] for name, (n, size) in sorted(rows.items())], console=_out)
+    show_table(None, ["kernel", "keys", "bytes"], [[name, str(n), str(size)] for name, (n, size) in sorted(rows.items())], console=out)
     if m.launchers:
         by_python: dict[str, int] = {}
         for x in m.launchers:
             by_python[x.python] = by_python.get(x.python, 0) + 1
-        _out.print(escape("prebuilt C launchers: " + ", ".join(f"{n} for Python {v}" for v, n in sorted(by_python.items()))))
+        out.print(escape("prebuilt C launchers: " + ", ".join(f"{n} for Python {v}" for v, n in sorted(by_python.items()))))
     elif not release_of(m.triton_version).per_signature_launcher:
-        _out.print(escape(f"no C launchers: Triton {m.triton_version} builds none per kernel (one generic launcher serves every kernel)"))
+        out.print(escape(f"no C launchers: Triton {m.triton_version} builds none per kernel (one generic launcher serves every kernel)"))
     else:
-        _out.print("no prebuilt C launchers: the serving host builds them at warm (Triton 3.6 needs a C compiler there)")
+        out.print("no prebuilt C launchers: the serving host builds them at warm (Triton 3.6 needs a C compiler there)")
     return 0
 
 
-def cmd_verify(args: argparse.Namespace) -> int:
+def _cmd_verify(args: argparse.Namespace) -> int:
     from .pack import verify
 
     m = verify(args.pack, target=args.target)
-    _out.print(f"[green]ok[/] {escape(args.pack)}: {len(m.entries)} entries, every file matches its sha256; fits Triton {m.triton_version} and {m.target}")
+    out.print(f"[green]ok[/] {escape(args.pack)}: {len(m.entries)} entries, every file matches its sha256; fits Triton {m.triton_version} and {m.target}")
     return 0
 
 
-def refusal_lines(refused: Sequence[tuple[str, str]], *, most: int = 5) -> list[str]:
+def _refusal_lines(refused: Sequence[tuple[str, str]], *, most: int = 5) -> list[str]:
     """Refusals summarized by reason: one line per distinct reason (at most ``most``), with a count."""
     by_reason: dict[str, list[str]] = {}
     for what, why in refused:  # hashes and paths differ per entry, the reason does not
@@ -86,23 +86,23 @@ def refusal_lines(refused: Sequence[tuple[str, str]], *, most: int = 5) -> list[
     return lines
 
 
-def cmd_install(args: argparse.Namespace) -> int:
+def _cmd_install(args: argparse.Namespace) -> int:
     from .pack import PackError, install
 
     r = install(args.pack, target=args.target, all_or_nothing=args.all_or_nothing)
     if r.refused and not r.installed and not r.present:  # the pack did nothing here: one error line
-        lines = refusal_lines(r.refused, most=1)
+        lines = _refusal_lines(r.refused, most=1)
         raise PackError(args.pack, f"none of its {len(r.refused)} entries was installed; {lines[0]}")
-    _out.print(
+    out.print(
         f"{args.pack}: {r.installed} installed, {r.present} already present, {len(r.refused)} refused, "
         f"{r.launchers} C launchers in {r.seconds:.2f} s", soft_wrap=True,
     )  # fmt: skip
-    for line in refusal_lines(r.refused):
-        _out.print(f"[yellow]{escape(line)}[/]", highlight=False, soft_wrap=True)
+    for line in _refusal_lines(r.refused):
+        out.print(f"[yellow]{escape(line)}[/]", highlight=False, soft_wrap=True)
     return 1 if r.refused else 0
 
 
-def _install(sub: Any) -> None:
+def add_commands(sub: Any) -> None:
     b = sub.add_parser("build", help="compile a config's keys into a pack (no GPU needed with --target)")
     b.add_argument("config")
     add_serving(b)
@@ -120,22 +120,19 @@ def _install(sub: Any) -> None:
         "--wheel", action="store_true",
         help="write an installable wheel into the directory -o names; warm installs an installed pack wheel first",
     )  # fmt: skip
-    b.set_defaults(func=cmd_build)
+    b.set_defaults(func=_cmd_build)
     p = sub.add_parser("pack", help="inspect, verify or install a pack")
     psub = p.add_subparsers(dest="pack_command", required=True)
     i = psub.add_parser("inspect", help="show a pack's manifest")
     i.add_argument("pack")
     add_json(i, "the manifest")
-    i.set_defaults(func=cmd_inspect)
+    i.set_defaults(func=_cmd_inspect)
     v = psub.add_parser("verify", help="check every file and the fit to this machine")
     v.add_argument("pack")
     v.add_argument("--target", default=None)
-    v.set_defaults(func=cmd_verify)
+    v.set_defaults(func=_cmd_verify)
     n = psub.add_parser("install", help="install into Triton's cache under local keys")
     n.add_argument("pack")
     n.add_argument("--target", default=None)
     n.add_argument("--all-or-nothing", action="store_true")
-    n.set_defaults(func=cmd_install)
-
-
-_EXTENSIONS.append(_install)
+    n.set_defaults(func=_cmd_install)

@@ -13,7 +13,7 @@ import attrs
 
 from .errors import WarmregError
 from .key import CompileKey
-from .monitor import Miss
+from .monitoring import Miss
 from .report import WarmReport
 
 __all__ = ["Coverage", "KernelCoverage", "coverage", "load_observations"]

@@ -1,11 +1,12 @@
 """Distributed warm: the ranks of a torch.distributed job split the keys, then share the binaries.
 
-Every rank plans the same deduplicated key list; rank ``r`` compiles keys ``r, r + world, ...`` into
-its local Triton cache, then all ranks exchange what they compiled through torch.distributed
+A stage of the warm pipeline (:class:`Shard`). Every rank plans and binds the same deduplicated key
+list (each key's launch code runs once); rank ``r`` compiles keys ``r, r + world, ...`` into its
+local Triton cache, then all ranks exchange what they compiled through torch.distributed
 collectives (``all_gather`` of byte tensors: a JSON header plus the raw binaries, no pickle, no
-shared filesystem), install the other ranks' entries into their local cache through the pack
-machinery (re-keyed for the local Triton), and finish with an ordinary local warm in which every key
-is a cache hit (and, on a GPU, every module loaded). On a local CUDA GPU the ranks also exchange the
+shared filesystem) and install the other ranks' entries into their local cache through the pack
+machinery (re-keyed for the local Triton); the pipeline then compiles the rest of the keys, every
+one a cache hit (and, on a GPU, loads every module). On a local CUDA GPU the ranks also exchange the
 C launchers their loads built (Triton builds one per distinct launcher source with the host's C
 compiler), so a rank runs the compiler only for launchers of its own shard. A key that failed on its owner rank
 is reported as failed on every rank, with the owner's error.
@@ -26,15 +27,16 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from . import _triton, _triton_cache, _triton_launchers
-from .compile import OnError, compile_keys
+from . import _triton_cache, _triton_launchers
+from .bind import Task
 from .errors import WarmregError
 from .key import CompileKey
 from .pack import PackEntry, PackFile, _sha256, entry_from_result, install_entries
-from .registry import Plan
+from .planning import Plan
 from .report import KeyResult
+from .stage import Stage
 
-__all__ = ["ShardStats", "resolve_group", "sharded_compile"]
+__all__ = ["Shard", "ShardStats", "resolve_group"]
 
 
 @attrs.frozen
@@ -75,44 +77,18 @@ def _device_for(group: Any) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
-def _all_cached(plan: Plan) -> bool:
-    """Whether every key of the plan is already in the local Triton cache (no compile needed)."""
+def _all_cached(plan: Plan, tasks: list[Task]) -> bool:
+    """Whether every bound key is already in the local Triton cache (no compile needed)."""
     from pathlib import Path
 
     cache = Path(_triton_cache.cache_dir())
-    with _triton.cross_target(plan.platform):
-        for kp, key in plan.items():
-            kernel = kp.kernel_for(key)
-            try:
-                spec = _capture_spec(kernel, key)
-            except Exception:
-                return False
-            jit, kwargs, options = spec
-            _, data = _triton.specialize(jit, kwargs, options)
-            local = _triton_cache.local_cache_hash(jit, data, plan.platform)
-            if not any((cache / _triton_cache.cache_subdir(local)).glob("__grp__*.json")):
-                return False
+    for task in tasks:
+        if task.status == "failed" or task.captured is None or task.specialization_data is None:
+            return False
+        local = _triton_cache.local_cache_hash(task.captured[0], task.specialization_data, plan.platform)
+        if not any((cache / _triton_cache.cache_subdir(local)).glob("__grp__*.json")):
+            return False
     return True
-
-
-def _capture_spec(kernel: Any, key: CompileKey) -> tuple[Any, dict[str, Any], dict[str, Any]]:
-    """Run the launch code with ``warmup_inputs(key)`` and keep its LaunchSpec (nothing compiles)."""
-    from .kernel import WARM_SESSION
-
-    captured: list[Any] = []
-
-    class _Capture:
-        def capture(self, k: Any, spec: Any) -> Any:
-            captured.append(spec)
-            return spec.outputs
-
-    token = WARM_SESSION.set(_Capture())
-    try:
-        kernel.launch_for_warm(key)
-    finally:
-        WARM_SESSION.reset(token)
-    spec = captured[0]
-    return kernel.jit_for(spec.key), dict(spec.kwargs), spec.key.launch_options()
 
 
 def _encode(
@@ -162,17 +138,11 @@ class _Decoded:
         return data
 
 
-def _shard_launchers(shard: list[KeyResult], plan: Plan) -> list[_triton_launchers.Launcher]:
+def _shard_launchers(shard: list[Task], plan: Plan) -> list[_triton_launchers.Launcher]:
     """The C launchers the loads of this rank's shard built (local CUDA GPU only; none otherwise)."""
     if not plan.platform.local or plan.platform.backend != "cuda":
         return []
-    compiled = []
-    for r in shard:
-        if r.status != "failed" and r.jit_name and r.triton_key:
-            kernel = _triton_cache.memory_kernel(_triton_cache.import_jit(r.jit_name), r.triton_key, plan.platform)
-            if kernel is not None:
-                compiled.append(kernel)
-    return _triton_launchers.built_here(compiled)
+    return _triton_launchers.built_here([t.compiled for t in shard if t.status != "failed" and t.compiled is not None])
 
 
 def _all_gather_bytes(payload: bytes, group: Any) -> list[bytes]:
@@ -190,50 +160,68 @@ def _all_gather_bytes(payload: bytes, group: Any) -> list[bytes]:
     return [bytes(t[: int(s.item())].cpu().numpy().tobytes()) for t, s in zip(gathered, sizes)]
 
 
-def sharded_compile(plan: Plan, *, group: Any, workers: int, on_error: OnError) -> tuple[list[KeyResult], ShardStats]:
-    """Compile the plan across the ranks of ``group``; every rank ends with every key warm.
+class Shard(Stage):
+    """The warm stage that splits the keys over the ranks of ``group`` and exchanges the binaries.
 
-    :returns: this rank's final results (every key) and what the sharded phase did here.
+    Fast path: when every key is already in every rank's local cache (one small ``all_reduce``),
+    nothing is exchanged and each rank warms every key locally.
     """
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    device = _device_for(group)
-    cached = torch.tensor([1 if _all_cached(plan) else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(cached, op=dist.ReduceOp.MIN, group=group)
-    items = list(plan.items())
-    if int(cached.item()) == 1:
-        results = compile_keys(items, platform=plan.platform, workers=workers, on_error=on_error)
-        return results, ShardStats(rank, world, 0, 0, True, 0.0)
-    mine = items[rank::world]
-    shard = compile_keys(mine, platform=plan.platform, workers=workers, on_error="continue")
-    entries, failures = [], []
-    for r in shard:
-        if r.status == "failed":
-            failures.append(r)
-            continue
-        entries.append(entry_from_result(r, plan.kernel(r.kernel).kernel_for(r.key)))
-    start = time.perf_counter()
-    gathered = _all_gather_bytes(_encode(entries, failures, _shard_launchers(shard, plan)), group)
-    failed: dict[tuple[str, CompileKey], str] = {}
-    received = launchers = 0
-    for source, raw in enumerate(gathered):
-        theirs = _Decoded(raw)
-        for kernel, key, error in theirs.failures:
-            failed[(kernel, key)] = f"failed on rank {source}: {error}"
-        if source == rank:
-            continue
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        self.fast_path = False
+        self.mine: list[Task] = []
+        self.received = self.launchers = 0
+        self.exchange_seconds = 0.0
+
+    @classmethod
+    def resolve(cls, group: Any, distributed: bool | None) -> Shard | None:
+        """The stage for a warm's ``group`` and ``distributed`` arguments (see :func:`resolve_group`)."""
+        resolved = resolve_group(group, distributed)
+        return cls(resolved) if resolved is not None else None
+
+    def first(self, plan: Plan, tasks: list[Task]) -> list[Task]:
+        cached = torch.tensor([1 if _all_cached(plan, tasks) else 0], dtype=torch.int32, device=_device_for(self.group))
+        dist.all_reduce(cached, op=dist.ReduceOp.MIN, group=self.group)
+        self.fast_path = int(cached.item()) == 1
+        self.mine = tasks if self.fast_path else tasks[self.rank :: self.world]
+        return self.mine
+
+    def after_first(self, plan: Plan, tasks: list[Task]) -> None:
+        if self.fast_path:
+            return
+        entries, failures = [], []
+        for task in self.mine:
+            if task.status == "failed":
+                failures.append(task.result())
+            else:
+                entries.append(entry_from_result(task.result(), task.kp.kernel_for(task.key)))
+        start = time.perf_counter()
+        gathered = _all_gather_bytes(_encode(entries, failures, _shard_launchers(self.mine, plan)), self.group)
+        failed: dict[tuple[str, CompileKey], str] = {}
+        for source, raw in enumerate(gathered):
+            theirs = _Decoded(raw)
+            for kernel, key, error in theirs.failures:
+                failed[(kernel, key)] = f"failed on rank {source}: {error}"
+            if source != self.rank:
+                self._take(theirs, source, plan)
+        for task in tasks:  # on every rank, the owner's included: the same error, naming the owner
+            if (task.kp.name, task.key) in failed:
+                task.fail(failed[(task.kp.name, task.key)])
+        self.exchange_seconds = time.perf_counter() - start
+
+    def _take(self, theirs: _Decoded, source: int, plan: Plan) -> None:
+        """Install one other rank's entries and the C launchers that fit this machine."""
         installed, present, refused = install_entries(theirs.entries, plan.platform, pack=f"rank {source}", jits=plan.jits())
-        received += installed + present
+        self.received += installed + present
         for what, why in refused:
             raise WarmregError(f"entry {what} from rank {source} was refused: {why}", fix="check that all ranks run the same warmreg, Triton and plugins")
         for x in theirs.launchers:  # a rank of another Python or platform simply builds its own
             if _triton_launchers.fits_here(x.platform_key, x.name):
-                launchers += _triton_launchers.install(x.cache_key, x.name, x.data)
-    exchange = time.perf_counter() - start
-    todo = [(kp, key) for kp, key in items if (kp.name, key) not in failed]
-    finished = {(r.kernel, r.key): r for r in compile_keys(todo, platform=plan.platform, workers=workers, on_error=on_error)}
-    results = [
-        finished.get((kp.name, key)) or KeyResult(kernel=kp.name, key=key, status="failed", error=failed[(kp.name, key)])
-        for kp, key in items
-    ]
-    compiled_here = sum(1 for r in shard if r.status == "compiled")
-    return results, ShardStats(rank, world, compiled_here, received, False, exchange, launchers)
+                self.launchers += _triton_launchers.install(x.cache_key, x.name, x.data)
+
+    def stats(self) -> ShardStats:
+        """What the sharded phase did on this rank."""
+        compiled = 0 if self.fast_path else sum(1 for t in self.mine if t.status == "compiled")
+        return ShardStats(self.rank, self.world, compiled, self.received, self.fast_path, self.exchange_seconds, self.launchers)

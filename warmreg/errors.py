@@ -8,6 +8,11 @@ from __future__ import annotations
 
 from typing import Any
 
+__all__ = [
+    "CacheError", "CompileFailed", "CompileKeyError", "ConfigError", "KernelContractError", "LaunchError", "PluginError", "TargetError",
+    "WarmregError",
+]  # fmt: skip
+
 
 class WarmregError(Exception):
     """Base class of every error warmreg raises on purpose.

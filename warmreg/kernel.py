@@ -3,30 +3,29 @@
 A plugin subclasses :class:`TritonKernel` and writes its launch code once, as a method decorated
 with :func:`kernel_launcher` that returns a :class:`LaunchSpec`. At runtime the decorator launches
 the ``@triton.jit`` function (through Triton's interpreter when the tensors live on the CPU); while
-:func:`warmreg.warm` runs, the same code path ends in Triton's compile-only ``warmup`` instead.
+:func:`warmreg.warm` binds a key, the same code path hands the spec to the warm instead
+(:mod:`warmreg.launch` is where the spec goes).
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import os
 from collections.abc import Callable, Iterable, Mapping
-from contextvars import ContextVar
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import attrs
 import torch
 
-from . import _triton, _triton_fast
 from .errors import KernelContractError
 from .key import LAUNCH_OPTIONS, CompileKey
+from .launch import run
 
 if TYPE_CHECKING:
     from .config import WarmConfig
     from .platform import Platform
 
-__all__ = ["LaunchSpec", "TritonKernel", "kernel_launcher", "meta"]
+__all__ = ["K", "LaunchSpec", "TritonKernel", "check_no_option_kwargs", "kernel_launcher", "meta"]
 
 K = TypeVar("K", bound=CompileKey)
 
@@ -76,30 +75,12 @@ class LaunchSpec(Generic[K]):
     outputs: Any = None
 
 
-class _WarmSession(Protocol):
-    def capture(self, kernel: TritonKernel[Any], spec: LaunchSpec[Any]) -> Any: ...
-
-
-#: The warm in progress on this thread/context, if any: launches become compile-only captures.
-WARM_SESSION: ContextVar[_WarmSession | None] = ContextVar("warmreg_warm_session", default=None)
-#: The warmreg kernel name and key of the launch in progress (set only while a monitor is armed).
-LAUNCH: ContextVar[tuple[str, CompileKey] | None] = ContextVar("warmreg_launch", default=None)
-#: Set by the monitor while armed: called with (kernel name, key) for every runtime launch.
-ON_LAUNCH: list[Callable[[str, CompileKey], None]] = []
-#: Launch a key's compiled kernel directly (guarded, see :mod:`warmreg._triton_fast`) after its first
-#: launch through Triton. Set ``WARMREG_FAST_LAUNCH=0`` in the environment (read at import) to always
-#: take Triton's ``JITFunction.run``.
-FAST_LAUNCH: bool = os.environ.get("WARMREG_FAST_LAUNCH", "1") != "0"
-#: Guarded fast launches by warmreg kernel name, then compile key (see :func:`remember_fast_launch`).
-FAST_TABLES: dict[str, dict[CompileKey, Any]] = {}
-
-
 def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
     """Turn launch code returning a :class:`LaunchSpec` into a launch (runtime) or a compile (warm).
 
     The decorated method validates its inputs, computes the key with ``dispatch``, allocates outputs
-    and returns ``LaunchSpec(key, grid, kwargs, outputs)``; the decorator does the rest and returns
-    ``outputs``.
+    and returns ``LaunchSpec(key, grid, kwargs, outputs)``; the decorator does the rest (see
+    :func:`warmreg.launch.run`) and returns ``outputs``.
     """
 
     @functools.wraps(fn)
@@ -107,72 +88,10 @@ def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
         spec = fn(self, *args, **kwargs)
         if not isinstance(spec, LaunchSpec):
             raise KernelContractError(self.name, f"launch code returned {type(spec).__name__}", fix="return a LaunchSpec")
-        session = WARM_SESSION.get()
-        if session is not None:
-            return session.capture(self, spec)
-        if spec.grid is None:
-            return spec.outputs
-        if ON_LAUNCH:  # a monitor is armed: count the launch (a fast launch cannot compile or load)
-            for listener in ON_LAUNCH:
-                listener(self.name, spec.key)
-        jit = self.jit_for(spec.key)
-        fast = FAST_TABLES.get(self.name) if FAST_LAUNCH else None
-        if fast is not None:
-            entry = fast.get(spec.key)
-            if entry is not None and entry.jit is jit and entry.launch(spec.grid, spec.kwargs):
-                return spec.outputs
-        options = spec.key.launch_options()
-        if _on_cpu(spec.kwargs):
-            from . import _triton_interp  # the interpreter (and numpy) only for a CPU launch
-
-            _triton_interp.interpreted(jit)[spec.grid](**spec.kwargs, **options)
-            return spec.outputs
-        token = LAUNCH.set((self.name, spec.key)) if ON_LAUNCH else None
-        try:
-            compiled = jit[spec.grid](**spec.kwargs, **options)
-        finally:
-            if token is not None:
-                LAUNCH.reset(token)
-        if FAST_LAUNCH:
-            _remember(self, spec, jit, options, compiled)
-        return spec.outputs
+        return run(self, spec)
 
     launch.__warmreg_launcher__ = True  # type: ignore[attr-defined]
     return launch
-
-
-def _remember(kernel: TritonKernel[Any], spec: LaunchSpec[Any], jit: Any, options: Mapping[str, Any], compiled: Any) -> None:
-    """Keep the guarded fast launch of a key Triton just launched (see :mod:`warmreg._triton_fast`)."""
-    if compiled is None or not isinstance(spec.grid, tuple):
-        return
-    remember_fast_launch(kernel.name, spec.key, jit, spec.kwargs, options, compiled, _triton.current_device())
-
-
-def remember_fast_launch(
-    name: str, key: CompileKey, jit: Any, kwargs: Mapping[str, Any], options: Mapping[str, Any], compiled: Any, device: int
-) -> bool:
-    """Build and keep the guarded fast launch of ``key`` of kernel ``name`` from a launch of ``jit``
-    with ``kwargs`` that ``compiled`` serves (loaded on ``device``). Warm calls it for each key it
-    loads on the local GPU, so even a key's first launch skips ``JITFunction.run``; the runtime path
-    calls it after a key's first launch through Triton. Returns whether an entry was kept.
-
-    One entry per kernel name and key (two instances under one name are one kernel): an entry
-    launches only on the device it was built on and only for the jit function it was built from, so
-    a key launched on another device, or by an instance whose ``jit_for(key)`` differs (against the
-    contract), takes Triton's path and then replaces the entry.
-    """
-    entry = _triton_fast.build(jit, kwargs, options, compiled, device)
-    if entry is None:
-        return False
-    FAST_TABLES.setdefault(name, {})[key] = entry
-    return True
-
-
-def _on_cpu(kwargs: Mapping[str, Any]) -> bool:
-    for value in kwargs.values():
-        if isinstance(value, torch.Tensor):
-            return value.device.type == "cpu"
-    return False
 
 
 class TritonKernel(Generic[K]):

@@ -51,18 +51,20 @@ from ._pack_format import (
 )
 from ._pack_install import install_entries, local_hash
 from ._pack_reader import Reader, check_entries, check_launchers
+from ._version import __version__
 from .config import WarmConfig
 from .errors import CacheError, WarmregError
 from .key import CompileKey
 from .platform import Platform, resolve_platform
 from .report import KeyResult
+from .stage import Stage
 
 # The planning and compiling modules (and torch with them) are imported where a build or an entry
 # check needs them, so that a pack refused for what it is costs no torch import.
 
 __all__ = [
-    "FORMAT", "InstallReport", "Manifest", "PackError", "PackLauncher", "build", "build_wheel", "install", "install_entries",
-    "installed_for", "verify",
+    "FORMAT", "InstallReport", "Manifest", "PackError", "PackInstall", "PackLauncher", "build", "build_wheel", "entry_from_result",
+    "entry_keys", "inspect_pack", "install", "install_entries", "installed_for", "verify",
 ]
 
 log = logging.getLogger("warmreg.pack")
@@ -150,7 +152,7 @@ def _installed_jits(manifest: Manifest) -> Mapping[str, Any]:
     packages = plugin_packages() | {name.split(".", 1)[0] for name in list(sys.modules)}
     if not any(e.jit_name.split(".", 1)[0] in packages for e in manifest.entries):
         return {}
-    from .registry import loaded_jits
+    from .plugins import loaded_jits
 
     return loaded_jits()
 
@@ -183,7 +185,7 @@ def install(
     :param all_or_nothing: refuse the whole pack if any entry is refused.
     :param jits: the Triton functions entries may be installed for, by full name (default: those of
         every kernel class defined in this process once the installed plugins are loaded,
-        :func:`warmreg.registry.loaded_jits`); entries for any other function are refused.
+        :func:`warmreg.plugins.loaded_jits`); entries for any other function are refused.
     :raises PackError: for a pack that does not fit this machine at all, or under ``all_or_nothing``.
     :raises CacheError: if the cache directory cannot be written (nothing unverified is left in it).
     """
@@ -199,6 +201,37 @@ def install(
     except OSError as exc:
         raise CacheError(_triton_cache.cache_dir(), f"cannot take the pack's C launchers ({exc.strerror or exc})") from exc
     return InstallReport(read.name, installed, present, tuple(refused), time.perf_counter() - start, launchers)
+
+
+class PackInstall(Stage):
+    """The warm stage that installs packs into Triton's cache: after every key is bound (its launch
+    code ran while Triton's installation was still being hashed), before any cache lookup, on every
+    branch of a warm (local or distributed)."""
+
+    def __init__(self, paths: Iterable[str | os.PathLike[str]]) -> None:
+        self.paths = [os.fspath(p) for p in paths]
+        self.reports: list[InstallReport] = []
+
+    @classmethod
+    def for_plan(cls, plan: Any, pack: str | os.PathLike[str] | None = None) -> PackInstall | None:
+        """The stage for a warm of ``plan``: the installed pack wheels that fit it
+        (:func:`installed_for`), then ``pack``; ``None`` when there is nothing to install."""
+        paths: list[str | os.PathLike[str]] = [*installed_for(plan.platform, plan.config.model_type)]
+        if pack is not None:
+            paths.append(pack)
+        return cls(paths) if paths else None
+
+    def before_compile(self, plan: Any, tasks: Any) -> None:
+        for path in self.paths:
+            self.reports.append(install(path, target=plan.platform, jits=plan.jits()))
+
+    def note(self) -> str | None:
+        """One line per pack installed, for the warm report."""
+        lines = [
+            f"{r.pack}: {r.installed} installed, {r.present} present, {len(r.refused)} refused, {r.launchers} C launchers in {r.seconds:.2f} s"
+            for r in self.reports
+        ]
+        return "; ".join(lines) or None
 
 
 def entry_from_result(result: KeyResult, kernel: Any) -> tuple[PackEntry, dict[str, bytes]]:
@@ -264,8 +297,8 @@ def build(
     check_output(out, "pack output", create_parents=True)  # before compiling, not after
     config = WarmConfig.load(config)  # a bad config or target is refused before the pipeline imports
     resolve_platform(target)
-    from .compile import compile_keys
-    from .warm import _compile_with_progress, default_workers, plan
+    from .pipeline import default_workers, run
+    from .planning import plan
 
     the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points)
     platform = the_plan.platform
@@ -277,11 +310,7 @@ def build(
     with tempfile.TemporaryDirectory(prefix="warmreg-build-") as tmp:
         with _cache_at(os.path.join(tmp, "cache")):
             _triton.forget_compiled()  # compile into the empty cache, even keys this process has loaded
-            n_workers = workers or default_workers()
-            if sys.stderr.isatty() if progress is None else progress:
-                results = _compile_with_progress(the_plan, n_workers, "continue")
-            else:
-                results = compile_keys(the_plan.items(), platform=platform, workers=n_workers, on_error="continue")
+            results = run(the_plan, workers=workers or default_workers(), on_error="continue", progress=progress)
             failed = [r for r in results if r.status == "failed"]
             if failed:
                 raise PackError(str(out), f"{len(failed)} key(s) failed to compile; first: {failed[0].kernel}: {failed[0].error}", fix="fix the kernel")
@@ -298,8 +327,6 @@ def build(
             launchers = _build_launchers(
                 results, platform, pythons, staged, str(out), workers or default_workers(), required=launcher_pythons is not None
             )
-        from . import __version__
-
         manifest = Manifest(
             format=FORMAT, warmreg_version=__version__, triton_version=triton.__version__, ptxas_version=_triton_cache.ptxas_version(platform),
             target=platform.target, python=sys.version.split()[0], created=time.time(), model_type=the_plan.config.model_type,

@@ -16,22 +16,10 @@ import attrs
 from .errors import TargetError
 
 __all__ = [
-    "CUDA_ARCHS",
-    "Platform",
-    "Predicate",
-    "ROCM_ARCHS",
-    "check_features",
-    "has_feature",
-    "is_cuda",
-    "is_fp8_fnuz",
-    "is_rocm",
-    "is_xpu",
-    "resolve_platform",
-    "rocm_arch_in",
-    "sm_at_least",
-    "sm_below",
+    "Backend", "CUDA_ARCHS", "FNUZ_ARCHS", "Platform", "Predicate", "ROCM_ARCHS", "check_features", "has_feature",
+    "is_cuda", "is_fp8_fnuz", "is_rocm", "is_xpu", "resolve_platform", "rocm_arch_in", "sm_at_least", "sm_below",
     "supports_pdl",
-]
+]  # fmt: skip
 
 Backend = Literal["cuda", "rocm", "xpu"]
 #: ROCm architectures whose FP8 format is e4m3fnuz (MI300 family); gfx950 uses OCP e4m3fn.

@@ -12,18 +12,32 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 import pluggy
 
-from . import hookspecs
+from . import _triton, hookspecs
 from .errors import PluginError, WarmregError
 
-__all__ = ["PluginSet", "load_plugins"]
+if TYPE_CHECKING:
+    from .registry import Registry
+
+__all__ = ["HOOKS", "OnPluginError", "PluginProblem", "PluginSet", "call_register_hooks", "load_plugins", "loaded_jits", "plugin_packages"]
 
 log = logging.getLogger("warmreg")
 OnPluginError = Literal["raise", "skip"]
+
+
+@attrs.frozen
+class PluginProblem:
+    """A plugin that was skipped, and why."""
+
+    plugin: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.plugin}: {self.reason}"
 
 
 @attrs.frozen
@@ -32,7 +46,7 @@ class PluginSet:
 
     manager: pluggy.PluginManager = attrs.field(eq=False, repr=False)
     names: tuple[str, ...]
-    problems: tuple[str, ...]
+    problems: tuple[PluginProblem, ...]
 
 
 def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
@@ -61,7 +75,7 @@ def load_plugins(
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
-    problems: list[str] = []
+    problems: list[PluginProblem] = []
     if entry_points:
         seen: set[str] = set()
         for ep in sorted(importlib.metadata.entry_points(group=hookspecs.PROJECT), key=lambda e: e.name):
@@ -72,13 +86,13 @@ def load_plugins(
             try:
                 plugin = ep.load()
             except ImportError as exc:
-                problems.append(f"{name}: skipped, import failed: {exc}")
+                problems.append(PluginProblem(name, f"skipped, import failed: {exc}"))
                 log.warning("warmreg plugin %s skipped: %s", name, exc)
                 continue
             except Exception as exc:
                 if on_plugin_error == "raise":
                     raise PluginError(name, f"import raised {exc!r}", fix="fix or uninstall the plugin") from exc
-                problems.append(f"{name}: skipped, import raised {exc!r}")
+                problems.append(PluginProblem(name, f"skipped, import raised {exc!r}"))
                 log.warning("warmreg plugin %s skipped: %r", name, exc)
                 continue
             _register(pm, plugin, ep.name)
@@ -113,19 +127,19 @@ def _register(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
 
 
 def call_register_hooks(
-    plugins: PluginSet, registry: Any, config: Any, platform: Any, on_plugin_error: OnPluginError
-) -> list[str]:
-    """Call every plugin's ``warmreg_register_kernels`` separately, so one failure is attributed.
+    plugins: PluginSet, registry: Registry, config: Any, platform: Any, on_plugin_error: OnPluginError
+) -> list[PluginProblem]:
+    """Call every plugin's ``warmreg_register_kernels`` in its own registry scope, so one failure
+    is attributed to its plugin (and, skipped, registers nothing).
 
-    :returns: problems of plugins skipped under ``on_plugin_error="skip"``.
+    :returns: the plugins skipped under ``on_plugin_error="skip"``.
     """
     kwargs = {"registry": registry, "config": config, "platform": platform}
-    problems: list[str] = []
+    problems: list[PluginProblem] = []
     for impl in plugins.manager.hook.warmreg_register_kernels.get_hookimpls():
-        registry._current_plugin = impl.plugin_name
-        mark = registry._mark()
         try:
-            impl.function(**{a: kwargs[a] for a in impl.argnames})
+            with registry.scope(impl.plugin_name):
+                impl.function(**{a: kwargs[a] for a in impl.argnames})
         except WarmregError:
             raise
         except Exception as exc:
@@ -133,9 +147,25 @@ def call_register_hooks(
                 raise PluginError(
                     impl.plugin_name, f"warmreg_register_kernels raised {exc!r}", fix="fix the plugin or pass on_plugin_error='skip'"
                 ) from exc
-            registry._rollback(mark)  # a skipped plugin registers nothing, not half its kernels
-            problems.append(f"{impl.plugin_name}: skipped, warmreg_register_kernels raised {exc!r}")
+            problems.append(PluginProblem(impl.plugin_name, f"skipped, warmreg_register_kernels raised {exc!r}"))
             log.warning("warmreg plugin %s skipped: %r", impl.plugin_name, exc)
-        finally:
-            registry._current_plugin = "<direct>"
     return problems
+
+
+def loaded_jits(plugins: Iterable[Any] = (), *, entry_points: bool = True) -> dict[str, Any]:
+    """The ``@triton.jit`` functions of every kernel class defined in this process, by Triton's full
+    name, once the installed plugins (and ``plugins``) are loaded: what a pack may supply binaries
+    for. Nothing is imported on behalf of a pack; a plugin that fails to load is skipped.
+    """
+    from .kernel import TritonKernel  # torch with it: not for a pack refused before the plugins load
+
+    load_plugins(plugins, entry_points=entry_points, on_plugin_error="skip")
+    found: dict[str, Any] = {}
+    todo: list[type[Any]] = [TritonKernel]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        jit = cls.__dict__.get("jit")
+        if _triton.is_jit(jit):
+            found[_triton.full_name(jit)] = jit
+    return found

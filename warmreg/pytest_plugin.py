@@ -41,7 +41,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "warmreg_no_jit: fail the test if it compiles, loads or autotunes a Triton kernel")
     mode = config.getoption("--warmreg-monitor", default=None)
     if mode:
-        from .monitor import arm
+        from .monitoring import arm
 
         record = config.getoption("--warmreg-record") if mode == "record" else None
         config.stash[_SESSION] = arm(mode, record=record)
@@ -50,7 +50,7 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     mon = config.stash.get(_SESSION, None)
     if mon is not None:
-        from .monitor import disarm
+        from .monitoring import disarm
 
         if mon.record_path is not None:
             mon.save(mon.record_path.with_suffix(".snapshot.json"))
@@ -63,7 +63,7 @@ _SESSION: pytest.StashKey[Any] = pytest.StashKey()
 @pytest.fixture
 def warmreg_monitor() -> Iterator[Any]:
     """An armed :class:`warmreg.Monitor` (record mode, in memory) for the duration of one test."""
-    from .monitor import monitor
+    from .monitoring import monitor
 
     with monitor("record") as mon:
         yield mon
@@ -93,7 +93,7 @@ def warmreg_isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterato
 def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
     if item.get_closest_marker("warmreg_no_jit") is None:
         return (yield)
-    from .monitor import monitor
+    from .monitoring import monitor
 
     with monitor("record") as mon:
         result = yield

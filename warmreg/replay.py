@@ -8,10 +8,10 @@ import attrs
 
 from . import _json, _triton_cache
 from .errors import WarmregError
-from .monitor import Miss
+from .monitoring import Miss
 from .platform import Platform
 
-__all__ = ["ReplayResult", "read_records", "replay"]
+__all__ = ["RECORDS_MAX", "ReplayResult", "read_records", "replay"]
 
 
 #: The largest record file read (a record is a few kilobytes; a day of misses stays far below).

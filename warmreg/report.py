@@ -10,7 +10,7 @@ import attrs
 
 from .key import CompileKey
 
-__all__ = ["KeyResult", "WarmReport"]
+__all__ = ["KeyResult", "Status", "WarmReport"]
 
 Status = Literal["compiled", "disk_cache", "memory", "failed"]
 

@@ -9,7 +9,7 @@ import pytest
 import triton
 
 import warmreg
-from warmreg.monitor import current
+from warmreg.monitoring import current
 
 
 def _hooks() -> tuple[Any, tuple[Any, ...]]:

@@ -73,7 +73,7 @@ def test_plugin_whose_hook_raises() -> None:
         warmreg.plan(CONFIG, target="cuda:90", plugins=[_good(), _HookRaises()], entry_points=False)
     plan = warmreg.plan(CONFIG, target="cuda:90", plugins=[_good(), _HookRaises()], entry_points=False, on_plugin_error="skip")
     assert [k.n_class for k in plan.kernel("tests.scale").keys] == ["div16"]  # the skipped plugin's 17 is gone
-    assert any("hook bug" in p for p in plan.plugin_problems)
+    assert any("hook bug" in p.reason for p in plan.plugin_problems)
 
 
 def test_kernel_whose_compile_fails() -> None:

@@ -1,4 +1,5 @@
-"""Every test gets its own, empty Triton cache directory: warm results never leak between tests."""
+"""Every test gets its own, empty Triton cache directory and a clean warmreg state (warmreg's
+``warmreg_isolated`` fixture): warm results never leak between tests."""
 
 from __future__ import annotations
 
@@ -8,8 +9,5 @@ import pytest
 
 
 @pytest.fixture(autouse=True)
-def triton_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    cache = tmp_path / "triton-cache"
-    cache.mkdir()
-    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
-    return cache
+def triton_cache(warmreg_isolated: Path) -> Path:
+    return warmreg_isolated

@@ -24,13 +24,12 @@ from typing import Any, Literal
 import attrs
 
 from . import _triton
-from .compile import IN_WARMUP
 from .errors import WarmregError
-from .kernel import LAUNCH, ON_LAUNCH
 from .key import CompileKey
+from .launch import IN_WARMUP, add_launch_listener, current_launch, remove_launch_listener
 from .report import WarmReport
 
-__all__ = ["JitMissError", "Miss", "Mode", "Monitor", "arm", "current", "disarm", "monitor"]
+__all__ = ["KNOWLEDGE", "MODES", "JitMissError", "Miss", "MissKind", "Mode", "Monitor", "arm", "current", "disarm", "monitor", "note_launch"]
 
 log = logging.getLogger("warmreg.monitor")
 Mode = Literal["off", "warn", "error", "record"]
@@ -281,7 +280,7 @@ def _on_compile(request: _triton.CompileRequest) -> None:
     active = _STATE.top
     if active is None or active.mode == "off" or IN_WARMUP.get():
         return
-    launch = LAUNCH.get()
+    launch = current_launch()
     kernel = launch[0] if launch else _owner(request.jit_name)
     runtime_key = launch[1] if launch else None
     nearest, diff = _nearest_key(kernel, runtime_key) if kernel and runtime_key is not None else (None, ())
@@ -318,7 +317,7 @@ def _on_load(name: str) -> None:
     active = _STATE.top
     if active is None or active.mode == "off" or IN_WARMUP.get():
         return
-    launch = LAUNCH.get()
+    launch = current_launch()
     active._missed(Miss(kind="load", jit_name=name, kernel=launch[0] if launch else None, runtime_key=launch[1] if launch else None))
 
 
@@ -343,7 +342,7 @@ def arm(mode: Mode = "error", *, record: str | Path | None = None) -> Monitor:
             _STATE.hook = _triton.install_compile_hook(_on_compile)
             _triton.add_load_hook(_on_load)
             _triton.wrap_autotuner_bench(_autotune_hook)
-            ON_LAUNCH.append(note_launch)
+            add_launch_listener(note_launch)
         _STATE.stack.append(mon)
     return mon
 
@@ -362,8 +361,7 @@ def disarm(mon: Monitor | None = None) -> None:
             _triton.remove_load_hook(_on_load)
             _triton.unwrap_autotuner_bench()
             _STATE.hook = None
-            if note_launch in ON_LAUNCH:
-                ON_LAUNCH.remove(note_launch)
+            remove_launch_listener(note_launch)
 
 
 def current() -> Monitor | None:

@@ -1,0 +1,79 @@
+"""Warm time of two checkouts side by side on this machine: this tree against a baseline tree.
+
+Each round runs both, alternating (A, B, A, B, ...), each in a fresh process: a cold warm into an
+empty Triton cache, then a warm from that cache. The checkout is chosen by ``PYTHONPATH`` (its core
+and both plugins), so the same interpreter, Triton and torch run both. Writes
+benchmarks/results/warm_ab_<tag>.json with every round's wall times, the medians and the ratios.
+
+    git worktree add /tmp/base <commit>
+    python benchmarks/warm_ab.py examples/deepseek_v4_flash.json --baseline /tmp/base [--rounds 5] [--target cuda:90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import write
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_WARM = """
+import json, time, warmreg
+t = time.perf_counter()
+r = warmreg.warm({config!r}, target={target!r}, workers={workers}, on_error="continue", progress=False)
+wall = time.perf_counter() - t
+assert r.ok, r.summary()
+print(json.dumps({{"wall": wall, "keys": r.declared, "compiled": r.compiled, "from_cache": r.from_cache, "core": warmreg.__file__}}))
+"""
+
+
+def _run(tree: Path, code: str, cache: str) -> dict:
+    path = os.pathsep.join(str(tree / p) for p in ("", "plugins/deepseek_v4", "plugins/kimi_k3"))
+    env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": path}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd="/")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config")
+    ap.add_argument("--baseline", required=True, help="a checkout of the commit to compare against")
+    ap.add_argument("--target", default="cuda:90")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tag", default="cpu2core")
+    args = ap.parse_args()
+    config = str(Path(args.config).resolve())
+    workers = len(os.sched_getaffinity(0))
+    trees = {"this": ROOT, "baseline": Path(args.baseline).resolve()}
+    code = _WARM.format(config=config, target=args.target, workers=workers)
+    rounds: dict[str, dict[str, list[float]]] = {name: {"cold": [], "warm_cache": []} for name in trees}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            for name, tree in trees.items():
+                cache = os.path.join(tmp, f"{name}-{i}")
+                os.makedirs(cache)
+                cold = _run(tree, code, cache)
+                assert cold["core"].startswith(str(tree)), cold["core"]
+                rounds[name]["cold"].append(cold["wall"])
+                rounds[name]["warm_cache"].append(_run(tree, code, cache)["wall"])
+    medians = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in rounds.items()}
+    ratios = {k: medians["this"][k] / medians["baseline"][k] for k in ("cold", "warm_cache")}
+    results = {
+        "config": args.config, "target": args.target, "workers": workers, "baseline": str(trees["baseline"]),
+        "baseline_commit": subprocess.run(["git", "-C", str(trees["baseline"]), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "rounds": rounds, "medians": medians, "this_over_baseline": ratios,
+    }  # fmt: skip
+    path = write(f"warm_ab_{args.tag}", results)
+    print(json.dumps({"medians": medians, "this_over_baseline": ratios}, indent=1), "->", path)
+
+
+if __name__ == "__main__":
+    main()

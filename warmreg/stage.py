@@ -1,0 +1,31 @@
+"""A stage of the warm pipeline: what steps in between binding every key and loading the binaries.
+
+Packs (:class:`warmreg.pack.PackInstall`) and the exchange between the ranks of a distributed warm
+(:class:`warmreg.distributed.Shard`) are stages; :func:`warmreg.pipeline.run` calls them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .bind import Task
+    from .planning import Plan
+
+__all__ = ["Stage"]
+
+
+class Stage:
+    """A step between binding and loading. Its methods are called in this order, each by default
+    doing nothing; subclasses override what they need."""
+
+    def before_compile(self, plan: Plan, tasks: list[Task]) -> None:
+        """After every key is bound, before any cache lookup (e.g. a pack install)."""
+
+    def first(self, plan: Plan, tasks: list[Task]) -> list[Task]:
+        """The tasks to compile first (e.g. this rank's shard of the keys)."""
+        return tasks
+
+    def after_first(self, plan: Plan, tasks: list[Task]) -> None:
+        """After those compiled (e.g. the exchange between ranks, which may mark keys failed); every
+        key not done yet is compiled next."""

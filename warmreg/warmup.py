@@ -1,0 +1,140 @@
+"""The calls an engine makes: :func:`plan`, :func:`prefetch`, :func:`warm` (and :func:`reset_state`).
+
+``warm`` is the pipeline (:mod:`warmreg.pipeline`) with the add-ons a deployment needs plugged in:
+packs installed as a stage (:class:`warmreg.pack.PackInstall`), the keys sharded over the ranks of a
+torch.distributed job as a stage (:class:`warmreg.distributed.Shard`), and the JIT monitor taught
+what was warmed (and armed, if asked).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import triton
+
+from . import _triton, _triton_cache, pipeline
+from .bind import OnError, check_on_error
+from .distributed import Shard
+from .errors import CompileFailed, WarmregError
+from .monitoring import KNOWLEDGE, arm
+from .pack import PackInstall
+from .planning import Plan, plan
+from .platform import Platform
+from .plugins import OnPluginError
+from .report import KeyResult, WarmReport
+
+__all__ = ["prefetch", "reset_state", "warm"]
+
+
+def prefetch() -> None:
+    """Start, on a background thread, the part of a warm that depends on no config: Triton's hash of
+    its own installation (``triton_key()``, which reads the 415 MB ``libtriton.so``: ~0.5 s on the
+    H200 host, the largest single cost of a warm from a warm cache or a pack).
+
+    Call it early in an engine's start-up (before loading weights); :func:`warm` starts it too if it
+    has not started, and waits for it only where it needs the hash. Idempotent; returns at once.
+    """
+    _triton_cache.prefetch_triton_key()
+
+
+def reset_state() -> None:
+    """Forget what this process warmed: Triton's compiled kernels in memory (of every jit function
+    defined so far), warmreg's fast launches and what the JIT monitor learned from earlier warms.
+
+    For test suites (the pytest fixture ``warmreg_isolated`` calls it around each test) and before
+    compiling into another cache directory. Armed monitors stay armed.
+    """
+    from .launch import FAST_TABLES
+
+    _triton.forget_compiled()
+    FAST_TABLES.clear()
+    KNOWLEDGE.clear()
+
+
+def warm(
+    config: Any, *, target: str | Platform | None = None, workers: int | None = None, on_error: OnError = "raise",
+    plugins: Iterable[Any] = (), entry_points: bool = True, on_plugin_error: OnPluginError = "raise",
+    progress: bool | None = None, monitor: str | None = None, record: str | os.PathLike[str] | None = None,
+    pack: str | os.PathLike[str] | None = None, group: Any = None, distributed: bool | None = None,
+    serving: Mapping[str, Any] | None = None,
+) -> WarmReport:  # fmt: skip
+    """Compile (or load from cache) every key the deployment needs, before it serves; on the local
+    GPU also build each kernel's launcher and load its module, so the first launch pays nothing.
+
+    :param config: anything :meth:`WarmConfig.load` accepts; ``serving``, ``target``, ``plugins``,
+        ``entry_points`` and ``on_plugin_error`` as for :func:`plan` (``target`` cross-compiles).
+    :param workers: compile threads (default: the CPUs available).
+    :param on_error: ``"raise"`` (warm every key, then raise :class:`CompileFailed`), ``"continue"``
+        (return the report with the failures) or ``"stop"`` (stop at the first failure).
+    :param progress: show a progress bar (default: when stderr is a terminal).
+    :param monitor: arm the JIT monitor in this mode (``warn``, ``error``, ``record``) once warm;
+        ``record``: with ``"record"``, the JSON-lines file misses are appended to.
+    :param pack: a pack to install into Triton's cache after binding, before compiling (its keys
+        become cache hits); installed pack wheels for this model type, target and Triton release are
+        installed at the same point in any case (:class:`warmreg.pack.PackInstall`).
+    :param group: the ``torch.distributed`` group to shard compiling over (default: the world group);
+        ``distributed``: ``False`` never shards, ``None`` shards when torch.distributed is
+        initialized with more than one rank, ``True`` requires it (:class:`warmreg.distributed.Shard`).
+    :raises CompileFailed: under ``on_error`` ``"raise"`` or ``"stop"`` if a key failed (``.report``).
+    """
+    start = time.perf_counter()
+    prefetch()  # if the engine did not already: overlaps the hash with plugin loading and planning
+    on_error, workers = check_on_error(on_error), _workers(workers)
+    shard = Shard.resolve(group, distributed)
+    the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points, on_plugin_error=on_plugin_error, serving=serving)
+    _triton_cache.check_cache_writable()
+    packs = PackInstall.for_plan(the_plan, pack)
+    plan_seconds = time.perf_counter() - start
+    stages = [s for s in (packs, shard) if s is not None]
+    results = pipeline.run(the_plan, workers=workers, on_error=on_error, stages=stages, progress=progress)
+    report = _report(the_plan, results, workers, time.perf_counter() - start, plan_seconds, packs, shard)
+    return _finish(report, the_plan, on_error, monitor, record)
+
+
+def _workers(workers: int | None) -> int:
+    if workers is None:
+        return pipeline.default_workers()
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise WarmregError(f"workers={workers!r} must be an int >= 1", fix="pass e.g. workers=8, or None for all CPUs")
+    return workers
+
+
+def _report(
+    the_plan: Plan, results: list[KeyResult], workers: int, seconds: float, plan_seconds: float,
+    packs: PackInstall | None, shard: Shard | None,
+) -> WarmReport:  # fmt: skip
+    stats = shard.stats() if shard is not None else None
+    return WarmReport(
+        platform=the_plan.platform.target,
+        model_type=the_plan.config.model_type,
+        triton_version=triton.__version__,
+        workers=workers,
+        seconds=seconds,
+        plan_seconds=plan_seconds,
+        results=results,
+        plugins=the_plan.plugins,
+        skipped=tuple(f"{s.kernel} ({s.plugin}): {s.reason}" for s in the_plan.skipped),
+        plugin_problems=tuple(str(p) for p in the_plan.plugin_problems),
+        pack=packs.note() if packs is not None else None,
+        rank=stats.rank if stats else 0,
+        world_size=stats.world_size if stats else 1,
+        shard_compiled=stats.compiled_here if stats else None,
+        shard_received=stats.received if stats else None,
+        shard_launchers_received=stats.launchers_received if stats else None,
+    )
+
+
+def _finish(report: WarmReport, the_plan: Plan, on_error: OnError, monitor: str | None, record: Any) -> WarmReport:
+    """Teach the monitor what was warmed, raise for failures (unless ``continue``), arm the monitor."""
+    owners = {_triton.full_name(j): kp.name for kp in the_plan.kernels for j in kp.kernel.jits() if j is not None}
+    KNOWLEDGE.learn(report, owners)
+    if report.failed and on_error != "continue":
+        error = CompileFailed([(r.kernel, r.key, r.error or "") for r in report.failed])
+        error.report = report  # type: ignore[attr-defined]
+        raise error
+    if monitor is not None and monitor != "off":
+        arm(monitor, record=record)  # type: ignore[arg-type]
+    return report
