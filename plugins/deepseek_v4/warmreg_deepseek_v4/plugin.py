@@ -17,7 +17,8 @@ from . import (
     indexer,
     inv_rope_quant,
     metadata,
-    mtp_norm,
+    mtp_input_norm,
+    mtp_shared_head_norm,
     sparse_mla,
     state_cache,
     swa_indices,
@@ -37,7 +38,8 @@ _MODULES = (
     state_cache,
     indexer,
     inv_rope_quant,
-    mtp_norm,
+    mtp_input_norm,
+    mtp_shared_head_norm,
 )
 
 
