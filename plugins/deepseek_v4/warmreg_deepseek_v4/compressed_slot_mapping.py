@@ -1,4 +1,5 @@
-"""Compressed slot mapping (specs sections 2 and 20): cache slots of the compressed (C4/C128) states."""
+"""Compressed slot mapping: cache slots of the compressed (C4/C128) states (vLLM 0.33
+``v1/attention/backends/mla/compressor_utils.py``: ``get_compressed_slot_mapping``, ``CompressedSlotMappingKernel``)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,8 @@ import triton.language as tl
 
 import warmreg
 
-from ._metadata_common import (
-    _HIGH,
-    _I32,
-    _TILE,
-    _check_int32,
-    _check_table,
-    _rep,
-)
+from ._checks import check_int32_table, check_int32_vector
+from ._metadata_common import HIGH_REPS, TILE, int_rep
 from .model import SPARSE_BLOCK_SIZE
 
 __all__ = [
@@ -28,7 +23,7 @@ __all__ = [
     "compressed_slot_mapping_reference",
 ]
 
-# -- sections 2 and 20: compressed slot mapping ---------------------------------------------------
+_I32 = torch.int32
 
 
 @triton.jit(
@@ -92,7 +87,7 @@ def _multiple_in_class(step: int, cls: warmreg.IntClass) -> int:
 
 
 class CompressedSlotMapping(warmreg.TritonKernel[CompressedSlotMappingKey]):
-    """Cache slots of compressed states (sections 2, 20). Token ``t = qsl[b] + j`` at position
+    """Cache slots of compressed states. Token ``t = qsl[b] + j`` at position
     ``p = seq_lens[b] - qlen + j`` writes state ``k`` only when it closes it::
 
         lp = (p // (I * Wd)) * I + p % I;  k = lp // CR          # rank-local; lp = p when Wd == 1
@@ -126,7 +121,7 @@ class CompressedSlotMapping(warmreg.TritonKernel[CompressedSlotMappingKey]):
     ) -> CompressedSlotMappingKey:
         return CompressedSlotMappingKey(
             compress_ratio=compress_ratio,
-            tile=_TILE,
+            tile=TILE,
             block_size=warmreg.int_class(block_size),
             dcp_world_size=warmreg.int_class(dcp_world_size),
             cp_interleave=warmreg.int_class(cp_interleave),
@@ -145,7 +140,7 @@ class CompressedSlotMapping(warmreg.TritonKernel[CompressedSlotMappingKey]):
         return block_size == self.cache_block_size // compress_ratio
 
     def warmup_inputs(self, key: CompressedSlotMappingKey) -> Mapping[str, Any]:
-        world = _rep(key.dcp_world_size, _HIGH)
+        world = int_rep(key.dcp_world_size, HIGH_REPS)
         interleave = warmreg.int_class_rep(key.cp_interleave)
         return {
             "slot_mapping": warmreg.meta((16,), torch.int64),
@@ -184,8 +179,8 @@ class CompressedSlotMapping(warmreg.TritonKernel[CompressedSlotMappingKey]):
         :raises LaunchError: for wrong dtypes or lengths, or a DCP interleave not a multiple of the ratio.
         """
         rows = block_table.shape[0] if block_table.ndim == 2 else 0
-        _check_table(self.name, "block_table", block_table, rows)
-        _check_int32(self.name, query_start_loc=query_start_loc, seq_lens=seq_lens)
+        check_int32_table(self.name, "block_table", block_table, rows)
+        check_int32_vector(self.name, query_start_loc=query_start_loc, seq_lens=seq_lens)
         if query_start_loc.shape[0] < rows + 1 or seq_lens.shape[0] < rows:
             raise warmreg.LaunchError(self.name, f"query_start_loc and seq_lens must cover the table's {rows} rows")
         if slot_mapping.dtype != torch.int64 or slot_mapping.ndim != 1 or slot_mapping.shape[0] < num_tokens:

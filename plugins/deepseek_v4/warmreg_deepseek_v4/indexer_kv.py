@@ -12,18 +12,11 @@ import triton.language as tl
 
 import warmreg
 
-from ._indexer_common import (
-    _K_FP8_MAX,
-    _SCALE_BYTES,
-    _SCALE_FLOOR,
-    _check_rope,
-    _cos_sin_meta,
-    _is_pow2,
-    _rope_pairs,
-)
+from ._checks import check_rope_cache, is_pow2
+from ._indexer_common import K_FP8_MAX, SCALE_BYTES, SCALE_FLOOR, cos_sin_meta, rope_pairs
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
+from .backends import compressed_block_size
 from .model import kv_cache_dtype
-from .sparse_mla import compressed_block_size
 
 __all__ = [
     "IndexerKVCompressInsert",
@@ -142,7 +135,7 @@ def indexer_page_stride(config: warmreg.WarmConfig, tokens_per_page: int, head_d
     """
     layout = kv_cache_dtype(config)
     unit = 576 if layout == "fp8_ds_mla" else 512
-    return triton.cdiv(tokens_per_page * (head_dim + _SCALE_BYTES), unit) * unit
+    return triton.cdiv(tokens_per_page * (head_dim + SCALE_BYTES), unit) * unit
 
 
 class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
@@ -209,19 +202,19 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
             "state_cache": [warmreg.meta((1024, self.state_block_size, 2 * state_width), torch.float32)],
             "kv_cache": [
                 warmreg.meta(
-                    (1024, per_page, self.head_dim + _SCALE_BYTES),
+                    (1024, per_page, self.head_dim + SCALE_BYTES),
                     torch.uint8,
-                    stride=(stride, self.head_dim + _SCALE_BYTES, 1),
+                    stride=(stride, self.head_dim + SCALE_BYTES, 1),
                 )
             ],
             "norm_weight": [warmreg.meta((self.head_dim,), self.weight_dtype)],
-            "cos_sin_cache": [_cos_sin_meta(config, self.rope_dim)],
+            "cos_sin_cache": [cos_sin_meta(config, self.rope_dim)],
             "compress_ratio": [self.compress_ratio],
             "mx_scale": [platform.is_cuda and 100 <= platform.sm < 110],
         }
 
     def warmup_inputs(self, key: IndexerKVInsertKey) -> Mapping[str, Any]:
-        row = key.head_size + _SCALE_BYTES
+        row = key.head_size + SCALE_BYTES
         ids = warmreg.meta((1,), torch.int64)
         return {
             "state_cache": warmreg.meta((2, warmreg.int_class_rep(key.state_block_size), 2 * key.state_width), torch.float32),
@@ -273,7 +266,7 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
         if state_block_table.dtype != torch.int32 or state_block_table.ndim != 2 or state_block_table.stride(1) != 1:
             problems.append("state_block_table must be int32 [num_reqs, blocks] with contiguous rows")
         head = norm_weight.shape[0] if norm_weight.ndim == 1 else -1
-        if not _is_pow2(head) or norm_weight.stride(0) != 1:
+        if not is_pow2(head) or norm_weight.stride(0) != 1:
             problems.append(
                 f"norm_weight must be a contiguous power-of-two [head_dim] (got {tuple(norm_weight.shape)})"
             )
@@ -282,9 +275,9 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
             problems.append(
                 f"state_cache must be float32 [pages, page_size, 2 * (1 or 2) * {head}] (got {state_cache.dtype} {tuple(state_cache.shape)})"
             )
-        if not _is_pow2(compress_ratio) or (width == 2 * head and compress_ratio != 4):
+        if not is_pow2(compress_ratio) or (width == 2 * head and compress_ratio != 4):
             problems.append(f"compress_ratio {compress_ratio} must be a power of two, and 4 with overlapping states")
-        row = head + _SCALE_BYTES
+        row = head + SCALE_BYTES
         ok_cache = kv_cache.dtype == torch.uint8 and kv_cache.ndim == 3 and tuple(kv_cache.shape[2:]) == (row,)
         if (
             not ok_cache
@@ -338,7 +331,7 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
             state_cache, state_block_table, token_to_req_indices, positions, slot_mapping, compressed_slot_mapping,
             norm_weight, kv_cache, compress_ratio,
         )  # fmt: skip
-        _check_rope(self.name, cos_sin_cache, norm_weight.shape[0])
+        check_rope_cache(self.name, cos_sin_cache, norm_weight.shape[0])
         if mx_scale is None:
             local = warmreg.runtime_platform()
             mx_scale = local is not None and local.is_cuda and 100 <= local.sm < 110
@@ -398,10 +391,10 @@ def indexer_kv_compress_insert_reference(
         c = (torch.softmax(score, dim=0) * kv).sum(dim=0)
         n = c * torch.rsqrt(c.pow(2).mean() + eps) * norm_weight.float()
         cs = cos_sin_cache[pos // compress_ratio * compress_ratio]
-        x = torch.cat([n[:-rope], _rope_pairs(n[-rope:], cs[: rope // 2], cs[rope // 2 :])])
+        x = torch.cat([n[:-rope], rope_pairs(n[-rope:], cs[: rope // 2], cs[rope // 2 :])])
         x = x.to(torch.bfloat16).float()
-        e, s = pow2_scale_reference(x.abs().amax(), _SCALE_FLOOR, _K_FP8_MAX)
-        q = (x / s).clamp(-_K_FP8_MAX, _K_FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        e, s = pow2_scale_reference(x.abs().amax(), SCALE_FLOOR, K_FP8_MAX)
+        q = (x / s).clamp(-K_FP8_MAX, K_FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
         page = kv_cache[kv_slot // kv_bs].view(-1)
         j = kv_slot % kv_bs
         page[j * head : (j + 1) * head] = q

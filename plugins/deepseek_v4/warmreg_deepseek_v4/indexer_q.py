@@ -14,12 +14,8 @@ import triton.language as tl
 
 import warmreg
 
-from ._indexer_common import (
-    _SCALE_FLOOR,
-    _check_rope,
-    _cos_sin_meta,
-    _rope_pairs,
-)
+from ._checks import check_rope_cache
+from ._indexer_common import SCALE_FLOOR, cos_sin_meta, rope_pairs
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
 from .model import PLUGIN
 
@@ -151,7 +147,7 @@ class IndexerQRopeQuant(warmreg.TritonKernel[IndexerQKey]):
         return {
             "index_q": [warmreg.meta((t, self.num_heads, self.head_dim), self.dtype) for t in tokens],
             "index_weights": [warmreg.meta((t, self.num_heads), self.dtype) for t in tokens],
-            "cos_sin_cache": [_cos_sin_meta(config, self.rope_dim)],
+            "cos_sin_cache": [cos_sin_meta(config, self.rope_dim)],
             "fp8_dtype": [torch.float8_e4m3fnuz if platform.fp8_fnuz else torch.float8_e4m3fn],
             "explicit_fma": [platform.is_rocm],
         }
@@ -215,7 +211,7 @@ class IndexerQRopeQuant(warmreg.TritonKernel[IndexerQKey]):
             raise warmreg.LaunchError(
                 self.name, f"positions must be int64 [{t}] (got {positions.dtype} {tuple(positions.shape)})"
             )
-        _check_rope(self.name, cos_sin_cache, d)
+        check_rope_cache(self.name, cos_sin_cache, d)
         local = warmreg.runtime_platform()
         if fp8_dtype is None:
             fp8_dtype = torch.float8_e4m3fnuz if local is not None and local.fp8_fnuz else torch.float8_e4m3fn
@@ -260,10 +256,10 @@ def indexer_q_rope_quant_reference(
     rope = cos_sin_cache.shape[1]
     x = index_q.float()
     cs = cos_sin_cache[positions][:, None, :]
-    rot = _rope_pairs(x[..., -rope:], cs[..., : rope // 2], cs[..., rope // 2 :], fma=explicit_fma)
+    rot = rope_pairs(x[..., -rope:], cs[..., : rope // 2], cs[..., rope // 2 :], fma=explicit_fma)
     y = torch.cat([x[..., :-rope], rot.to(index_q.dtype).float()], dim=-1)
     fp8_max = 224.0 if fp8_dtype == torch.float8_e4m3fnuz else 448.0
-    _, s = pow2_scale_reference(y.abs().amax(dim=-1), _SCALE_FLOOR, fp8_max)
+    _, s = pow2_scale_reference(y.abs().amax(dim=-1), SCALE_FLOOR, fp8_max)
     q = (y / s[..., None]).to(fp8_dtype)
     f32 = torch.float32
     w = index_weights.float() * s * torch.tensor(softmax_scale, dtype=f32) * torch.tensor(head_scale, dtype=f32)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import warmreg
 from warmreg.ops import BlockTableSlotMapping
 
-from ._metadata_common import C4_STATE_BLOCK_SIZE, C128_STATE_BLOCK_SIZE, _serving
+from ._metadata_common import C4_STATE_BLOCK_SIZE, C128_STATE_BLOCK_SIZE
+from ._serving import serving_int
 from .compressed_slot_mapping import CompressedSlotMapping, CompressedSlotMappingKey, compressed_slot_mapping_reference
 from .indexer_chunk_metadata import (
     IndexerPrefillChunkMetadata,
@@ -62,8 +63,8 @@ def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig
             f"must be {SPARSE_BLOCK_SIZE} for the DeepSeek-V4 sparse backends (got {cache_block})",
             plugin=PLUGIN,
         )
-    dcp = _serving(config, "decode_context_parallel_size", 1)
-    interleave = _serving(config, "cp_kv_cache_interleave_size", 1)
+    dcp = serving_int(config, "decode_context_parallel_size", 1)
+    interleave = serving_int(config, "cp_kv_cache_interleave_size", 1)
     if dcp > 1 and model.has_c4:
         raise warmreg.ConfigError(
             "serving.decode_context_parallel_size",

@@ -10,6 +10,7 @@ import warmreg
 from warmreg.ops import FusedQKVRMSNorm
 
 from . import (
+    backends,
     cache,
     combine_indices,
     flashinfer_indices,
@@ -57,13 +58,13 @@ def warmreg_register_kernels(
     if config.model_type != "deepseek_v4":
         return
     m = DSV4.from_config(config)
-    backend = sparse_mla.attention_backend(config)
-    if platform.is_cuda and backend not in sparse_mla.SPARSE_BACKENDS:
+    backend = backends.attention_backend(config)
+    if platform.is_cuda and backend not in backends.SPARSE_BACKENDS:
         raise warmreg.ConfigError(
             "serving.attention_backend",
             f"is {backend!r}, an attention backend DeepSeek-V4 does not run on CUDA",
             plugin=PLUGIN,
-            fix=f"use one of {', '.join(sparse_mla.SPARSE_BACKENDS)}",
+            fix=f"use one of {', '.join(backends.SPARSE_BACKENDS)}",
         )
     # Q/KV RMSNorm (section 3): q = q_lora_rank, kv = head_dim, inputs are views of the fused
     # [q_lora_rank + head_dim] projection. On ROCm with aiter DSv4 uses aiter's fused op instead.
