@@ -15,12 +15,15 @@ import warmreg
 
 from ._checks import check_int32_table, check_int32_vector
 from ._metadata_common import HIGH_REPS, TILE, int_rep
-from .model import SPARSE_BLOCK_SIZE
+from ._serving import dcp_world_size, serving_int
+from .backends import cache_block_size
+from .model import DSV4, SPARSE_BLOCK_SIZE
 
 __all__ = [
     "CompressedSlotMapping",
     "CompressedSlotMappingKey",
     "compressed_slot_mapping_reference",
+    "register",
 ]
 
 _I32 = torch.int32
@@ -243,3 +246,22 @@ def compressed_slot_mapping_reference(
         state = local[valid] // compress_ratio
         out[tok[valid]] = block_table[b].long()[state // block_size] * block_size + state % block_size
     return out
+
+
+def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the compressed slot mapping at its two call sites, when the model has compressed layers:
+    the sparse-MLA builder (every compressed ratio, no DCP arguments) and the C4 indexer builder (the
+    configured DCP world and interleave).
+
+    :raises warmreg.ConfigError: for a KV-manager block size other than 256 or DCP with C4 layers.
+    """
+    cache_block = cache_block_size(config)
+    dcp = dcp_world_size(config, model)
+    interleave = serving_int(config, "cp_kv_cache_interleave_size", 1)
+    ratios = tuple(r for r in sorted(set(model.ratios)) if r > 1)
+    mla_site = CompressedSlotMapping(compress_ratios=ratios, cache_block_size=cache_block)
+    registry.add(mla_site, when=model.has_c4 or model.has_c128)
+    indexer_site = CompressedSlotMapping(
+        compress_ratios=(4,), dcp_world_size=dcp, cp_interleave=interleave, cache_block_size=cache_block
+    )
+    registry.add(indexer_site, when=model.has_c4)

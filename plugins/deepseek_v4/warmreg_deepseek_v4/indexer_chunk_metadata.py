@@ -16,11 +16,13 @@ import warmreg
 from ._checks import check_int32_vector
 from ._metadata_common import HIGH_REPS, LOW_REPS, TILE, int_rep
 from ._serving import serving_int
+from .model import DSV4
 
 __all__ = [
     "IndexerPrefillChunkMetadata",
     "PrefillChunkMetadataKey",
     "indexer_prefill_chunk_metadata_reference",
+    "register",
 ]
 
 _I32 = torch.int32
@@ -255,3 +257,8 @@ def indexer_prefill_chunk_metadata_reference(
                 ks[a - query_slice_start], ke[a - query_slice_start] = rs[b], rs[b] + rows
         token_to_seq[cu[b] : cu[b + 1]] = b
     return token_to_seq, ks, ke
+
+
+def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the C4 indexer's prefill chunk metadata when the model has C4 layers (every platform)."""
+    registry.add(IndexerPrefillChunkMetadata(compress_ratios=(4,)), when=model.has_c4)

@@ -1,4 +1,26 @@
-"""Fused KV compress + RMSNorm + RoPE + FP8 quant + insert for the C4 indexer (head 128, specs section 11b)."""
+"""Fused KV compress + RMSNorm + RoPE + FP8 quant + insert for the C4 indexer (head 128; vLLM 0.33's
+DeepSeek-V4 ``compressor.py``, the Triton indexer kernel, FP8 path; the MXFP4 path is left for later).
+
+``rope(x, p)`` below is GPT-J interleaved RoPE on the last ``R = cos_sin_cache.shape[1]`` dims: pairs
+``(e, o) = (x[2i], x[2i+1])`` of that part, ``c, s = cos_sin_cache[p, i], cos_sin_cache[p, R/2 + i]``,
+``e' = e*c - o*s``, ``o' = o*c + e*s``. Scales are exact powers of two,
+``s = 2**ceil(log2(max(amax, 1e-4) / FP8_MAX))`` (``ceil(log2)`` from the exponent bits), and FP8
+bytes come from a bit-exact encoder (see :mod:`._quant`).
+
+Grid ``(T,)``; a token writes only if ``slot_mapping[t] >= 0``, ``(pos + 1) % cr == 0`` and
+``compressed_slot_mapping[t] >= 0``. With window ``L = 2*cr`` (overlap) ending at ``pos``, state rows
+read through the state block table, the older ``cr`` positions from the first half of each state
+(kv ``[0, hd)``, score ``[SW, SW+hd)``), the newer ones from the second::
+
+    c = sum_i softmax_i(score_i) * kv_i             (per column; positions < 0 excluded)
+    n = c * rsqrt(mean(c**2) + eps) * w
+    x = float32(bf16(rope(n, (pos // cr) * cr)))     s = pow2 scale of amax(|x|) with 448
+    page, j = divmod(compressed_slot_mapping[t], kv_block_size)
+    kv_cache page bytes [j*hd, (j+1)*hd) = e4m3fn(clamp(x / s, +-448))
+    kv_cache page bytes [kv_block_size*hd + 4j, +4) = float32 s, or (MX_SCALE) the UE8M0 byte x4 as int32
+
+K is always OCP e4m3fn (max 448), even on gfx942.
+"""
 
 from __future__ import annotations
 
@@ -16,13 +38,14 @@ from ._checks import check_rope_cache, is_pow2
 from ._indexer_common import K_FP8_MAX, SCALE_BYTES, SCALE_FLOOR, cos_sin_meta, rope_pairs
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
 from .backends import compressed_block_size
-from .model import kv_cache_dtype
+from .model import DSV4, kv_cache_dtype
 
 __all__ = [
     "IndexerKVCompressInsert",
     "IndexerKVInsertKey",
     "indexer_kv_compress_insert_reference",
     "indexer_page_stride",
+    "register",
 ]
 
 
@@ -124,11 +147,11 @@ class IndexerKVInsertKey(warmreg.CompileKey):
     kv_cache_aligned: bool  # pages may live in a shared allocation
     weight_aligned: bool
     num_warps: int
-    launch_pdl: bool  # always False: PDL raced with the state writes (specs 11a)
+    launch_pdl: bool  # always False: PDL raced with the state writes (as in save_partial_states)
 
 
 def indexer_page_stride(config: warmreg.WarmConfig, tokens_per_page: int, head_dim: int) -> int:
-    """The indexer cache's page stride as the KV manager allocates it (our best knowledge, specs 11b).
+    """The indexer cache's page stride as the KV manager allocates it (our best knowledge of vLLM 0.33's KV manager).
 
     ``round_up(tokens_per_page * (head_dim + 4), 576)`` when the attention caches are ``fp8_ds_mla``,
     else rounded to 512. The launch reads the real stride from ``kv_cache.stride(0)``.
@@ -139,7 +162,7 @@ def indexer_page_stride(config: warmreg.WarmConfig, tokens_per_page: int, head_d
 
 
 class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
-    """The C4 indexer's fused KV compress + RMSNorm + RoPE + FP8 quant + cache insert (specs 11b, FP8).
+    """The C4 indexer's fused KV compress + RMSNorm + RoPE + FP8 quant + cache insert (FP8; see the module docstring).
 
     :param head_dim: indexer head dim (128).
     :param rope_dim: ``qk_rope_head_dim`` (64).
@@ -315,12 +338,12 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
     ) -> warmreg.LaunchSpec[IndexerKVInsertKey]:
         """Compress each closing token's window and insert it into ``kv_cache`` (in place; returned).
 
-        :param state_cache: float32 ``[pages, page_size, 2 * STATE_WIDTH]`` compressor states (specs 11a).
+        :param state_cache: float32 ``[pages, page_size, 2 * STATE_WIDTH]`` compressor states (as :class:`~.state_cache.SavePartialStates` writes them).
         :param state_block_table: int32 ``[num_reqs, blocks]``: state pages of each request.
         :param token_to_req_indices: int32 ``[>= T]``.
         :param positions: int64 ``[T]``; ``T`` is the grid.
         :param slot_mapping: int64 ``[>= T]``: the token's own slot, ``-1`` for PAD.
-        :param compressed_slot_mapping: int64 ``[>= T]``: indexer cache slot, or ``-1`` (specs 20).
+        :param compressed_slot_mapping: int64 ``[>= T]``: indexer cache slot, or ``-1`` (from :class:`~.compressed_slot_mapping.CompressedSlotMapping`).
         :param norm_weight: ``[head_dim]`` compressor RMSNorm weight.
         :param cos_sin_cache: float32 ``[P, rope_dim]``.
         :param kv_cache: uint8 ``[pages, tokens_per_page, head_dim + 4]``; ``stride(0)`` is the page stride.
@@ -401,3 +424,11 @@ def indexer_kv_compress_insert_reference(
         scale = ((e + 127) * 0x01010101).to(torch.int32).reshape(1) if mx_scale else s.reshape(1)
         page[kv_bs * head + 4 * j : kv_bs * head + 4 * j + 4] = scale.view(torch.uint8)
     return kv_cache
+
+
+def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the indexer KV compress + insert when the model has C4 layers (Triton on every platform)."""
+    kernel = IndexerKVCompressInsert(
+        head_dim=model.index_head_dim, rope_dim=model.qk_rope_head_dim, compress_ratio=4, weight_dtype=model.dtype
+    )
+    registry.add(kernel, when=model.has_c4)

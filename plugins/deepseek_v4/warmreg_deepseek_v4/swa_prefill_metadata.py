@@ -15,10 +15,12 @@ import warmreg
 
 from ._checks import check_int32_vector
 from ._serving import serving_int
+from .model import DSV4
 
 __all__ = [
     "SWAPrefillMetadataKey",
     "SparseSWAPrefillMetadata",
+    "register",
     "sparse_swa_prefill_metadata_reference",
 ]
 
@@ -140,3 +142,8 @@ def sparse_swa_prefill_metadata_reference(
     replay = torch.zeros_like(qlen) if replay_start is None else replay_start[reqs]
     visible = (seq_lens[reqs] - qlen - replay).clamp(min=0)
     return (qlen + visible.clamp(max=window_size - 1)).to(_I32)
+
+
+def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the sparse-SWA prefill metadata: every DeepSeek-V4 deployment, every platform."""
+    registry.add(SparseSWAPrefillMetadata())

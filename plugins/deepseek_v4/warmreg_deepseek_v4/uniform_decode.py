@@ -17,12 +17,14 @@ from warmreg.ops import block_table_width
 from ._checks import check_int32_table, check_int32_vector
 from ._metadata_common import TILE
 from ._serving import max_model_len, serving_int
-from .model import SPARSE_BLOCK_SIZE
+from .backends import cache_block_size
+from .model import DSV4, SPARSE_BLOCK_SIZE
 
 __all__ = [
     "PrepareUniformDecode",
     "UniformDecodeKey",
     "prepare_uniform_decode_reference",
+    "register",
 ]
 
 _I32 = torch.int32
@@ -177,3 +179,14 @@ def prepare_uniform_decode_reference(
     table = block_table[: seq_lens.shape[0], : block_table.shape[1] if width is None else width]
     decode_seq_lens = (seq - d + j + 1).clamp(min=0).to(_I32)
     return decode_seq_lens, table.repeat_interleave(d, dim=0), torch.ones_like(decode_seq_lens)
+
+
+def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the uniform decode flattening of the C4 indexer, unless the varlen DeepGEMM path serves
+    decode (SM100 with DeepGEMM).
+
+    :raises warmreg.ConfigError: for a KV-manager block size other than 256.
+    """
+    native_varlen = warmreg.sm_at_least(100) & warmreg.has_feature("deepgemm")
+    kernel = PrepareUniformDecode(cache_block_size=cache_block_size(config))
+    registry.add(kernel, when=~native_varlen if model.has_c4 else False)
