@@ -9,8 +9,9 @@ from typing import Any
 import attrs
 import pytest
 import torch
-from warmreg_deepseek_v4 import DSV4
-from warmreg_deepseek_v4.cache import DequantGatherKCache, dequant_gather_k_reference, register
+from warmreg_deepseek_v4 import DSV4, cache_insert
+from warmreg_deepseek_v4 import cache as cache_module
+from warmreg_deepseek_v4.cache import DequantGatherKCache, dequant_gather_k_reference
 from warmreg_deepseek_v4.cache_insert import QuantInsertKCache, quant_insert_k_reference
 from warmreg_deepseek_v4.fp8_ds_mla import (
     FP8_MAX,
@@ -49,7 +50,9 @@ class _Plugin:
                 if not names or kernel.name in names:
                     registry.add(kernel, when=True if always else when)
 
-        register(Only(), DSV4.from_config(config), config, platform)  # type: ignore[arg-type]
+        model = DSV4.from_config(config)
+        for module in (cache_module, cache_insert):
+            module.register(Only(), model, config, platform)  # type: ignore[arg-type]
 
 
 def _gather() -> DequantGatherKCache:

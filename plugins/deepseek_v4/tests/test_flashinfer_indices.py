@@ -1,4 +1,4 @@
-"""FlashInfer mixed sparse indices (§7): exact equality with the PyTorch reference (Triton interpreter
+"""FlashInfer mixed sparse indices: exact equality with the PyTorch reference (Triton interpreter
 on CPU) for SWA-only, C4 and C128 layers, registration, warm coverage for cuda:100, real cross-compiles."""
 
 from __future__ import annotations
@@ -11,13 +11,14 @@ import pytest
 import torch
 import triton
 from dsv4_support import ModulePlugin, example_config
+from warmreg_deepseek_v4.backends import c128_active_width, c128_widths
 from warmreg_deepseek_v4.flashinfer_indices import (
     FlashInferMixedSparseIndices,
     flashinfer_mixed_sparse_indices_reference,
     register,
 )
 from warmreg_deepseek_v4.model import DSV4
-from warmreg_deepseek_v4.sparse_mla import c128_active_width, c128_topk_metadata_reference, c128_widths
+from warmreg_deepseek_v4.sparse_mla import c128_topk_metadata_reference
 from warmreg_deepseek_v4.swa_indices import decode_swa_indices_reference
 
 import warmreg

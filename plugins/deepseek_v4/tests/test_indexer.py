@@ -11,14 +11,10 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from warmreg_deepseek_v4 import indexer
+from warmreg_deepseek_v4 import indexer_kv, indexer_q
 from warmreg_deepseek_v4._quant import bf16_round, ceil_log2, ceil_log2_reference, fp8_bits
-from warmreg_deepseek_v4.indexer import (
-    IndexerKVCompressInsert,
-    IndexerQRopeQuant,
-    indexer_kv_compress_insert_reference,
-    indexer_q_rope_quant_reference,
-)
+from warmreg_deepseek_v4.indexer_kv import IndexerKVCompressInsert, indexer_kv_compress_insert_reference
+from warmreg_deepseek_v4.indexer_q import IndexerQRopeQuant, indexer_q_rope_quant_reference
 from warmreg_deepseek_v4.model import DSV4
 
 import warmreg
@@ -38,7 +34,9 @@ class IndexerPlugin:
     def warmreg_register_kernels(
         self, registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform
     ) -> None:
-        indexer.register(registry, DSV4.from_config(config), config, platform)
+        model = DSV4.from_config(config)
+        for module in (indexer_q, indexer_kv):
+            module.register(registry, model, config, platform)
 
 
 def rope_cache(positions: int, rope_dim: int = 64) -> torch.Tensor:

@@ -9,18 +9,21 @@ from typing import Any
 
 import pytest
 import torch
-from warmreg_deepseek_v4 import DSV4
-from warmreg_deepseek_v4.metadata import (
-    CompressedSlotMapping,
-    IndexerPrefillChunkMetadata,
-    PrepareUniformDecode,
-    SparseSWAPrefillMetadata,
-    compressed_slot_mapping_reference,
-    indexer_prefill_chunk_metadata_reference,
-    prepare_uniform_decode_reference,
-    register,
-    sparse_swa_prefill_metadata_reference,
+from warmreg_deepseek_v4 import (
+    DSV4,
+    compressed_slot_mapping,
+    indexer_chunk_metadata,
+    slot_mapping,
+    swa_prefill_metadata,
+    uniform_decode,
 )
+from warmreg_deepseek_v4.compressed_slot_mapping import CompressedSlotMapping, compressed_slot_mapping_reference
+from warmreg_deepseek_v4.indexer_chunk_metadata import (
+    IndexerPrefillChunkMetadata,
+    indexer_prefill_chunk_metadata_reference,
+)
+from warmreg_deepseek_v4.swa_prefill_metadata import SparseSWAPrefillMetadata, sparse_swa_prefill_metadata_reference
+from warmreg_deepseek_v4.uniform_decode import PrepareUniformDecode, prepare_uniform_decode_reference
 
 import warmreg
 from warmreg.ops import BlockTableSlotMapping, block_table_width
@@ -30,10 +33,12 @@ FLASH, PRO = EXAMPLES / "deepseek_v4_flash.json", EXAMPLES / "deepseek_v4_pro.js
 I32 = torch.int32
 SWA_PREFILL, CHUNK = SparseSWAPrefillMetadata.name, IndexerPrefillChunkMetadata.name
 UNIFORM, COMPRESSED, SLOTS = PrepareUniformDecode.name, CompressedSlotMapping.name, BlockTableSlotMapping.name
+#: The metadata op modules, in the plugin's order (slot_mapping first: it refuses bad block sizes and DCP).
+MODULES = (slot_mapping, swa_prefill_metadata, indexer_chunk_metadata, uniform_decode, compressed_slot_mapping)
 
 
 class _Plugin:
-    """Registers this module's kernels, optionally only those named."""
+    """Registers the metadata modules' kernels, optionally only those named."""
 
     def __init__(self, *names: str) -> None:
         self.names = set(names)
@@ -49,7 +54,9 @@ class _Plugin:
                 if not names or kernel.name in names:
                     registry.add(kernel, when=when)
 
-        register(Only(), DSV4.from_config(config), config, platform)  # type: ignore[arg-type]
+        model = DSV4.from_config(config)
+        for module in MODULES:
+            module.register(Only(), model, config, platform)  # type: ignore[arg-type]
 
 
 def _plan(config: Any, target: str = "cuda:90") -> warmreg.Plan:
@@ -74,7 +81,7 @@ def _rand(gen: torch.Generator, shape: tuple[int, ...], high: int = 1000) -> tor
     return torch.randint(0, high, shape, dtype=I32, generator=gen)
 
 
-# -- section 12 -----------------------------------------------------------------------------------
+# -- sparse-SWA prefill metadata ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("decodes", "prefills"), [(4, 0), (0, 5), (3, 1), (6, 3)])
@@ -100,7 +107,7 @@ def test_swa_prefill_metadata_single_token_and_padded_buffers() -> None:
         SparseSWAPrefillMetadata()(seq_lens, qsl, num_decodes=1, num_prefills=3, window_size=128)
 
 
-# -- section 17 -----------------------------------------------------------------------------------
+# -- indexer prefill chunk metadata ---------------------------------------------------------------
 
 
 def _chunk(gen: torch.Generator, n: int, cr: int, max_model_len: int) -> dict[str, Any]:
@@ -156,7 +163,7 @@ def test_prefill_chunk_metadata_empty_chunk_and_bad_slice() -> None:
         )  # fmt: skip
 
 
-# -- section 18 -----------------------------------------------------------------------------------
+# -- uniform decode flattening --------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("d", [1, 2, 3])
@@ -185,7 +192,7 @@ def test_uniform_decode_into_persistent_buffers() -> None:
     assert PrepareUniformDecode()(seq_lens[:0], table, max_decode_len=2)[0].numel() == 0
 
 
-# -- sections 2 and 20 ----------------------------------------------------------------------------
+# -- compressed slot mapping -----------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(("cr", "dcp_world", "interleave"), [(4, 1, 1), (128, 1, 1), (4, 2, 8), (4, 1, 4)])

@@ -8,14 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from warmreg_deepseek_v4 import DSV4
-from warmreg_deepseek_v4.mtp_norm import (
-    MTPInputRMSNorm,
-    MTPSharedHeadRMSNorm,
-    mtp_input_rmsnorm_reference,
-    mtp_shared_head_rmsnorm_reference,
-    register,
-)
+from warmreg_deepseek_v4 import DSV4, mtp_input_norm, mtp_shared_head_norm
+from warmreg_deepseek_v4.mtp_input_norm import MTPInputRMSNorm, mtp_input_rmsnorm_reference
+from warmreg_deepseek_v4.mtp_shared_head_norm import MTPSharedHeadRMSNorm, mtp_shared_head_rmsnorm_reference
 
 import warmreg
 
@@ -32,7 +27,9 @@ class _Plugin:
     def warmreg_register_kernels(
         self, registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform
     ) -> None:
-        register(registry, DSV4.from_config(config), config, platform)
+        model = DSV4.from_config(config)
+        for module in (mtp_input_norm, mtp_shared_head_norm):
+            module.register(registry, model, config, platform)
 
 
 def _rows(tokens: int, width: int, gen: torch.Generator, offset: int = 0) -> torch.Tensor:

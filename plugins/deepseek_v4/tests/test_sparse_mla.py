@@ -1,4 +1,4 @@
-"""C128A top-k metadata (§4) and C4 global top-k (§6): exact equality with the PyTorch references
+"""C128A top-k metadata and C4 global top-k: exact equality with the PyTorch references
 (Triton interpreter on CPU), registration, warm coverage of runtime-shaped batches, real cross-compiles."""
 
 from __future__ import annotations
@@ -12,14 +12,9 @@ import torch
 import triton
 from dsv4_support import ModulePlugin, example_config
 from warmreg_deepseek_v4 import global_topk, sparse_mla
+from warmreg_deepseek_v4.backends import c128_active_width, c128_max_width, c128_widths
 from warmreg_deepseek_v4.global_topk import GlobalTopkIndices, global_topk_indices_reference
-from warmreg_deepseek_v4.sparse_mla import (
-    C128ATopkMetadata,
-    c128_active_width,
-    c128_max_width,
-    c128_topk_metadata_reference,
-    c128_widths,
-)
+from warmreg_deepseek_v4.sparse_mla import C128ATopkMetadata, c128_topk_metadata_reference
 
 import warmreg
 

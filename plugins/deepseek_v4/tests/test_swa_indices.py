@@ -1,4 +1,4 @@
-"""Decode SWA indices (§14 bonus) and the FlashMLA prefill combine (§15): exact equality with the
+"""Decode SWA indices and the FlashMLA prefill combine of top-k and SWA indices: exact equality with the
 PyTorch references (Triton interpreter on CPU), registration, warm coverage, real cross-compiles."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ import torch
 import triton
 from dsv4_support import ModulePlugin, example_config
 from warmreg_deepseek_v4 import combine_indices, swa_indices
+from warmreg_deepseek_v4.backends import c128_active_width
 from warmreg_deepseek_v4.combine_indices import CombineTopkSwaIndices, combine_topk_swa_indices_reference
 from warmreg_deepseek_v4.model import DSV4
-from warmreg_deepseek_v4.sparse_mla import c128_active_width, c128_topk_metadata_reference
+from warmreg_deepseek_v4.sparse_mla import c128_topk_metadata_reference
 from warmreg_deepseek_v4.swa_indices import DecodeSwaIndices, decode_swa_indices_reference
 
 import warmreg
@@ -116,7 +117,7 @@ def test_decode_swa_indices_empty_and_bad_inputs() -> None:
 
 # -- combine top-k + SWA indices ---------------------------------------------------------------------
 def _gather_lens(s: Step, reqs: slice) -> torch.Tensor:
-    """§12: ``qlen + min(max(prefix - replay_start, 0), window - 1)`` per prefill request."""
+    """As :class:`SparseSWAPrefillMetadata` computes it: ``qlen + min(max(prefix - replay_start, 0), window - 1)`` per prefill request."""
     qlen = (s.query_start_loc[1:] - s.query_start_loc[:-1])[reqs]
     prefix = s.seq_lens[reqs] - qlen
     visible = (prefix - s.replay_start[reqs]).clamp(min=0)

@@ -1,4 +1,5 @@
-"""Dequantize-and-gather from the ``fp8_ds_mla`` paged K cache (specs sections 2 and 5).
+"""Dequantize-and-gather from the ``fp8_ds_mla`` paged K cache (vLLM 0.33
+``models/common/ops/cache_utils.py``: ``DequantizeAndGatherKCacheKernel``).
 
 The layout and the exact FP8 bit conversions are in :mod:`.fp8_ds_mla`; the writer that builds such
 caches (the inverse) is :mod:`.cache_insert`.
@@ -16,7 +17,6 @@ import triton.language as tl
 
 import warmreg
 
-from .cache_insert import QuantInsertKCache
 from .fp8_ds_mla import (
     HEAD_DIM,
     NOPE,
@@ -25,19 +25,20 @@ from .fp8_ds_mla import (
     QB,
     QUANT_BLOCK,
     ROPE,
-    ROPE_DIM,
     SCALE_BYTES,
     SCALES,
     TOKEN,
     TOKEN_BYTES,
     PagedCache,
     cache_problem,
+    check_model_layout,
     e4m3_to_f32,
     paged_caches,
     ue8m0_to_f32,
+    uses_fp8_ds_mla,
     value_in_class,
 )
-from .model import DSV4, PLUGIN, kv_cache_dtype
+from .model import DSV4, PLUGIN
 
 __all__ = ["DequantGatherKCache", "DequantGatherKey", "dequant_gather_k_reference", "register"]
 
@@ -103,7 +104,7 @@ class DequantGatherKey(warmreg.CompileKey):
 
 
 class DequantGatherKCache(warmreg.TritonKernel[DequantGatherKey]):
-    """Dequantize ``fp8_ds_mla`` pages into a bf16 ``[num_reqs, M, 512]`` workspace (specs section 5).
+    """Dequantize ``fp8_ds_mla`` pages into a bf16 ``[num_reqs, M, 512]`` workspace.
 
     For request ``b`` and gather row ``i < glen`` (``glen = gather_lens[b]``, or ``seq_lens[b]``
     when ``gather_lens`` is None)::
@@ -296,25 +297,16 @@ def dequant_gather_k_reference(
 
 
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
-    """Register the ``fp8_ds_mla`` gather (one instance per cache group) and the XPU SWA writer.
+    """Register the ``fp8_ds_mla`` gather, one instance per cache group; nothing for another ``kv_cache_dtype``.
 
-    Nothing for another ``kv_cache_dtype``. The Triton gather serves ROCm and XPU, and CUDA only
-    without CuTeDSL (specs section 5); the Triton writer is the XPU SWA insert (section 15).
+    The Triton gather serves ROCm and XPU, and CUDA only without CuTeDSL (a CuTeDSL kernel replaces it there).
 
     :raises warmreg.ConfigError: if the model's head does not fit the layout (448 + 64).
     """
-    if kv_cache_dtype(config) != "fp8_ds_mla":
+    if not uses_fp8_ds_mla(config):
         return
-    if model.head_dim != HEAD_DIM or model.qk_rope_head_dim != ROPE_DIM:
-        raise warmreg.ConfigError(
-            "model.head_dim",
-            f"must be {HEAD_DIM} with qk_rope_head_dim {ROPE_DIM} for the fp8_ds_mla cache",
-            plugin=PLUGIN,
-        )
+    check_model_layout(model)
     seqs = config.get("serving.max_num_seqs", int, plugin=PLUGIN, default=1)
     triton_path = warmreg.is_rocm | warmreg.is_xpu | (warmreg.is_cuda & ~warmreg.has_feature("cutedsl"))
-    caches = paged_caches(model, config)
-    for cache in caches:
+    for cache in paged_caches(model, config):
         registry.add(DequantGatherKCache(cache=cache, max_num_seqs=seqs, window=model.sliding_window), when=triton_path)
-    swa = caches[0]
-    registry.add(QuantInsertKCache(block_size=swa.block_size, page_strides=swa.page_strides), when=warmreg.is_xpu)

@@ -1,4 +1,5 @@
-"""Quantize-and-insert into the ``fp8_ds_mla`` paged K cache (specs section 15, last bullet).
+"""Quantize-and-insert into the ``fp8_ds_mla`` paged K cache (vLLM 0.33 ``models/common/ops/cache_utils.py``,
+the Triton writer of the XPU SWA cache).
 
 The inverse of :mod:`.cache`'s gather; the layout and the exact FP8 bit conversions are in
 :mod:`.fp8_ds_mla`. vLLM launches it only for the XPU SWA insert (CUDA and ROCm use a C++ op); the
@@ -31,13 +32,16 @@ from .fp8_ds_mla import (
     TOKEN,
     TOKEN_BYTES,
     cache_problem,
+    check_model_layout,
     f32_to_e4m3,
     page_bytes,
+    paged_caches,
+    uses_fp8_ds_mla,
     value_in_class,
 )
-from .model import PLUGIN, SWA_PAGE_SIZE
+from .model import DSV4, PLUGIN, SWA_PAGE_SIZE
 
-__all__ = ["QuantInsertKCache", "QuantInsertKey", "quant_insert_k_reference"]
+__all__ = ["QuantInsertKCache", "QuantInsertKey", "quant_insert_k_reference", "register"]
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
@@ -222,3 +226,16 @@ def quant_insert_k_reference(
         scales[: NOPE_DIM // QUANT_BLOCK] = s.to(torch.uint8)
         scales[-1] = 0
     return k_cache
+
+
+def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the writer for the XPU SWA insert (CUDA and ROCm use a C++ op); nothing for another
+    ``kv_cache_dtype``.
+
+    :raises warmreg.ConfigError: if the model's head does not fit the layout (448 + 64).
+    """
+    if not uses_fp8_ds_mla(config):
+        return
+    check_model_layout(model)
+    swa = paged_caches(model, config)[0]
+    registry.add(QuantInsertKCache(block_size=swa.block_size, page_strides=swa.page_strides), when=warmreg.is_xpu)

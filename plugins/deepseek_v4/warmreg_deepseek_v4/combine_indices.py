@@ -1,4 +1,5 @@
-"""DeepSeek-V4 FlashMLA sparse prefill: the combine of top-k and SWA indices (specs §15).
+"""DeepSeek-V4 FlashMLA sparse prefill: the combine of top-k and SWA indices (vLLM 0.33
+``models/common/ops/cache_utils.py``: ``combine_topk_swa_indices``).
 
 For one chunk of prefill requests, the dequant-gather workspace holds ``M`` rows per request ``b``:
 its compressed entries in rows ``[0, N)`` and its last ``gather_lens[b]`` tokens from row ``N``. For
@@ -30,13 +31,13 @@ import triton.language as tl
 
 import warmreg
 
-from .model import DSV4, PLUGIN
-from .sparse_mla import FLASHMLA_SPARSE, attention_backend, c128_widths
+from ._serving import max_model_len
+from .backends import FLASHMLA_SPARSE, attention_backend, c128_widths
+from .model import DSV4
 
 __all__ = ["CombineTopkSwaIndices", "CombineTopkSwaIndicesKey", "combine_topk_swa_indices_reference", "register"]
 
 
-# -- combine top-k + SWA indices for FlashMLA prefill (§15) ----------------------------------------
 @triton.jit(
     do_not_specialize=["topk_stride", "out_stride", "M", "N"],
     do_not_specialize_on_alignment=[
@@ -105,7 +106,7 @@ def _combine_width(top_k: int, window_size: int, image_width: int) -> int:
 
 
 class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
-    """FlashMLA sparse-prefill indices into the dequant-gather workspace (specs §15).
+    """FlashMLA sparse-prefill indices into the dequant-gather workspace (see the module docstring).
 
     :param window_size: the sliding window (``sliding_window``).
     :param workers: programs per request on grid axis 1 (grid only, not part of the key).
@@ -133,7 +134,7 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
 
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
         model = DSV4.from_config(config)
-        widths = c128_widths(config.get("serving.max_model_len", int, plugin=PLUGIN)) if model.has_c128 else []
+        widths = c128_widths(max_model_len(config)) if model.has_c128 else []
         return {
             "compress_ratio": sorted(set(model.ratios)),
             "top_k": sorted({0, model.index_topk, *widths}),
@@ -183,7 +184,7 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
         :param topk_indices: int32 ``[>= num_tokens, top_k]`` local compressed indices of the chunk's tokens
             (C4: the indexer's top-k; C128: the C128A ``prefill_local``), or ``None`` for an SWA-only layer.
         :param query_start_loc: int32 ``[n + 1]`` the chunk's slice (not rebased: the kernel subtracts element 0).
-        :param seq_lens: int32 ``[n]``; ``gather_lens`` int32 ``[n]`` (§12).
+        :param seq_lens: int32 ``[n]``; ``gather_lens`` int32 ``[n]`` (from :class:`~.swa_prefill_metadata.SparseSWAPrefillMetadata`).
         :param num_tokens: the chunk's tokens, ``query_start_loc[n] - query_start_loc[0]`` (known on the host).
         :param compress_ratio: the layer's ratio (1 for SWA-only).
         :param M: workspace rows per request; ``N``: rows holding compressed entries before the SWA rows.

@@ -1,4 +1,5 @@
-"""Compressed slot mapping (specs sections 2 and 20): cache slots of the compressed (C4/C128) states."""
+"""Compressed slot mapping: cache slots of the compressed (C4/C128) states (vLLM 0.33
+``v1/attention/backends/mla/compressor_utils.py``: ``get_compressed_slot_mapping``, ``CompressedSlotMappingKernel``)."""
 
 from __future__ import annotations
 
@@ -12,23 +13,20 @@ import triton.language as tl
 
 import warmreg
 
-from ._metadata_common import (
-    _HIGH,
-    _I32,
-    _TILE,
-    _check_int32,
-    _check_table,
-    _rep,
-)
-from .model import SPARSE_BLOCK_SIZE
+from ._checks import check_int32_table, check_int32_vector
+from ._metadata_common import HIGH_REPS, TILE, int_rep
+from ._serving import dcp_world_size, serving_int
+from .backends import cache_block_size
+from .model import DSV4, SPARSE_BLOCK_SIZE
 
 __all__ = [
     "CompressedSlotMapping",
     "CompressedSlotMappingKey",
     "compressed_slot_mapping_reference",
+    "register",
 ]
 
-# -- sections 2 and 20: compressed slot mapping ---------------------------------------------------
+_I32 = torch.int32
 
 
 @triton.jit(
@@ -92,7 +90,7 @@ def _multiple_in_class(step: int, cls: warmreg.IntClass) -> int:
 
 
 class CompressedSlotMapping(warmreg.TritonKernel[CompressedSlotMappingKey]):
-    """Cache slots of compressed states (sections 2, 20). Token ``t = qsl[b] + j`` at position
+    """Cache slots of compressed states. Token ``t = qsl[b] + j`` at position
     ``p = seq_lens[b] - qlen + j`` writes state ``k`` only when it closes it::
 
         lp = (p // (I * Wd)) * I + p % I;  k = lp // CR          # rank-local; lp = p when Wd == 1
@@ -126,7 +124,7 @@ class CompressedSlotMapping(warmreg.TritonKernel[CompressedSlotMappingKey]):
     ) -> CompressedSlotMappingKey:
         return CompressedSlotMappingKey(
             compress_ratio=compress_ratio,
-            tile=_TILE,
+            tile=TILE,
             block_size=warmreg.int_class(block_size),
             dcp_world_size=warmreg.int_class(dcp_world_size),
             cp_interleave=warmreg.int_class(cp_interleave),
@@ -145,7 +143,7 @@ class CompressedSlotMapping(warmreg.TritonKernel[CompressedSlotMappingKey]):
         return block_size == self.cache_block_size // compress_ratio
 
     def warmup_inputs(self, key: CompressedSlotMappingKey) -> Mapping[str, Any]:
-        world = _rep(key.dcp_world_size, _HIGH)
+        world = int_rep(key.dcp_world_size, HIGH_REPS)
         interleave = warmreg.int_class_rep(key.cp_interleave)
         return {
             "slot_mapping": warmreg.meta((16,), torch.int64),
@@ -184,8 +182,8 @@ class CompressedSlotMapping(warmreg.TritonKernel[CompressedSlotMappingKey]):
         :raises LaunchError: for wrong dtypes or lengths, or a DCP interleave not a multiple of the ratio.
         """
         rows = block_table.shape[0] if block_table.ndim == 2 else 0
-        _check_table(self.name, "block_table", block_table, rows)
-        _check_int32(self.name, query_start_loc=query_start_loc, seq_lens=seq_lens)
+        check_int32_table(self.name, "block_table", block_table, rows)
+        check_int32_vector(self.name, query_start_loc=query_start_loc, seq_lens=seq_lens)
         if query_start_loc.shape[0] < rows + 1 or seq_lens.shape[0] < rows:
             raise warmreg.LaunchError(self.name, f"query_start_loc and seq_lens must cover the table's {rows} rows")
         if slot_mapping.dtype != torch.int64 or slot_mapping.ndim != 1 or slot_mapping.shape[0] < num_tokens:
@@ -248,3 +246,22 @@ def compressed_slot_mapping_reference(
         state = local[valid] // compress_ratio
         out[tok[valid]] = block_table[b].long()[state // block_size] * block_size + state % block_size
     return out
+
+
+def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the compressed slot mapping at its two call sites, when the model has compressed layers:
+    the sparse-MLA builder (every compressed ratio, no DCP arguments) and the C4 indexer builder (the
+    configured DCP world and interleave).
+
+    :raises warmreg.ConfigError: for a KV-manager block size other than 256 or DCP with C4 layers.
+    """
+    cache_block = cache_block_size(config)
+    dcp = dcp_world_size(config, model)
+    interleave = serving_int(config, "cp_kv_cache_interleave_size", 1)
+    ratios = tuple(r for r in sorted(set(model.ratios)) if r > 1)
+    mla_site = CompressedSlotMapping(compress_ratios=ratios, cache_block_size=cache_block)
+    registry.add(mla_site, when=model.has_c4 or model.has_c128)
+    indexer_site = CompressedSlotMapping(
+        compress_ratios=(4,), dcp_world_size=dcp, cp_interleave=interleave, cache_block_size=cache_block
+    )
+    registry.add(indexer_site, when=model.has_c4)

@@ -1,4 +1,5 @@
-"""DeepSeek-V4 FlashInfer mixed sparse indices (specs §7): a decode-first batch as one index matrix.
+"""DeepSeek-V4 FlashInfer mixed sparse indices: a decode-first batch as one index matrix (vLLM 0.33
+``models/common/ops/cache_utils.py``: ``BuildFlashinferMixedSparseIndicesKernel``).
 
 Row ``t`` of ``sparse_indices [T, SW_TOTAL + PADDED_TOP_K]`` lists the KV slots token ``t`` attends to:
 the SWA region ``[0, SW_TOTAL)`` (``SW_TOTAL = SWA_INDEX_WIDTH + IMAGE_WIDTH``) then the compressed
@@ -7,7 +8,7 @@ slot is remapped ``v >= 0 ? (v // bs) * span + v % bs : -1`` with its cache's pa
 
 Decode rows (``t < nd``; causal: ``SWA_INDEX_WIDTH == WINDOW_SIZE``)::
 
-    swa  = decode_swa_indices[t, :SWA_INDEX_WIDTH] (global SWA slots, §14), then -1 up to SW_TOTAL
+    swa  = decode_swa_indices[t, :SWA_INDEX_WIDTH] (global SWA slots, :mod:`.swa_indices`), then -1 up to SW_TOTAL
     v[j] = j < DCT ? decode_compressed[t, j] : -1
     C4   (local):     v = v >= 0 ? cbt[req, v // cbs] * cbs + v % cbs : -1;  clen = #(v >= 0 & is_valid[t])
     C128 (has lens):  clen = decode_compressed_lens[t]          otherwise: clen = DCT
@@ -40,8 +41,9 @@ import triton.language as tl
 
 import warmreg
 
-from .model import DSV4, PLUGIN
-from .sparse_mla import FLASHINFER_SPARSE, attention_backend, c128_widths
+from ._serving import max_model_len
+from .backends import FLASHINFER_SPARSE, attention_backend, c128_widths
+from .model import DSV4
 
 __all__ = [
     "FlashInferMixedSparseIndices",
@@ -196,7 +198,7 @@ class FlashInferMixedSparseIndicesKey(warmreg.CompileKey):
 
 
 class FlashInferMixedSparseIndices(warmreg.TritonKernel[FlashInferMixedSparseIndicesKey]):
-    """The FlashInfer DeepSeek-V4 sparse index matrix of a decode-first batch (specs §7).
+    """The FlashInfer DeepSeek-V4 sparse index matrix of a decode-first batch (see the module docstring).
 
     One kernel serves the three layer types: SWA-only (ratio 1), C4 (local decode indices, per-layer)
     and C128 (global decode indices with lens, one width ``W`` per step).
@@ -233,7 +235,7 @@ class FlashInferMixedSparseIndices(warmreg.TritonKernel[FlashInferMixedSparseInd
 
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
         model = DSV4.from_config(config)
-        widths = c128_widths(config.get("serving.max_model_len", int, plugin=PLUGIN)) if model.has_c128 else []
+        widths = c128_widths(max_model_len(config)) if model.has_c128 else []
         compressed = sorted({0, model.index_topk, *widths})
         return {
             "compress_ratio": sorted(set(model.ratios)),
@@ -319,7 +321,7 @@ class FlashInferMixedSparseIndices(warmreg.TritonKernel[FlashInferMixedSparseInd
     ) -> warmreg.LaunchSpec[FlashInferMixedSparseIndicesKey]:
         """Build ``(sparse_indices [T, SW_TOTAL + PADDED_TOP_K], sparse_topk_lens [T])`` int32.
 
-        :param decode_swa_indices: int32 ``[>= nd, SWA_INDEX_WIDTH]`` global SWA slots of decode tokens (§14);
+        :param decode_swa_indices: int32 ``[>= nd, SWA_INDEX_WIDTH]`` global SWA slots of decode tokens (:class:`~.swa_indices.DecodeSwaIndices`);
             a 0-row view for a prefill-only batch keeps the width.
         :param decode_compressed: int32 ``[>= nd, DCT]``: C4 local top-k (with ``decode_is_valid_token``
             bool ``[>= nd]``), C128 global slots (with ``decode_compressed_lens`` int32 ``[>= nd]``), or

@@ -1,6 +1,7 @@
 """The ``fp8_ds_mla`` paged K cache layout, shared by its reader (:mod:`.cache`) and writer (:mod:`.cache_insert`).
 
-One page of ``bs`` tokens (uint8, specs section 2)::
+One page of ``bs`` tokens (uint8; vLLM 0.33 ``--kv-cache-dtype fp8_ds_mla``, read by
+``models/common/ops/cache_utils.py``: ``DequantizeAndGatherKCacheKernel``)::
 
     [0, bs*576)              token j at j*576: 448 x e4m3 (NoPE, 7 blocks of 64) | 64 x bf16 (RoPE)
     [bs*576, bs*576 + bs*8)  token j at bs*576 + j*8: 7 UE8M0 scale bytes + 1 pad byte (= 0)
@@ -27,20 +28,28 @@ import triton.language as tl
 
 import warmreg
 
-from .model import DSV4, PLUGIN, SPARSE_BLOCK_SIZE, SWA_PAGE_SIZE
+from .model import DSV4, PLUGIN, SPARSE_BLOCK_SIZE, SWA_PAGE_SIZE, kv_cache_dtype
 
 __all__ = [
     "FP8_MAX",
     "HEAD_DIM",
+    "NOPE",
     "NOPE_DIM",
+    "NQB",
+    "QB",
     "QUANT_BLOCK",
+    "ROPE",
     "ROPE_DIM",
+    "SCALES",
     "SCALE_BYTES",
+    "TOKEN",
     "TOKEN_BYTES",
+    "uses_fp8_ds_mla",
     "PagedCache",
     "e4m3_to_f32",
     "f32_to_e4m3",
     "cache_problem",
+    "check_model_layout",
     "page_bytes",
     "paged_caches",
     "ue8m0_to_f32",
@@ -167,3 +176,24 @@ def paged_caches(model: DSV4, config: warmreg.WarmConfig) -> tuple[PagedCache, .
     ]
     unified = max(page_bytes(bs) for _, bs, _ in groups)
     return tuple(PagedCache(kind, bs, tuple(sorted({page_bytes(bs), unified})), width) for kind, bs, width in groups)
+
+
+def uses_fp8_ds_mla(config: warmreg.WarmConfig) -> bool:
+    """Whether the deployment's attention caches are ``fp8_ds_mla`` (``serving.kv_cache_dtype``).
+
+    :raises warmreg.ConfigError: for a ``kv_cache_dtype`` this plugin does not know.
+    """
+    return kv_cache_dtype(config) == "fp8_ds_mla"
+
+
+def check_model_layout(model: DSV4) -> None:
+    """Refuse a model whose attention head does not fit the layout (448 NoPE + 64 RoPE).
+
+    :raises warmreg.ConfigError: naming ``model.head_dim``.
+    """
+    if model.head_dim != HEAD_DIM or model.qk_rope_head_dim != ROPE_DIM:
+        raise warmreg.ConfigError(
+            "model.head_dim",
+            f"must be {HEAD_DIM} with qk_rope_head_dim {ROPE_DIM} for the fp8_ds_mla cache",
+            plugin=PLUGIN,
+        )

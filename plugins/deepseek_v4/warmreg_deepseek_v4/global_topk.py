@@ -1,4 +1,5 @@
-"""DeepSeek-V4 C4 global top-k indices and lens (specs §6).
+"""DeepSeek-V4 C4 global top-k indices and lens (vLLM 0.33 ``models/common/ops/cache_utils.py``:
+``ComputeGlobalTopkIndicesAndLensKernel``).
 
 Used by C4 decode and FlashInfer C4 prefill: the indexer's local top-k of token ``t`` becomes global
 slots of the request's compressed block table::
@@ -23,13 +24,15 @@ import triton.language as tl
 
 import warmreg
 
+from ._checks import check_int32
+from ._metadata_common import TILE
+from ._serving import max_model_len
+from .backends import SPARSE_BACKENDS, attention_backend, compressed_block_size
 from .model import DSV4, PLUGIN, SPARSE_BLOCK_SIZE
-from .sparse_mla import SPARSE_BACKENDS, TILE, _check_int32, _max_model_len, attention_backend, compressed_block_size
 
 __all__ = ["GlobalTopkIndices", "GlobalTopkIndicesKey", "global_topk_indices_reference", "register"]
 
 
-# -- global top-k indices and lens (§6) ------------------------------------------------------------
 @triton.jit(do_not_specialize_on_alignment=["token_to_req_ptr", "block_table_ptr", "is_valid_token_ptr"])
 def _global_topk_indices_kernel(
     topk_ptr,
@@ -72,7 +75,7 @@ class GlobalTopkIndicesKey(warmreg.CompileKey):
 
 
 class GlobalTopkIndices(warmreg.TritonKernel[GlobalTopkIndicesKey]):
-    """C4 local top-k indices to global compressed-cache slots, plus per-token lens (specs §6).
+    """C4 local top-k indices to global compressed-cache slots, plus per-token lens (see the module docstring).
 
     The output is a fresh contiguous ``[T, topk]`` (row stride ``topk``), so only the input's stride
     is a key field.
@@ -102,7 +105,7 @@ class GlobalTopkIndices(warmreg.TritonKernel[GlobalTopkIndicesKey]):
         # prefix [:nd]; FlashInfer's C4 prefill reads the rows [nd:T] (an offset view).
         buffer = warmreg.meta((tokens[-1] + 3, model.index_topk), torch.int32)
         views = [buffer[:t] for t in tokens] + [buffer[nd : nd + t] for nd in (1, 2, 3) for t in tokens]
-        width = triton.cdiv(_max_model_len(config), SPARSE_BLOCK_SIZE)
+        width = triton.cdiv(max_model_len(config), SPARSE_BLOCK_SIZE)
         max_reqs = config.get("serving.max_num_seqs", int, plugin=PLUGIN, default=1)
         return {
             "topk_indices": views,
@@ -139,7 +142,7 @@ class GlobalTopkIndices(warmreg.TritonKernel[GlobalTopkIndicesKey]):
         :param block_size: compressed tokens per page (64 for C4).
         :raises warmreg.LaunchError: for wrong dtypes, ranks or lengths.
         """
-        _check_int32(self.name, topk_indices=topk_indices, token_to_req=token_to_req, block_table=block_table)
+        check_int32(self.name, topk_indices=topk_indices, token_to_req=token_to_req, block_table=block_table)
         if topk_indices.ndim != 2 or topk_indices.stride(1) != 1 or block_table.ndim != 2 or block_table.stride(1) != 1:
             raise warmreg.LaunchError(self.name, "topk_indices and block_table must be 2-D with contiguous rows")
         T = topk_indices.shape[0]
@@ -179,7 +182,6 @@ def global_topk_indices_reference(
     return out, lens
 
 
-# -- registration ----------------------------------------------------------------------------------
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register the global top-k kernel: CUDA, a DeepSeek-V4 sparse backend, C4 layers present.
 

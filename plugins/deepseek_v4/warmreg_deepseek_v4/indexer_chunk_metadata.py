@@ -1,4 +1,5 @@
-"""Indexer prefill chunk metadata (specs section 17): K windows of the C4 indexer's prefill logits."""
+"""Indexer prefill chunk metadata: K windows of the C4 indexer's prefill logits (vLLM 0.33
+``v1/attention/backends/mla/indexer.py``: ``BuildPrefillChunkMetadataKernel``)."""
 
 from __future__ import annotations
 
@@ -12,23 +13,19 @@ import triton.language as tl
 
 import warmreg
 
-from ._metadata_common import (
-    _HIGH,
-    _I32,
-    _LOW,
-    _TILE,
-    _check_int32,
-    _rep,
-    _serving,
-)
+from ._checks import check_int32_vector
+from ._metadata_common import HIGH_REPS, LOW_REPS, TILE, int_rep
+from ._serving import serving_int
+from .model import DSV4
 
 __all__ = [
     "IndexerPrefillChunkMetadata",
     "PrefillChunkMetadataKey",
     "indexer_prefill_chunk_metadata_reference",
+    "register",
 ]
 
-# -- section 17: indexer prefill chunk metadata ---------------------------------------------------
+_I32 = torch.int32
 
 
 @triton.jit(
@@ -91,7 +88,7 @@ class PrefillChunkMetadataKey(warmreg.CompileKey):
 
 
 class IndexerPrefillChunkMetadata(warmreg.TritonKernel[PrefillChunkMetadataKey]):
-    """K windows of one prefill chunk's queries for the indexer logits (section 17). Request ``b``
+    """K windows of one prefill chunk's queries for the indexer logits. Request ``b``
     of the chunk, query ``j`` at chunk token ``a = qsl[b] + j`` inside the slice ``[qs0, qs1)``::
 
         L = (seq_lens[b] - qlen + 1 + j) // CR              # then localized to the DCP rank
@@ -128,7 +125,7 @@ class IndexerPrefillChunkMetadata(warmreg.TritonKernel[PrefillChunkMetadataKey])
     ) -> PrefillChunkMetadataKey:
         return PrefillChunkMetadataKey(
             compress_ratio=compress_ratio,
-            tile=_TILE,
+            tile=TILE,
             query_slice_start=warmreg.int_class(query_slice_start),
             query_slice_stop=warmreg.int_class(query_slice_stop),
             dcp_rank=warmreg.int_class(dcp_rank),
@@ -140,7 +137,7 @@ class IndexerPrefillChunkMetadata(warmreg.TritonKernel[PrefillChunkMetadataKey])
         )
 
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
-        tokens = _serving(config, "max_num_batched_tokens")
+        tokens = serving_int(config, "max_num_batched_tokens")
         return {
             "uncompressed_seq_lens": [warmreg.meta((1,), _I32, offset=o) for o in (0, 1)],
             "cu_compressed_seq_lens": [warmreg.meta((2,), _I32, offset=o) for o in (0, 1)],
@@ -149,7 +146,7 @@ class IndexerPrefillChunkMetadata(warmreg.TritonKernel[PrefillChunkMetadataKey])
             "compress_ratio": self.compress_ratios,
             "dcp_rank": [0],
             "dcp_world": [1],
-            "dcp_interleave": [_serving(config, "cp_kv_cache_interleave_size", 1)],
+            "dcp_interleave": [serving_int(config, "cp_kv_cache_interleave_size", 1)],
         }
 
     def when(self, *, query_slice_start: int, query_slice_stop: int, **_: Any) -> bool:
@@ -161,11 +158,11 @@ class IndexerPrefillChunkMetadata(warmreg.TritonKernel[PrefillChunkMetadataKey])
             "uncompressed_seq_lens": warmreg.meta((1,), _I32, offset=0 if key.seq_lens_aligned else 1),
             "cu_compressed_seq_lens": warmreg.meta((2,), _I32, offset=0 if key.cu_compressed_aligned else 1),
             "num_compressed_rows": 16,
-            "query_slice_start": _rep(key.query_slice_start, _LOW),
-            "query_slice_stop": _rep(key.query_slice_stop, _HIGH),
+            "query_slice_start": int_rep(key.query_slice_start, LOW_REPS),
+            "query_slice_stop": int_rep(key.query_slice_stop, HIGH_REPS),
             "compress_ratio": key.compress_ratio,
-            "dcp_rank": _rep(key.dcp_rank, _LOW),
-            "dcp_world": _rep(key.dcp_world, _HIGH),
+            "dcp_rank": int_rep(key.dcp_rank, LOW_REPS),
+            "dcp_world": int_rep(key.dcp_world, HIGH_REPS),
             "dcp_interleave": warmreg.int_class_rep(key.dcp_interleave),
         }
 
@@ -199,7 +196,7 @@ class IndexerPrefillChunkMetadata(warmreg.TritonKernel[PrefillChunkMetadataKey])
         if row_start_cu is None:
             row_start_cu = cu_compressed_seq_lens
         tensors = dict(query_start_loc=query_start_loc, uncompressed_seq_lens=uncompressed_seq_lens)
-        _check_int32(self.name, **tensors, cu_compressed_seq_lens=cu_compressed_seq_lens, row_start_cu=row_start_cu)
+        check_int32_vector(self.name, **tensors, cu_compressed_seq_lens=cu_compressed_seq_lens, row_start_cu=row_start_cu)
         n = query_start_loc.shape[0] - 1
         if n < 0 or min(uncompressed_seq_lens.shape[0], row_start_cu.shape[0], cu_compressed_seq_lens.shape[0] - 1) < n:
             raise warmreg.LaunchError(self.name, "the per-request tensors must cover the chunk's requests")
@@ -260,3 +257,8 @@ def indexer_prefill_chunk_metadata_reference(
                 ks[a - query_slice_start], ke[a - query_slice_start] = rs[b], rs[b] + rows
         token_to_seq[cu[b] : cu[b + 1]] = b
     return token_to_seq, ks, ke
+
+
+def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the C4 indexer's prefill chunk metadata when the model has C4 layers (every platform)."""
+    registry.add(IndexerPrefillChunkMetadata(compress_ratios=(4,)), when=model.has_c4)

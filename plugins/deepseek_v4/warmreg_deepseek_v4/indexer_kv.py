@@ -1,4 +1,26 @@
-"""Fused KV compress + RMSNorm + RoPE + FP8 quant + insert for the C4 indexer (head 128, specs section 11b)."""
+"""Fused KV compress + RMSNorm + RoPE + FP8 quant + insert for the C4 indexer (head 128; vLLM 0.33's
+DeepSeek-V4 ``compressor.py``, the Triton indexer kernel, FP8 path; the MXFP4 path is left for later).
+
+``rope(x, p)`` below is GPT-J interleaved RoPE on the last ``R = cos_sin_cache.shape[1]`` dims: pairs
+``(e, o) = (x[2i], x[2i+1])`` of that part, ``c, s = cos_sin_cache[p, i], cos_sin_cache[p, R/2 + i]``,
+``e' = e*c - o*s``, ``o' = o*c + e*s``. Scales are exact powers of two,
+``s = 2**ceil(log2(max(amax, 1e-4) / FP8_MAX))`` (``ceil(log2)`` from the exponent bits), and FP8
+bytes come from a bit-exact encoder (see :mod:`._quant`).
+
+Grid ``(T,)``; a token writes only if ``slot_mapping[t] >= 0``, ``(pos + 1) % cr == 0`` and
+``compressed_slot_mapping[t] >= 0``. With window ``L = 2*cr`` (overlap) ending at ``pos``, state rows
+read through the state block table, the older ``cr`` positions from the first half of each state
+(kv ``[0, hd)``, score ``[SW, SW+hd)``), the newer ones from the second::
+
+    c = sum_i softmax_i(score_i) * kv_i             (per column; positions < 0 excluded)
+    n = c * rsqrt(mean(c**2) + eps) * w
+    x = float32(bf16(rope(n, (pos // cr) * cr)))     s = pow2 scale of amax(|x|) with 448
+    page, j = divmod(compressed_slot_mapping[t], kv_block_size)
+    kv_cache page bytes [j*hd, (j+1)*hd) = e4m3fn(clamp(x / s, +-448))
+    kv_cache page bytes [kv_block_size*hd + 4j, +4) = float32 s, or (MX_SCALE) the UE8M0 byte x4 as int32
+
+K is always OCP e4m3fn (max 448), even on gfx942.
+"""
 
 from __future__ import annotations
 
@@ -12,24 +34,18 @@ import triton.language as tl
 
 import warmreg
 
-from ._indexer_common import (
-    _K_FP8_MAX,
-    _SCALE_BYTES,
-    _SCALE_FLOOR,
-    _check_rope,
-    _cos_sin_meta,
-    _is_pow2,
-    _rope_pairs,
-)
+from ._checks import check_rope_cache, is_pow2
+from ._indexer_common import K_FP8_MAX, SCALE_BYTES, SCALE_FLOOR, cos_sin_meta, rope_pairs
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
-from .model import kv_cache_dtype
-from .sparse_mla import compressed_block_size
+from .backends import compressed_block_size
+from .model import DSV4, kv_cache_dtype
 
 __all__ = [
     "IndexerKVCompressInsert",
     "IndexerKVInsertKey",
     "indexer_kv_compress_insert_reference",
     "indexer_page_stride",
+    "register",
 ]
 
 
@@ -131,22 +147,22 @@ class IndexerKVInsertKey(warmreg.CompileKey):
     kv_cache_aligned: bool  # pages may live in a shared allocation
     weight_aligned: bool
     num_warps: int
-    launch_pdl: bool  # always False: PDL raced with the state writes (specs 11a)
+    launch_pdl: bool  # always False: PDL raced with the state writes (as in save_partial_states)
 
 
 def indexer_page_stride(config: warmreg.WarmConfig, tokens_per_page: int, head_dim: int) -> int:
-    """The indexer cache's page stride as the KV manager allocates it (our best knowledge, specs 11b).
+    """The indexer cache's page stride as the KV manager allocates it (our best knowledge of vLLM 0.33's KV manager).
 
     ``round_up(tokens_per_page * (head_dim + 4), 576)`` when the attention caches are ``fp8_ds_mla``,
     else rounded to 512. The launch reads the real stride from ``kv_cache.stride(0)``.
     """
     layout = kv_cache_dtype(config)
     unit = 576 if layout == "fp8_ds_mla" else 512
-    return triton.cdiv(tokens_per_page * (head_dim + _SCALE_BYTES), unit) * unit
+    return triton.cdiv(tokens_per_page * (head_dim + SCALE_BYTES), unit) * unit
 
 
 class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
-    """The C4 indexer's fused KV compress + RMSNorm + RoPE + FP8 quant + cache insert (specs 11b, FP8).
+    """The C4 indexer's fused KV compress + RMSNorm + RoPE + FP8 quant + cache insert (FP8; see the module docstring).
 
     :param head_dim: indexer head dim (128).
     :param rope_dim: ``qk_rope_head_dim`` (64).
@@ -209,19 +225,19 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
             "state_cache": [warmreg.meta((1024, self.state_block_size, 2 * state_width), torch.float32)],
             "kv_cache": [
                 warmreg.meta(
-                    (1024, per_page, self.head_dim + _SCALE_BYTES),
+                    (1024, per_page, self.head_dim + SCALE_BYTES),
                     torch.uint8,
-                    stride=(stride, self.head_dim + _SCALE_BYTES, 1),
+                    stride=(stride, self.head_dim + SCALE_BYTES, 1),
                 )
             ],
             "norm_weight": [warmreg.meta((self.head_dim,), self.weight_dtype)],
-            "cos_sin_cache": [_cos_sin_meta(config, self.rope_dim)],
+            "cos_sin_cache": [cos_sin_meta(config, self.rope_dim)],
             "compress_ratio": [self.compress_ratio],
             "mx_scale": [platform.is_cuda and 100 <= platform.sm < 110],
         }
 
     def warmup_inputs(self, key: IndexerKVInsertKey) -> Mapping[str, Any]:
-        row = key.head_size + _SCALE_BYTES
+        row = key.head_size + SCALE_BYTES
         ids = warmreg.meta((1,), torch.int64)
         return {
             "state_cache": warmreg.meta((2, warmreg.int_class_rep(key.state_block_size), 2 * key.state_width), torch.float32),
@@ -273,7 +289,7 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
         if state_block_table.dtype != torch.int32 or state_block_table.ndim != 2 or state_block_table.stride(1) != 1:
             problems.append("state_block_table must be int32 [num_reqs, blocks] with contiguous rows")
         head = norm_weight.shape[0] if norm_weight.ndim == 1 else -1
-        if not _is_pow2(head) or norm_weight.stride(0) != 1:
+        if not is_pow2(head) or norm_weight.stride(0) != 1:
             problems.append(
                 f"norm_weight must be a contiguous power-of-two [head_dim] (got {tuple(norm_weight.shape)})"
             )
@@ -282,9 +298,9 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
             problems.append(
                 f"state_cache must be float32 [pages, page_size, 2 * (1 or 2) * {head}] (got {state_cache.dtype} {tuple(state_cache.shape)})"
             )
-        if not _is_pow2(compress_ratio) or (width == 2 * head and compress_ratio != 4):
+        if not is_pow2(compress_ratio) or (width == 2 * head and compress_ratio != 4):
             problems.append(f"compress_ratio {compress_ratio} must be a power of two, and 4 with overlapping states")
-        row = head + _SCALE_BYTES
+        row = head + SCALE_BYTES
         ok_cache = kv_cache.dtype == torch.uint8 and kv_cache.ndim == 3 and tuple(kv_cache.shape[2:]) == (row,)
         if (
             not ok_cache
@@ -322,12 +338,12 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
     ) -> warmreg.LaunchSpec[IndexerKVInsertKey]:
         """Compress each closing token's window and insert it into ``kv_cache`` (in place; returned).
 
-        :param state_cache: float32 ``[pages, page_size, 2 * STATE_WIDTH]`` compressor states (specs 11a).
+        :param state_cache: float32 ``[pages, page_size, 2 * STATE_WIDTH]`` compressor states (as :class:`~.state_cache.SavePartialStates` writes them).
         :param state_block_table: int32 ``[num_reqs, blocks]``: state pages of each request.
         :param token_to_req_indices: int32 ``[>= T]``.
         :param positions: int64 ``[T]``; ``T`` is the grid.
         :param slot_mapping: int64 ``[>= T]``: the token's own slot, ``-1`` for PAD.
-        :param compressed_slot_mapping: int64 ``[>= T]``: indexer cache slot, or ``-1`` (specs 20).
+        :param compressed_slot_mapping: int64 ``[>= T]``: indexer cache slot, or ``-1`` (from :class:`~.compressed_slot_mapping.CompressedSlotMapping`).
         :param norm_weight: ``[head_dim]`` compressor RMSNorm weight.
         :param cos_sin_cache: float32 ``[P, rope_dim]``.
         :param kv_cache: uint8 ``[pages, tokens_per_page, head_dim + 4]``; ``stride(0)`` is the page stride.
@@ -338,7 +354,7 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
             state_cache, state_block_table, token_to_req_indices, positions, slot_mapping, compressed_slot_mapping,
             norm_weight, kv_cache, compress_ratio,
         )  # fmt: skip
-        _check_rope(self.name, cos_sin_cache, norm_weight.shape[0])
+        check_rope_cache(self.name, cos_sin_cache, norm_weight.shape[0])
         if mx_scale is None:
             local = warmreg.runtime_platform()
             mx_scale = local is not None and local.is_cuda and 100 <= local.sm < 110
@@ -398,13 +414,21 @@ def indexer_kv_compress_insert_reference(
         c = (torch.softmax(score, dim=0) * kv).sum(dim=0)
         n = c * torch.rsqrt(c.pow(2).mean() + eps) * norm_weight.float()
         cs = cos_sin_cache[pos // compress_ratio * compress_ratio]
-        x = torch.cat([n[:-rope], _rope_pairs(n[-rope:], cs[: rope // 2], cs[rope // 2 :])])
+        x = torch.cat([n[:-rope], rope_pairs(n[-rope:], cs[: rope // 2], cs[rope // 2 :])])
         x = x.to(torch.bfloat16).float()
-        e, s = pow2_scale_reference(x.abs().amax(), _SCALE_FLOOR, _K_FP8_MAX)
-        q = (x / s).clamp(-_K_FP8_MAX, _K_FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+        e, s = pow2_scale_reference(x.abs().amax(), SCALE_FLOOR, K_FP8_MAX)
+        q = (x / s).clamp(-K_FP8_MAX, K_FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
         page = kv_cache[kv_slot // kv_bs].view(-1)
         j = kv_slot % kv_bs
         page[j * head : (j + 1) * head] = q
         scale = ((e + 127) * 0x01010101).to(torch.int32).reshape(1) if mx_scale else s.reshape(1)
         page[kv_bs * head + 4 * j : kv_bs * head + 4 * j + 4] = scale.view(torch.uint8)
     return kv_cache
+
+
+def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the indexer KV compress + insert when the model has C4 layers (Triton on every platform)."""
+    kernel = IndexerKVCompressInsert(
+        head_dim=model.index_head_dim, rope_dim=model.qk_rope_head_dim, compress_ratio=4, weight_dtype=model.dtype
+    )
+    registry.add(kernel, when=model.has_c4)

@@ -1,6 +1,20 @@
-"""Fused indexer Q RoPE + FP8 quant with the q scale folded into the weights (specs section 8, FP8 path).
+"""Fused indexer Q RoPE + FP8 quant of the C4 indexer, with the q scale folded into the weights (vLLM
+0.33 ``models/common/ops/fused_indexer_q.py``, the FP8 kernel; the MXFP4 one is left for later).
 
-The MXFP4 path is left for later."""
+``rope(x, p)`` below is GPT-J interleaved RoPE on the last ``R = cos_sin_cache.shape[1]`` dims: pairs
+``(e, o) = (x[2i], x[2i+1])`` of that part, ``c, s = cos_sin_cache[p, i], cos_sin_cache[p, R/2 + i]``,
+``e' = e*c - o*s``, ``o' = o*c + e*s``. Scales are exact powers of two,
+``s = 2**ceil(log2(max(amax, 1e-4) / FP8_MAX))`` (``ceil(log2)`` from the exponent bits), and FP8
+bytes come from a bit-exact encoder (see :mod:`._quant`).
+
+Grid ``(T, H)``, one program per token and head::
+
+    y = float32(index_q[t, h]);  y[rot] = float32(bf16(rope(y, positions[t])[rot]))   # NoPE part as is
+    s = pow2 scale of amax(|y|) with FP8_MAX (448 e4m3fn; 224 e4m3fnuz on gfx942)
+    q_fp8[t, h] = fp8(y / s);   w_out[t, h] = float32(index_weights[t, h]) * s * softmax_scale * head_scale
+
+There is no q-scale tensor. On ROCm the rotation uses explicit ``fma(e, c, -(o*s))``, ``fma(o, c, e*s)``.
+"""
 
 from __future__ import annotations
 
@@ -14,19 +28,16 @@ import triton.language as tl
 
 import warmreg
 
-from ._indexer_common import (
-    _SCALE_FLOOR,
-    _check_rope,
-    _cos_sin_meta,
-    _rope_pairs,
-)
+from ._checks import check_rope_cache
+from ._indexer_common import SCALE_FLOOR, cos_sin_meta, rope_pairs
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
-from .model import PLUGIN
+from .model import DSV4, PLUGIN
 
 __all__ = [
     "IndexerQKey",
     "IndexerQRopeQuant",
     "indexer_q_rope_quant_reference",
+    "register",
 ]
 
 
@@ -102,7 +113,7 @@ class IndexerQKey(warmreg.CompileKey):
 
 
 class IndexerQRopeQuant(warmreg.TritonKernel[IndexerQKey]):
-    """Indexer Q RoPE + FP8 quant with the q scale folded into the weights (specs section 8, FP8 path).
+    """Indexer Q RoPE + FP8 quant with the q scale folded into the weights (see the module docstring).
 
     :param num_heads: ``index_n_heads`` (domains only: the launch reads the tensors).
     :param head_dim: ``index_head_dim``.
@@ -151,7 +162,7 @@ class IndexerQRopeQuant(warmreg.TritonKernel[IndexerQKey]):
         return {
             "index_q": [warmreg.meta((t, self.num_heads, self.head_dim), self.dtype) for t in tokens],
             "index_weights": [warmreg.meta((t, self.num_heads), self.dtype) for t in tokens],
-            "cos_sin_cache": [_cos_sin_meta(config, self.rope_dim)],
+            "cos_sin_cache": [cos_sin_meta(config, self.rope_dim)],
             "fp8_dtype": [torch.float8_e4m3fnuz if platform.fp8_fnuz else torch.float8_e4m3fn],
             "explicit_fma": [platform.is_rocm],
         }
@@ -215,7 +226,7 @@ class IndexerQRopeQuant(warmreg.TritonKernel[IndexerQKey]):
             raise warmreg.LaunchError(
                 self.name, f"positions must be int64 [{t}] (got {positions.dtype} {tuple(positions.shape)})"
             )
-        _check_rope(self.name, cos_sin_cache, d)
+        check_rope_cache(self.name, cos_sin_cache, d)
         local = warmreg.runtime_platform()
         if fp8_dtype is None:
             fp8_dtype = torch.float8_e4m3fnuz if local is not None and local.fp8_fnuz else torch.float8_e4m3fn
@@ -260,11 +271,21 @@ def indexer_q_rope_quant_reference(
     rope = cos_sin_cache.shape[1]
     x = index_q.float()
     cs = cos_sin_cache[positions][:, None, :]
-    rot = _rope_pairs(x[..., -rope:], cs[..., : rope // 2], cs[..., rope // 2 :], fma=explicit_fma)
+    rot = rope_pairs(x[..., -rope:], cs[..., : rope // 2], cs[..., rope // 2 :], fma=explicit_fma)
     y = torch.cat([x[..., :-rope], rot.to(index_q.dtype).float()], dim=-1)
     fp8_max = 224.0 if fp8_dtype == torch.float8_e4m3fnuz else 448.0
-    _, s = pow2_scale_reference(y.abs().amax(dim=-1), _SCALE_FLOOR, fp8_max)
+    _, s = pow2_scale_reference(y.abs().amax(dim=-1), SCALE_FLOOR, fp8_max)
     q = (y / s[..., None]).to(fp8_dtype)
     f32 = torch.float32
     w = index_weights.float() * s * torch.tensor(softmax_scale, dtype=f32) * torch.tensor(head_scale, dtype=f32)
     return q, w
+
+
+def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register indexer Q when the model has C4 layers: Triton runs it on ROCm and on CUDA without
+    CuTeDSL (CuTeDSL replaces it; XPU has its own op)."""
+    kernel = IndexerQRopeQuant(
+        num_heads=model.index_n_heads, head_dim=model.index_head_dim, rope_dim=model.qk_rope_head_dim, dtype=model.dtype
+    )
+    triton_q = warmreg.is_rocm | (warmreg.is_cuda & ~warmreg.has_feature("cutedsl"))
+    registry.add(kernel, when=triton_q if model.has_c4 else False)

@@ -1,4 +1,5 @@
-"""DeepSeek-V4 fused inverse RoPE + FP8 block quant of the attention output (specs section 10).
+"""DeepSeek-V4 fused inverse RoPE + FP8 block quant of the attention output (vLLM 0.33
+``models/common/ops/fused_inv_rope_fp8_quant.py``, the custom op ``vllm::fused_inv_rope_fp8_quant_kernel``).
 
 The attention output ``o [T, H, D]`` (``D = 512 = 448 NoPE + 64 RoPE``) leaves sparse MLA still
 rotated; before the grouped ``wo_a`` projection each head is rotated back and quantized in blocks of
@@ -35,8 +36,8 @@ from triton.language.extra import cuda as tl_cuda
 import warmreg
 
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
+from .backends import SPARSE_BACKENDS, attention_backend
 from .model import DSV4, PLUGIN
-from .sparse_mla import SPARSE_BACKENDS, attention_backend
 
 __all__ = ["InvRopeFP8Quant", "InvRopeQuantKey", "fp8_checkpoint", "inv_rope_fp8_quant_reference", "register"]
 
@@ -131,8 +132,6 @@ class InvRopeQuantKey(warmreg.CompileKey):
     num_warps: int
     num_stages: int
     launch_pdl: bool
-
-
 
 
 def fp8_checkpoint(config: warmreg.WarmConfig) -> bool:

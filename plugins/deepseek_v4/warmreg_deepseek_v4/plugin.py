@@ -1,43 +1,65 @@
 """Registration: which kernels a DeepSeek-V4 deployment launches on a platform.
 
-Each kernel module decides its own predicates in its ``register`` (platform, attention backend,
-compress ratios present); this hook only reads the config once and hands it to them.
+Each op module decides its own predicates in its ``register(registry, model, config, platform)``
+(platform, attention backend, compress ratios present); this hook reads the config once, checks the
+attention backend, and hands both to every module of :data:`OP_MODULES`.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import warmreg
-from warmreg.ops import FusedQKVRMSNorm
 
 from . import (
+    backends,
     cache,
+    cache_insert,
     combine_indices,
+    compressed_slot_mapping,
     flashinfer_indices,
     global_topk,
-    indexer,
+    indexer_chunk_metadata,
+    indexer_kv,
+    indexer_q,
     inv_rope_quant,
-    metadata,
-    mtp_norm,
+    mtp_input_norm,
+    mtp_shared_head_norm,
+    qkv_rmsnorm,
+    slot_mapping,
     sparse_mla,
     state_cache,
     swa_indices,
+    swa_prefill_metadata,
+    uniform_decode,
 )
 from .model import DSV4, PLUGIN
 
-__all__ = ["warmreg_model_types", "warmreg_register_kernels"]
+__all__ = ["OP_MODULES", "warmreg_model_types", "warmreg_register_kernels"]
 
-_MODULES = (
-    metadata,
+#: The op modules, in registration order: each exposes ``register(registry, model, config, platform)``.
+#: ``slot_mapping`` comes first among the metadata ops: it refuses an unsupported KV block size or
+#: DCP with C4 layers before any metadata kernel is declared.
+OP_MODULES: tuple[ModuleType, ...] = (
+    qkv_rmsnorm,
+    slot_mapping,
+    swa_prefill_metadata,
+    indexer_chunk_metadata,
+    uniform_decode,
+    compressed_slot_mapping,
     sparse_mla,
     global_topk,
     swa_indices,
     combine_indices,
     flashinfer_indices,
     cache,
+    cache_insert,
     state_cache,
-    indexer,
+    indexer_q,
+    indexer_kv,
     inv_rope_quant,
-    mtp_norm,
+    mtp_input_norm,
+    mtp_shared_head_norm,
 )
 
 
@@ -51,29 +73,21 @@ def warmreg_model_types() -> list[str]:
 def warmreg_register_kernels(
     registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform
 ) -> None:
-    """Register the kernels of a DeepSeek-V4 deployment (see specs section 14 for the key space)."""
+    """Register the kernels of a DeepSeek-V4 deployment: every op module's ``register``, in order.
+
+    :raises warmreg.ConfigError: for an attention backend DeepSeek-V4 does not run on CUDA, or any
+        field an op module cannot read.
+    """
     if config.model_type != "deepseek_v4":
         return
     m = DSV4.from_config(config)
-    backend = sparse_mla.attention_backend(config)
-    if platform.is_cuda and backend not in sparse_mla.SPARSE_BACKENDS:
+    backend = backends.attention_backend(config)
+    if platform.is_cuda and backend not in backends.SPARSE_BACKENDS:
         raise warmreg.ConfigError(
             "serving.attention_backend",
             f"is {backend!r}, an attention backend DeepSeek-V4 does not run on CUDA",
             plugin=PLUGIN,
-            fix=f"use one of {', '.join(sparse_mla.SPARSE_BACKENDS)}",
+            fix=f"use one of {', '.join(backends.SPARSE_BACKENDS)}",
         )
-    # Q/KV RMSNorm (section 3): q = q_lora_rank, kv = head_dim, inputs are views of the fused
-    # [q_lora_rank + head_dim] projection. On ROCm with aiter DSv4 uses aiter's fused op instead.
-    registry.add(
-        FusedQKVRMSNorm(
-            q_size=m.q_lora_rank,
-            kv_size=m.head_dim,
-            proj_width=m.q_lora_rank + m.head_dim,
-            dtype=m.dtype,
-            plugin=PLUGIN,
-        ),
-        when=~(warmreg.is_rocm & warmreg.has_feature("aiter")),
-    )
-    for module in _MODULES:
+    for module in OP_MODULES:
         module.register(registry, m, config, platform)

@@ -1,16 +1,12 @@
-"""DeepSeek-V4 sparse-MLA index metadata: C128A top-k metadata (specs §4), and the helpers the
-sparse-attention index modules share (backend, compressed page size, C128 widths).
+"""DeepSeek-V4 C128A top-k metadata: the compressed-token indices the sparse attention kernels read
+for the C128 (HCA) layers (vLLM 0.33 ``models/deepseek_v4/sparse_mla.py``: ``BuildC128ATopkMetadataKernel``).
 
-The kernel turns compressed-token indices into what the sparse attention kernels read (the C4 global
-top-k, §6, is in :mod:`warmreg_deepseek_v4.global_topk`):
+Every C128 layer attends to every compressed entry, so the "top-k" of token ``t`` is simply all of
+them. With ``n = min((positions[t] + 1) // compress_ratio, W)`` and ``bs`` compressed tokens per page::
 
-* **C128A top-k metadata** (one launch per step for the ratio-128 layer group). Every C128 (HCA) layer
-  attends to every compressed entry, so the "top-k" of token ``t`` is simply all of them. With
-  ``n = min((positions[t] + 1) // compress_ratio, W)`` and ``bs`` compressed tokens per page::
-
-      decode  (t <  nd):  global_decode[t, j] = j < n ? block_table[token_to_req[t], j // bs] * bs + j % bs : -1
-                          decode_lens[t]      = slot_mapping[t] >= 0 ? n : 0
-      prefill (t >= nd):  prefill_local[t - nd, j] = j < n ? j : -1                  for j < W
+    decode  (t <  nd):  global_decode[t, j] = j < n ? block_table[token_to_req[t], j // bs] * bs + j % bs : -1
+                        decode_lens[t]      = slot_mapping[t] >= 0 ? n : 0
+    prefill (t >= nd):  prefill_local[t - nd, j] = j < n ? j : -1                  for j < W
 
 Pointers the kernel reads one scalar at a time (or gathers through) are declared
 ``do_not_specialize_on_alignment``: alignment buys nothing there, and offset views (a chunk's slice of
@@ -19,6 +15,9 @@ Pointers the kernel reads one scalar at a time (or gathers through) are declared
 Loops with a runtime bound are ``while`` loops: Triton 3.6.0's interpreter turns ``range(n)`` of a
 runtime ``n`` into ``int()`` of a 1-element numpy array, which numpy 2.4 refuses (TypeError), so a
 ``for`` loop would fail every CPU test. The compiled kernel is the same loop either way.
+
+The attention-backend policy and the C128 widths this module used to hold are in
+:mod:`warmreg_deepseek_v4.backends`; the names stay importable from here for older callers.
 """
 
 from __future__ import annotations
@@ -33,90 +32,21 @@ import triton.language as tl
 
 import warmreg
 
-from .model import DSV4, PLUGIN, SPARSE_BLOCK_SIZE
+from ._checks import check_int32
+from ._metadata_common import TILE
+from ._serving import max_model_len
 
-__all__ = [
-    "FLASHINFER_SPARSE",
-    "FLASHMLA_SPARSE",
-    "SPARSE_BACKENDS",
-    "C128ATopkMetadata",
-    "C128ATopkMetadataKey",
-    "attention_backend",
-    "c128_active_width",
-    "c128_max_width",
-    "c128_topk_metadata_reference",
-    "c128_widths",
-    "compressed_block_size",
-    "register",
-]
+# The "as" imports re-export names that moved to backends.py: benchmarks/ and examples/ import them from here.
+from .backends import FLASHINFER_SPARSE as FLASHINFER_SPARSE
+from .backends import FLASHMLA_SPARSE as FLASHMLA_SPARSE
+from .backends import SPARSE_BACKENDS, attention_backend, c128_widths, compressed_block_size
+from .backends import c128_active_width as c128_active_width
+from .backends import c128_max_width as c128_max_width
+from .model import DSV4
 
-FLASHMLA_SPARSE = "FLASHMLA_SPARSE_DSV4"
-FLASHINFER_SPARSE = "FLASHINFER_MLA_SPARSE_DSV4"
-#: The attention backends that run DeepSeek-V4's sparse MLA (and so launch these index kernels).
-SPARSE_BACKENDS = (FLASHMLA_SPARSE, FLASHINFER_SPARSE)
-#: Column tile of the index kernels (TRITON_BLOCK_SIZE in the specs): a row is written 1024 at a time.
-TILE = 1024
+__all__ = ["C128ATopkMetadata", "C128ATopkMetadataKey", "c128_topk_metadata_reference", "register"]
 
 
-# -- deployment helpers shared by the sparse-attention index modules ------------------------------
-def attention_backend(config: warmreg.WarmConfig) -> str:
-    """The deployment's attention backend (``serving.attention_backend``).
-
-    :raises warmreg.ConfigError: if it is missing: which index kernels run depends on it.
-    """
-    return config.get(
-        "serving.attention_backend",
-        str,
-        plugin=PLUGIN,
-        fix=f"set serving.attention_backend (DeepSeek-V4 sparse backends: {', '.join(SPARSE_BACKENDS)})",
-    )
-
-
-def _is_sparse_block(value: int) -> str | None:
-    if value == SPARSE_BLOCK_SIZE:
-        return None
-    return f"must be {SPARSE_BLOCK_SIZE} for the DeepSeek-V4 sparse backends (got {value})"
-
-
-def compressed_block_size(config: warmreg.WarmConfig, compress_ratio: int) -> int:
-    """Compressed tokens per page of a ratio-``compress_ratio`` cache: ``block_size // compress_ratio``.
-
-    :raises warmreg.ConfigError: if ``serving.block_size`` is not the 256 the sparse backends support.
-    """
-    block = config.get("serving.block_size", int, plugin=PLUGIN, default=SPARSE_BLOCK_SIZE, check=_is_sparse_block)
-    return block // compress_ratio
-
-
-def c128_max_width(max_model_len: int) -> int:
-    """``Wmax = round_up(cdiv(max_model_len, 128), 128)``: the widest C128 row (and the buffers' width)."""
-    return triton.cdiv(triton.cdiv(max_model_len, 128), 128) * 128
-
-
-def c128_active_width(max_seq_len: int, max_model_len: int) -> int:
-    """The step's C128 width ``W = min(max(next_pow2(max(max_seq_len // 128, 1)), 128), Wmax)``.
-
-    Always a multiple of 128 (FlashMLA decode needs ``extra_topk % B_TOPK == 0``).
-    """
-    return min(max(warmreg.next_pow2(max(max_seq_len // 128, 1)), 128), c128_max_width(max_model_len))
-
-
-def c128_widths(max_model_len: int) -> list[int]:
-    """Every width :func:`c128_active_width` can return: powers of two from 128 below ``Wmax``, then ``Wmax``."""
-    top = c128_max_width(max_model_len)
-    return sorted({min(w, top) for w in warmreg.powers_of_two(128, warmreg.next_pow2(top))})
-
-
-def _max_model_len(config: warmreg.WarmConfig) -> int:
-    return config.get("serving.max_model_len", int, plugin=PLUGIN)  # WarmConfig checks serving ints are > 0
-
-
-def _check_int32(kernel: str, **tensors: torch.Tensor) -> None:
-    for name, t in tensors.items():
-        if t.dtype != torch.int32:
-            raise warmreg.LaunchError(kernel, f"{name} must be int32 (got {t.dtype})")
-
-
-# -- C128A top-k metadata (§4) ---------------------------------------------------------------------
 @triton.jit(
     do_not_specialize=["num_decode_tokens", "global_decode_stride", "prefill_local_stride", "block_table_stride"],
     do_not_specialize_on_alignment=[
@@ -178,7 +108,7 @@ class C128ATopkMetadataKey(warmreg.CompileKey):
 
 
 class C128ATopkMetadata(warmreg.TritonKernel[C128ATopkMetadataKey]):
-    """Decode global slots, prefill local indices and decode lens of the C128 layers (specs §4).
+    """Decode global slots, prefill local indices and decode lens of the C128 layers (see the module docstring).
 
     The row width ``W`` (``max_compressed_tokens``) is a specialized int, so the 7 widths of a 1M-context
     deployment share one binary; ``num_decode_tokens`` and every stride are ``do_not_specialize``.
@@ -200,7 +130,7 @@ class C128ATopkMetadata(warmreg.TritonKernel[C128ATopkMetadataKey]):
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
         return {
             "compress_ratio": [128],
-            "max_compressed_tokens": c128_widths(_max_model_len(config)),
+            "max_compressed_tokens": c128_widths(max_model_len(config)),
             "block_size": [compressed_block_size(config, 128)],
         }
 
@@ -249,7 +179,7 @@ class C128ATopkMetadata(warmreg.TritonKernel[C128ATopkMetadataKey]):
         if positions.ndim != 1 or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
             raise warmreg.LaunchError(self.name, "positions and slot_mapping must be 1-D int64")
         T, nd, W = positions.shape[0], num_decode_tokens, max_compressed_tokens
-        _check_int32(self.name, token_to_req=token_to_req, block_table=block_table)
+        check_int32(self.name, token_to_req=token_to_req, block_table=block_table)
         if not 0 <= nd <= T or token_to_req.shape[0] < nd or slot_mapping.shape[0] < nd:
             raise warmreg.LaunchError(
                 self.name,
@@ -315,7 +245,6 @@ def c128_topk_metadata_reference(
     return global_decode.unsqueeze(1), decode_lens, prefill_local
 
 
-# -- registration ----------------------------------------------------------------------------------
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register the C128A metadata kernel: CUDA, a DeepSeek-V4 sparse backend, C128 layers present."""
     sparse = attention_backend(config) in SPARSE_BACKENDS

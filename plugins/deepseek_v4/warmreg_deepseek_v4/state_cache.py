@@ -1,4 +1,5 @@
-"""Compressor: save partial states into the compressor state cache (specs section 11a).
+"""Compressor: save partial states into the compressor state cache (vLLM 0.33's DeepSeek-V4
+``compressor.py`` and ``save_partial_states.py``).
 
 The compressor of every cr > 1 layer (and of the C4 indexer) keeps, per request, the projected
 ``kv`` and ``score + ape`` rows of the tokens of its current compression window in an fp32 state
@@ -26,12 +27,20 @@ import triton.language as tl
 
 import warmreg
 
+from ._metadata_common import C4_STATE_BLOCK_SIZE, C128_STATE_BLOCK_SIZE
 from .model import DSV4, PLUGIN
 
-__all__ = ["SavePartialStates", "SavePartialStatesKey", "register", "save_partial_states_reference"]
+__all__ = [
+    "COFF",
+    "STATE_PAGE_SIZE",
+    "SavePartialStates",
+    "SavePartialStatesKey",
+    "register",
+    "save_partial_states_reference",
+]
 
-#: State-cache slots per page by compress ratio (specs section 2).
-STATE_PAGE_SIZE = {4: 4, 128: 8}
+#: State-cache slots per page by compress ratio.
+STATE_PAGE_SIZE = {4: C4_STATE_BLOCK_SIZE, 128: C128_STATE_BLOCK_SIZE}
 #: Rows kept per compressed entry by compress ratio: 2 for C4's overlapping windows, 1 for C128.
 COFF = {4: 2, 128: 1}
 

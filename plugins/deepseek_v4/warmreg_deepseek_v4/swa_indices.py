@@ -1,5 +1,6 @@
-"""DeepSeek-V4 decode SWA indices and lens (specs §14, bonus); the FlashMLA prefill combine of top-k
-and SWA indices (§15) is in :mod:`warmreg_deepseek_v4.combine_indices`.
+"""DeepSeek-V4 decode SWA indices and lens (vLLM 0.33 ``_compute_swa_indices_and_lens_kernel``), the
+decode input of :mod:`warmreg_deepseek_v4.flashinfer_indices`; the FlashMLA prefill combine of top-k
+and SWA indices is in :mod:`warmreg_deepseek_v4.combine_indices`.
 
 For decode token ``t`` (request ``r``, position ``pos``, window ``W``, SWA page size ``bs``,
 ``replay_start`` the SWA bounded-replay start or 0)::
@@ -26,13 +27,13 @@ import triton.language as tl
 
 import warmreg
 
+from ._metadata_common import TILE
+from .backends import SPARSE_BACKENDS, attention_backend
 from .model import DSV4, SWA_PAGE_SIZE
-from .sparse_mla import SPARSE_BACKENDS, TILE, attention_backend
 
 __all__ = ["DecodeSwaIndices", "DecodeSwaIndicesKey", "decode_swa_indices_reference", "register"]
 
 
-# -- decode SWA indices and lens (§14 bonus) -------------------------------------------------------
 @triton.jit(
     do_not_specialize=["swa_indices_stride", "block_table_stride", "token_offset"],
     do_not_specialize_on_alignment=[
@@ -98,7 +99,7 @@ class DecodeSwaIndicesKey(warmreg.CompileKey):
 
 
 class DecodeSwaIndices(warmreg.TritonKernel[DecodeSwaIndicesKey]):
-    """Global SWA-cache slots and lens of decode tokens (specs §14 bonus); the §7 decode input."""
+    """Global SWA-cache slots and lens of decode tokens; the decode input of :class:`~.flashinfer_indices.FlashInferMixedSparseIndices`."""
 
     name = "deepseek_v4.decode_swa_indices"
     key_type = DecodeSwaIndicesKey
@@ -233,7 +234,6 @@ def decode_swa_indices_reference(
     return out.to(torch.int32), length.to(torch.int32)
 
 
-# -- registration ----------------------------------------------------------------------------------
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register decode SWA indices: CUDA with either DeepSeek-V4 sparse backend."""
     backend = attention_backend(config)

@@ -1,4 +1,5 @@
-"""Sparse-SWA prefill metadata (specs section 12): the rows each prefill gathers for sparse-SWA attention."""
+"""Sparse-SWA prefill metadata: the rows each prefill gathers for sparse-SWA attention (vLLM 0.33
+``v1/attention/backends/mla/sparse_swa.py``: ``ComputePrefillMetadataKernel``)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,18 @@ import triton.language as tl
 
 import warmreg
 
-from ._metadata_common import (
-    _I32,
-    _check_int32,
-    _serving,
-)
+from ._checks import check_int32_vector
+from ._serving import serving_int
+from .model import DSV4
 
 __all__ = [
     "SWAPrefillMetadataKey",
     "SparseSWAPrefillMetadata",
+    "register",
     "sparse_swa_prefill_metadata_reference",
 ]
 
-# -- section 12: sparse-SWA prefill metadata ------------------------------------------------------
+_I32 = torch.int32
 
 
 @triton.jit(
@@ -58,7 +58,7 @@ class SWAPrefillMetadataKey(warmreg.CompileKey):
 
 
 class SparseSWAPrefillMetadata(warmreg.TritonKernel[SWAPrefillMetadataKey]):
-    """``gather_lens`` of the prefills of a decode-first batch (section 12). For prefill ``i``,
+    """``gather_lens`` of the prefills of a decode-first batch. For prefill ``i``,
     request ``r = num_decodes + i``::
 
         qlen = qsl[r+1] - qsl[r];  prefix = seq_lens[r] - qlen
@@ -75,7 +75,7 @@ class SparseSWAPrefillMetadata(warmreg.TritonKernel[SWAPrefillMetadataKey]):
         return SWAPrefillMetadataKey(block_size=warmreg.next_pow2(num_prefills), num_warps=4)
 
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
-        top = min(_serving(config, "max_num_seqs"), _serving(config, "max_num_batched_tokens"))
+        top = min(serving_int(config, "max_num_seqs"), serving_int(config, "max_num_batched_tokens"))
         return {"num_prefills": range(1, top + 1)}
 
     def warmup_inputs(self, key: SWAPrefillMetadataKey) -> Mapping[str, Any]:
@@ -110,7 +110,7 @@ class SparseSWAPrefillMetadata(warmreg.TritonKernel[SWAPrefillMetadataKey]):
         num_reqs = num_decodes + num_prefills
         if replay_start is None:
             replay_start = seq_lens.new_zeros(num_reqs)
-        _check_int32(self.name, seq_lens=seq_lens, query_start_loc=query_start_loc, replay_start=replay_start)
+        check_int32_vector(self.name, seq_lens=seq_lens, query_start_loc=query_start_loc, replay_start=replay_start)
         if min(num_decodes, num_prefills) < 0 or window_size < 1:
             raise warmreg.LaunchError(self.name, f"bad counts {num_decodes}/{num_prefills} or window {window_size}")
         if min(seq_lens.shape[0], replay_start.shape[0], query_start_loc.shape[0] - 1) < num_reqs:
@@ -142,3 +142,8 @@ def sparse_swa_prefill_metadata_reference(
     replay = torch.zeros_like(qlen) if replay_start is None else replay_start[reqs]
     visible = (seq_lens[reqs] - qlen - replay).clamp(min=0)
     return (qlen + visible.clamp(max=window_size - 1)).to(_I32)
+
+
+def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the sparse-SWA prefill metadata: every DeepSeek-V4 deployment, every platform."""
+    registry.add(SparseSWAPrefillMetadata())

@@ -1,4 +1,5 @@
-"""Uniform decode flattening (specs section 18): a uniform multi-token decode as 1-token rows."""
+"""Uniform decode flattening: a uniform multi-token decode as 1-token rows (vLLM 0.33
+``v1/attention/backends/mla/indexer.py``: ``PrepareUniformDecodeKernel``)."""
 
 from __future__ import annotations
 
@@ -13,22 +14,20 @@ import triton.language as tl
 import warmreg
 from warmreg.ops import block_table_width
 
-from ._metadata_common import (
-    _I32,
-    _TILE,
-    _check_int32,
-    _check_table,
-    _serving,
-)
-from .model import SPARSE_BLOCK_SIZE
+from ._checks import check_int32_table, check_int32_vector
+from ._metadata_common import TILE
+from ._serving import max_model_len, serving_int
+from .backends import cache_block_size
+from .model import DSV4, SPARSE_BLOCK_SIZE
 
 __all__ = [
     "PrepareUniformDecode",
     "UniformDecodeKey",
     "prepare_uniform_decode_reference",
+    "register",
 ]
 
-# -- section 18: uniform decode flattening --------------------------------------------------------
+_I32 = torch.int32
 
 
 @triton.jit(
@@ -73,7 +72,7 @@ class UniformDecodeKey(warmreg.CompileKey):
 
 class PrepareUniformDecode(warmreg.TritonKernel[UniformDecodeKey]):
     """Flattens a uniform decode batch (every request has ``D`` tokens) into one row per token for
-    the indexer's decode logits (section 18). Token ``i`` of request ``r = i // D``, ``j = i % D``::
+    the indexer's decode logits. Token ``i`` of request ``r = i // D``, ``j = i % D``::
 
         decode_seq_lens[i] = max(seq_lens[r] - D + j + 1, 0)
         expanded_block_table[i, :EW] = block_table[r, :EW];  decode_lens[i] = 1
@@ -95,7 +94,7 @@ class PrepareUniformDecode(warmreg.TritonKernel[UniformDecodeKey]):
         self, *, block_table: torch.Tensor, expanded_block_table: torch.Tensor, max_decode_len: int
     ) -> UniformDecodeKey:
         return UniformDecodeKey(
-            tile=_TILE,
+            tile=TILE,
             block_table_stride=warmreg.int_class(block_table.stride(0)),
             expanded_bt_stride=warmreg.int_class(expanded_block_table.stride(0)),
             max_decode_len=warmreg.int_class(max_decode_len),
@@ -103,11 +102,11 @@ class PrepareUniformDecode(warmreg.TritonKernel[UniformDecodeKey]):
         )
 
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
-        width = block_table_width(_serving(config, "max_model_len"), self.cache_block_size)
+        width = block_table_width(max_model_len(config), self.cache_block_size)
         return {
             "block_table": [warmreg.meta((1, width), _I32)],
             "expanded_block_table": [warmreg.meta((1, width), _I32)],
-            "max_decode_len": range(1, _serving(config, "num_speculative_tokens", 0) + 2),
+            "max_decode_len": range(1, serving_int(config, "num_speculative_tokens", 0) + 2),
         }
 
     def warmup_inputs(self, key: UniformDecodeKey) -> Mapping[str, Any]:
@@ -138,9 +137,9 @@ class PrepareUniformDecode(warmreg.TritonKernel[UniformDecodeKey]):
         :param max_decode_len: ``D``, the tokens of every decode request.
         :raises LaunchError: for wrong dtypes, short buffers, or an expanded table narrower rows than its stride.
         """
-        _check_int32(self.name, seq_lens=seq_lens)
+        check_int32_vector(self.name, seq_lens=seq_lens)
         num_decodes = seq_lens.shape[0]
-        _check_table(self.name, "block_table", block_table, num_decodes)
+        check_int32_table(self.name, "block_table", block_table, num_decodes)
         if max_decode_len < 1:
             raise warmreg.LaunchError(self.name, f"max_decode_len must be >= 1 (got {max_decode_len})")
         num_tokens = num_decodes * max_decode_len
@@ -148,8 +147,8 @@ class PrepareUniformDecode(warmreg.TritonKernel[UniformDecodeKey]):
             expanded_block_table = block_table.new_empty((num_tokens, block_table.shape[1]))
         decode_seq_lens = seq_lens.new_empty(num_tokens) if decode_seq_lens is None else decode_seq_lens
         decode_lens = seq_lens.new_empty(num_tokens) if decode_lens is None else decode_lens
-        _check_int32(self.name, decode_seq_lens=decode_seq_lens, decode_lens=decode_lens)
-        _check_table(self.name, "expanded_block_table", expanded_block_table, num_tokens)
+        check_int32_vector(self.name, decode_seq_lens=decode_seq_lens, decode_lens=decode_lens)
+        check_int32_table(self.name, "expanded_block_table", expanded_block_table, num_tokens)
         width = expanded_block_table.shape[1]
         if expanded_block_table.stride(0) != width or block_table.shape[1] < width:
             raise warmreg.LaunchError(
@@ -180,3 +179,14 @@ def prepare_uniform_decode_reference(
     table = block_table[: seq_lens.shape[0], : block_table.shape[1] if width is None else width]
     decode_seq_lens = (seq - d + j + 1).clamp(min=0).to(_I32)
     return decode_seq_lens, table.repeat_interleave(d, dim=0), torch.ones_like(decode_seq_lens)
+
+
+def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the uniform decode flattening of the C4 indexer, unless the varlen DeepGEMM path serves
+    decode (SM100 with DeepGEMM).
+
+    :raises warmreg.ConfigError: for a KV-manager block size other than 256.
+    """
+    native_varlen = warmreg.sm_at_least(100) & warmreg.has_feature("deepgemm")
+    kernel = PrepareUniformDecode(cache_block_size=cache_block_size(config))
+    registry.add(kernel, when=~native_varlen if model.has_c4 else False)

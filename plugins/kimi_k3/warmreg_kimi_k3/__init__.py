@@ -1,6 +1,7 @@
 """warmreg plugin for the Kimi-K3 family (``model_type == "kimi_k3"``, text config ``kimi_linear``).
 
-Kernels: the shared fused Q/KV RMSNorm (``warmreg.ops``) for the MLA layers and the KDA recurrent step
+Kernels: the shared fused Q/KV RMSNorm and block-table slot mapping (``warmreg.ops``) for the MLA layers
+(:mod:`warmreg_kimi_k3.qkv_rmsnorm`, :mod:`warmreg_kimi_k3.slot_mapping`) and the KDA recurrent step
 (:mod:`warmreg_kimi_k3.kda`) for decode and speculative decode of the KDA layers. Importing this package
 registers nothing; warmreg calls :func:`warmreg_kimi_k3.plugin.warmreg_register_kernels` through the
 ``warmreg`` entry point.
@@ -9,7 +10,6 @@ registers nothing; warmreg calls :func:`warmreg_kimi_k3.plugin.warmreg_register_
 from __future__ import annotations
 
 from .kda import KDARecurrent, KDARecurrentKey, kda_recurrent_reference
-
-PLUGIN = "warmreg-kimi-k3"
+from .model import PLUGIN
 
 __all__ = ["PLUGIN", "KDARecurrent", "KDARecurrentKey", "kda_recurrent_reference"]

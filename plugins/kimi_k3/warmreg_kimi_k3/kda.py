@@ -22,7 +22,7 @@ program keeps a ``[BLOCK_K, BLOCK_V]`` tile of one head's state in registers for
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import torch
@@ -31,11 +31,10 @@ import triton.language as tl
 
 import warmreg
 
-__all__ = ["L2NORM_EPS", "MAX_BLOCK_V", "KDARecurrent", "KDARecurrentKey", "kda_recurrent_reference"]
+from .model import PLUGIN, KimiK3, positive, tensor_parallel_size
 
-#: Triton's classes of a specialized int, as :func:`warmreg.int_class` returns them (the public facade
-#: exports the function but not its return type).
-IntClass = Literal["one", "div16", "other", "div16_i64", "other_i64"]
+__all__ = ["L2NORM_EPS", "MAX_BLOCK_V", "KDARecurrent", "KDARecurrentKey", "kda_recurrent_reference", "register"]
+
 #: Largest V tile: a [128, 32] fp32 tile is 32 registers per thread at 4 warps, and V = 128 gives
 #: 4 programs per (sequence, head), enough parallelism for small decode batches.
 MAX_BLOCK_V = 32
@@ -121,18 +120,17 @@ class KDARecurrentKey(warmreg.CompileKey):
     block_v: int
     use_qk_l2norm: bool
     # q, k, v may be views of one fused qkv projection: token strides and alignment vary with that.
-    q_stride: IntClass
-    k_stride: IntClass
-    v_stride: IntClass
+    q_stride: warmreg.IntClass
+    k_stride: warmreg.IntClass
+    v_stride: warmreg.IntClass
     q_aligned: bool
     k_aligned: bool
     v_aligned: bool
     g_aligned: bool
     # The pool may be a view into an engine's shared cache buffer, with padded slots.
-    state_stride: IntClass
+    state_stride: warmreg.IntClass
     state_aligned: bool
     num_warps: int
-
 
 
 def _block_v(v_dim: int) -> int:
@@ -173,7 +171,7 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
         use_qk_l2norm: bool = True,
         max_num_seqs: int = 1,
         num_speculative_tokens: int = 0,
-        plugin: str = "warmreg-kimi-k3",
+        plugin: str = PLUGIN,
     ) -> None:
         self.num_heads, self.head_k_dim, self.head_v_dim = num_heads, head_k_dim, head_v_dim
         self.dtype = getattr(torch, dtype)
@@ -269,7 +267,7 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
         dtype = getattr(torch, key.dtype)
         h, kd, vd = key.num_heads, key.head_k_dim, key.head_v_dim
 
-        def act(dim: int, stride: IntClass, aligned: bool) -> torch.Tensor:
+        def act(dim: int, stride: warmreg.IntClass, aligned: bool) -> torch.Tensor:
             return warmreg.meta(
                 (1, h, dim), dtype, stride=(warmreg.int_class_rep(stride), dim, 1), offset=0 if aligned else 1
             )
@@ -428,3 +426,55 @@ def kda_recurrent_reference(
         if slot >= 0:
             pool[slot] = s
     return o.to(v.dtype), pool
+
+
+def _linear_attn(config: warmreg.WarmConfig, name: str, value: Any) -> int:
+    """A positive int of ``text.linear_attn_config``, or a ConfigError naming it."""
+    problem = positive(value) if value is not None else "is missing"
+    if problem:
+        raise warmreg.ConfigError(
+            f"text.linear_attn_config.{name}", problem, plugin=PLUGIN, fix=f"correct it in {config.source}"
+        )
+    return int(value)
+
+
+def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
+    """Register the KDA step when ``text.linear_attn_config.kda_layers`` is non-empty (every platform).
+
+    :raises warmreg.ConfigError: for a malformed ``linear_attn_config`` or a tensor-parallel size that
+        does not divide the KDA head count.
+    """
+    linear = config.text.get("linear_attn_config")
+    if linear is None:
+        return  # a pure-MLA config
+    if not isinstance(linear, Mapping):
+        raise warmreg.ConfigError(
+            "text.linear_attn_config",
+            f"must be an object (got {linear!r})",
+            plugin=PLUGIN,
+            fix=f"correct it in {config.source}",
+        )
+    if not linear.get("kda_layers"):
+        return  # no KDA layers
+    heads = _linear_attn(config, "num_heads", linear.get("num_heads"))
+    head_dim = _linear_attn(config, "head_dim", linear.get("head_dim"))
+    tp = tensor_parallel_size(config)
+    if heads % tp:
+        raise warmreg.ConfigError(
+            "text.linear_attn_config.num_heads",
+            f"({heads}) is not divisible by serving.tensor_parallel_size ({tp})",
+            plugin=PLUGIN,
+            fix="use a tensor-parallel size that divides the KDA head count",
+        )
+    registry.add(
+        KDARecurrent(
+            num_heads=heads // tp,
+            head_k_dim=head_dim,
+            head_v_dim=head_dim,
+            dtype=m.dtype,
+            use_qk_l2norm=True,  # Kimi-Linear normalises q and k inside the kernel
+            max_num_seqs=config.get("serving.max_num_seqs", int, plugin=PLUGIN),
+            num_speculative_tokens=config.get("serving.num_speculative_tokens", int, plugin=PLUGIN, default=0),
+            plugin=PLUGIN,
+        )
+    )

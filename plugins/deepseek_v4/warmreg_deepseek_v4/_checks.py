@@ -1,0 +1,95 @@
+"""Launch-argument checks shared by the DeepSeek-V4 kernels: one function per rule.
+
+Every check raises :class:`warmreg.LaunchError` naming the kernel and the offending argument; the
+messages are part of the behaviour (tests match them), so a rule changes only with its callers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import warmreg
+
+__all__ = [
+    "check_int32",
+    "check_int32_table",
+    "check_int32_vector",
+    "check_norm_weights",
+    "check_rope_cache",
+    "is_pow2",
+]
+
+
+def check_int32(kernel: str, **tensors: torch.Tensor) -> None:
+    """Each tensor is int32, of any rank and layout (the index kernels read through their strides).
+
+    :raises warmreg.LaunchError: ``<name> must be int32 (got <dtype>)``.
+    """
+    for name, t in tensors.items():
+        if t.dtype != torch.int32:
+            raise warmreg.LaunchError(kernel, f"{name} must be int32 (got {t.dtype})")
+
+
+def check_int32_vector(kernel: str, **tensors: torch.Tensor) -> None:
+    """Each tensor is a contiguous 1-D int32 tensor (the metadata kernels index it as ``ptr + i``).
+
+    :raises warmreg.LaunchError: ``<name> must be a contiguous 1-D int32 tensor (got ...)``.
+    """
+    for name, t in tensors.items():
+        if t.dtype != torch.int32 or t.ndim != 1 or (t.shape[0] > 1 and t.stride(0) != 1):
+            raise warmreg.LaunchError(
+                kernel, f"{name} must be a contiguous 1-D int32 tensor (got {t.dtype} {tuple(t.shape)})"
+            )
+
+
+def check_int32_table(kernel: str, name: str, table: torch.Tensor, rows: int) -> None:
+    """``table`` is an int32 ``[>= rows, W]`` block table with contiguous rows.
+
+    :raises warmreg.LaunchError: ``<name> must be int32 [>= rows, W] with contiguous rows (got ...)``.
+    """
+    if (
+        table.ndim != 2
+        or table.dtype != torch.int32
+        or (table.shape[1] > 1 and table.stride(1) != 1)
+        or table.shape[0] < rows
+    ):
+        raise warmreg.LaunchError(
+            kernel, f"{name} must be int32 [>= {rows}, W] with contiguous rows (got {tuple(table.shape)})"
+        )
+
+
+def check_rope_cache(kernel: str, cos_sin_cache: torch.Tensor, head_dim: int) -> None:
+    """``cos_sin_cache`` is float32 ``[P, rope_dim]`` with contiguous rows, and ``rope_dim / 2`` and the
+    NoPE part ``head_dim - rope_dim`` are powers of two (the kernels tile each with one ``tl.arange``).
+
+    :raises warmreg.LaunchError: naming ``cos_sin_cache`` or the dims.
+    """
+    if cos_sin_cache.dtype != torch.float32 or cos_sin_cache.ndim != 2 or cos_sin_cache.stride(-1) != 1:
+        raise warmreg.LaunchError(
+            kernel,
+            f"cos_sin_cache must be float32 [P, rope_dim] with a contiguous row (got {cos_sin_cache.dtype} {tuple(cos_sin_cache.shape)})",
+        )
+    rope = cos_sin_cache.shape[1]
+    if rope % 2 or not is_pow2(rope // 2) or not is_pow2(head_dim - rope):
+        raise warmreg.LaunchError(
+            kernel, f"rope_dim {rope} and head_dim {head_dim} need power-of-two halves and NoPE part"
+        )
+
+
+def check_norm_weights(kernel: str, hidden: int, *weights: torch.Tensor) -> None:
+    """Each RMSNorm weight is a contiguous, 16-byte aligned ``[hidden]`` tensor, all of one dtype.
+
+    :raises warmreg.LaunchError: naming the weights.
+    """
+    for w in weights:
+        if w.shape != (hidden,) or not w.is_contiguous() or not warmreg.is_aligned(w):
+            raise warmreg.LaunchError(
+                kernel, f"weights must be contiguous, 16-byte aligned [{hidden}] (got {tuple(w.shape)})"
+            )
+    if len({w.dtype for w in weights}) != 1:
+        raise warmreg.LaunchError(kernel, "the weights must share one dtype")
+
+
+def is_pow2(n: int) -> bool:
+    """Whether ``n`` is a positive power of two."""
+    return n > 0 and n & (n - 1) == 0

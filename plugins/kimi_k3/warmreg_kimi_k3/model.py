@@ -1,0 +1,50 @@
+"""The Kimi-K3 values more than one kernel registration reads, validated once per config, and the
+config helpers the registrations share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+import warmreg
+
+__all__ = ["PLUGIN", "KimiK3", "positive", "positive_text_int", "tensor_parallel_size"]
+
+PLUGIN = "warmreg-kimi-k3"
+
+
+def positive(value: Any) -> str | None:
+    """The problem with ``value`` as a positive int, or None (a ``check`` for :meth:`warmreg.WarmConfig.get`)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"must be an int (got {type(value).__name__} {value!r})"
+    return None if value > 0 else f"must be > 0 (got {value})"
+
+
+def positive_text_int(config: warmreg.WarmConfig, field: str) -> int:
+    """The positive int ``text.<field>`` of the text config.
+
+    :raises warmreg.ConfigError: if it is missing or not a positive int.
+    """
+    return config.get(f"text.{field}", int, plugin=PLUGIN, check=positive)
+
+
+def tensor_parallel_size(config: warmreg.WarmConfig) -> int:
+    """``serving.tensor_parallel_size`` (default 1)."""
+    return config.get("serving.tensor_parallel_size", int, plugin=PLUGIN, default=1)
+
+
+@attrs.frozen(kw_only=True)
+class KimiK3:
+    """The values every Kimi-K3 registration reads: only the activation dtype so far (each op module
+    reads its own layout fields, so a config without KDA layers needs no KDA fields)."""
+
+    dtype: str
+
+    @classmethod
+    def from_config(cls, config: warmreg.WarmConfig) -> KimiK3:
+        """Read ``serving.dtype`` (default bfloat16).
+
+        :raises warmreg.ConfigError: naming the field.
+        """
+        return cls(dtype=config.get("serving.dtype", str, plugin=PLUGIN, default="bfloat16"))
