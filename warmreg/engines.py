@@ -292,7 +292,8 @@ def _read_sglang(values: Mapping[str, Any], model_config: Any, hf: Any, engine: 
     r.set("tensor_parallel_size", values.get("tp_size"), "tp_size")
     dcp = values.get("dcp_size")
     if dcp is not None and dcp != 1:
-        # SGLang's DCP shards tokens one at a time (interleave 1), as vLLM's default does.
+        # SGLang's DCP deals KV slots out one at a time: "Owner rule: slot % dcp_size == dcp_rank"
+        # (sglang/srt/layers/dcp/layout.py), vLLM's cp_kv_cache_interleave_size 1.
         r.set("decode_context_parallel_size", dcp, "dcp_size")
         r.set("cp_kv_cache_interleave_size", 1, "dcp_size", dcp)
 
