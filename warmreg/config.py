@@ -2,7 +2,8 @@
 
 It holds the model's Hugging Face config values (``model``) and the deployment's serving
 settings (``serving``). Build it from a dict, a ``config.json`` path, a Hugging Face config object
-or an engine config object (vLLM- or SGLang-shaped) with :meth:`WarmConfig.load`. Plugins read
+or an engine config object (vLLM's ``VllmConfig``, SGLang's ``ServerArgs``: :mod:`warmreg.engines`
+maps each engine's vocabulary onto the canonical settings) with :meth:`WarmConfig.load`. Plugins read
 fields with :meth:`WarmConfig.get`, which names the field, the plugin and the fix when a value is
 missing or invalid.
 """
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 
 import attrs
 
-from . import _json
+from . import _json, engines
 from .errors import ConfigError
 
 __all__ = ["CONFIG_FILE_MAX", "MODEL_INT_MAX", "SERVING_FIELDS", "WarmConfig"]
@@ -59,6 +60,7 @@ SERVING_FIELDS: Mapping[str, tuple[Callable[[Any], str | None], str]] = MappingP
         "attention_backend": (_string, "attention backend name, e.g. FLASHMLA_SPARSE_DSV4"),
         "tensor_parallel_size": (_int_in(1, 1024), "tensor-parallel ranks"),
         "num_speculative_tokens": (_int_in(0, 64), "draft tokens per decode step (0 = no speculation)"),
+        "speculative_method": (_string, "speculative decoding method in vLLM's names, e.g. mtp, eagle or dspark"),
         "decode_context_parallel_size": (_int_in(1, 1024), "decode context-parallel ranks (1 = off)"),
         "cp_kv_cache_interleave_size": (_int_in(1, 2**16), "tokens dealt to one DCP rank at a time"),
     }
@@ -66,22 +68,6 @@ SERVING_FIELDS: Mapping[str, tuple[Callable[[Any], str | None], str]] = MappingP
 
 #: A config file is read only if it is a regular file of at most this many bytes.
 CONFIG_FILE_MAX = 16 * 1024 * 1024
-
-_ENGINE_FIELDS: dict[str, tuple[str, ...]] = {
-    # vLLM-shaped objects: VllmConfig.<part>.<field>
-    "max_num_batched_tokens": ("scheduler_config.max_num_batched_tokens", "chunked_prefill_size"),
-    "max_num_seqs": ("scheduler_config.max_num_seqs", "max_running_requests"),
-    "max_model_len": ("model_config.max_model_len", "context_length"),
-    "block_size": ("cache_config.block_size", "page_size"),
-    "kv_cache_dtype": ("cache_config.cache_dtype", "kv_cache_dtype"),
-    "dtype": ("model_config.dtype", "dtype"),
-    "attention_backend": ("attention_config.backend", "attention_backend"),
-    "tensor_parallel_size": ("parallel_config.tensor_parallel_size", "tp_size"),
-    "num_speculative_tokens": ("speculative_config.num_speculative_tokens", "speculative_num_draft_tokens"),
-    "decode_context_parallel_size": ("parallel_config.decode_context_parallel_size",),
-    "cp_kv_cache_interleave_size": ("parallel_config.cp_kv_cache_interleave_size",),
-}
-
 
 def _freeze(value: Any) -> Any:
     if isinstance(value, Mapping):
@@ -99,14 +85,6 @@ def _thaw(value: Any) -> Any:
     return value
 
 
-def _dotted(obj: Any, path: str) -> Any:
-    for part in path.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
 @attrs.frozen(eq=False)
 class WarmConfig:
     """Read-only view of a model config plus serving settings.
@@ -115,11 +93,17 @@ class WarmConfig:
         ``text_config``; :attr:`text` reads through it).
     :param serving: serving settings (:data:`SERVING_FIELDS`).
     :param source: where the config came from, quoted in errors.
+    :param origins: for settings read from an engine object, setting -> the engine field and value
+        it came from (:mod:`warmreg.engines`), quoted in errors about the setting.
+    :param unmapped: setting -> why the engine's value has no canonical counterpart; reading such a
+        setting (one not given in ``serving``) raises that, naming the engine field and value.
     """
 
     model: Mapping[str, Any] = attrs.field(converter=_freeze)
     serving: Mapping[str, Any] = attrs.field(converter=_freeze, factory=dict)
     source: str = "<dict>"
+    origins: Mapping[str, str] = attrs.field(converter=_freeze, factory=dict)
+    unmapped: Mapping[str, str] = attrs.field(converter=_freeze, factory=dict)
 
     def __attrs_post_init__(self) -> None:
         for name, value in self.serving.items():
@@ -129,11 +113,18 @@ class WarmConfig:
                 )
             problem = SERVING_FIELDS[name][0](value)
             if problem:
-                raise ConfigError(f"serving.{name}", problem, fix=f"set {SERVING_FIELDS[name][1]} in {self.source}")
+                raise ConfigError(
+                    f"serving.{name}", self._from_origin(name, problem), fix=f"set {SERVING_FIELDS[name][1]} in {self.source}"
+                )
         if not isinstance(self.model.get("model_type"), str):
             raise ConfigError(
                 "model.model_type", "is missing", fix=f"{self.source} must hold a Hugging Face config with model_type"
             )
+
+    def _from_origin(self, name: str, problem: str) -> str:
+        """``problem``, naming the engine field the setting ``name`` was read from, if any."""
+        origin = self.origins.get(name)
+        return f"{problem} ({origin})" if origin else problem
 
     # -- construction -------------------------------------------------------------------------
     @classmethod
@@ -142,13 +133,20 @@ class WarmConfig:
 
         :param obj: a ``WarmConfig``; a dict ``{"model": {...}, "serving": {...}}``; a plain Hugging Face
             config dict; a path to a JSON file of either shape; a Hugging Face ``PretrainedConfig``; or an
-            engine config object (vLLM ``VllmConfig``-shaped or SGLang ``ServerArgs``-shaped).
+            engine config object: a vLLM ``VllmConfig`` or an SGLang ``ServerArgs`` (resolved here if it is
+            not yet), read by :func:`warmreg.engines.read` into the canonical settings.
         :param serving: serving settings that override those found in ``obj``.
         :raises ConfigError: naming the file or field that is wrong, and the fix.
         """
         overrides = dict(serving or {})
         if isinstance(obj, WarmConfig):
-            return attrs.evolve(obj, serving={**obj.serving, **overrides}) if overrides else obj
+            if not overrides:
+                return obj
+            return attrs.evolve(
+                obj, serving={**obj.serving, **overrides},
+                origins={k: v for k, v in obj.origins.items() if k not in overrides},
+                unmapped={k: v for k, v in obj.unmapped.items() if k not in overrides},
+            )  # fmt: skip
         if isinstance(obj, (str, os.PathLike)):
             return cls._from_file(Path(obj), overrides)
         if isinstance(obj, Mapping):
@@ -190,24 +188,20 @@ class WarmConfig:
 
     @classmethod
     def _from_engine(cls, obj: Any, overrides: dict[str, Any]) -> WarmConfig:
-        hf = _dotted(obj, "model_config.hf_config") or getattr(obj, "hf_config", None)
-        if hf is None:
+        found = engines.read(obj)
+        if found is None:
             raise ConfigError(
                 type(obj).__name__,
                 "is not a config warmreg can read",
-                fix="pass a dict, a config.json path, a Hugging Face config, or an object with model_config.hf_config",
+                fix="pass a dict, a config.json path, a Hugging Face config, a vLLM VllmConfig or an SGLang ServerArgs",
             )
-        serving: dict[str, Any] = {}
-        for name, paths in _ENGINE_FIELDS.items():
-            for path in paths:
-                value = _dotted(obj, path)
-                if value is not None:
-                    serving[name] = value if not hasattr(value, "is_floating_point") else str(value).split(".")[-1]
-                    break
-        if not isinstance(serving.get("dtype", ""), str):
-            serving["dtype"] = str(serving["dtype"]).split(".")[-1]
-        model = hf.to_dict() if hasattr(hf, "to_dict") else dict(hf)
-        return cls(model=model, serving={**serving, **overrides}, source=type(obj).__name__)
+        return cls(
+            model=found.model,
+            serving={**found.serving, **overrides},
+            source=found.engine,
+            origins={k: v for k, v in found.origins.items() if k not in overrides},
+            unmapped={k: v for k, v in found.unmapped.items() if k not in overrides},
+        )
 
     # -- reading ------------------------------------------------------------------------------
     @property
@@ -247,6 +241,11 @@ class WarmConfig:
         source = {"serving": self.serving, "model": self.model, "text": self.text}.get(section)
         if source is None or not name:
             raise ConfigError(field, "is not a field path", plugin=plugin, fix="write serving.<name>, model.<name> or text.<name>")
+        if section == "serving" and name in self.unmapped and name not in source:
+            raise ConfigError(
+                field, self.unmapped[name], plugin=plugin,
+                fix=fix or f"serve with one of those, or pass serving={{{name!r}: ...}} to WarmConfig.load",
+            )  # fmt: skip
         if name not in source or source[name] is None:
             if default is not attrs.NOTHING:
                 return default  # type: ignore[no-any-return]
@@ -270,13 +269,15 @@ class WarmConfig:
                 fix=fix or f"correct it in {self.source}",
             )
         if choices is not None and value not in (known := tuple(choices)):
+            unknown = f"is {value!r}, which {plugin} does not know (accepted: {', '.join(map(str, known))})"
             raise ConfigError(
-                field, f"is {value!r}, which {plugin} does not know (accepted: {', '.join(map(str, known))})", plugin=plugin,
+                field, self._from_origin(name, unknown) if section == "serving" else unknown, plugin=plugin,
                 fix=fix or f"use one of those in {self.source}",
             )  # fmt: skip
         problem = check(value) if check else None
         if problem:
-            raise ConfigError(field, problem, plugin=plugin, fix=fix or f"correct it in {self.source}")
+            shown = self._from_origin(name, problem) if section == "serving" else problem
+            raise ConfigError(field, shown, plugin=plugin, fix=fix or f"correct it in {self.source}")
         return value  # type: ignore[no-any-return]
 
     def to_json(self) -> dict[str, Any]:

@@ -1,7 +1,10 @@
 """A typed view of the DeepSeek-V4 config values the kernels need (specs section 13).
 
 Every value is read through :meth:`warmreg.WarmConfig.get`, so a missing or invalid field names
-itself, this plugin and the fix.
+itself, this plugin and the fix. The model section may be in any of the forms the engines hand
+over: the published config.json, transformers' ``DeepseekV4Config.to_dict()`` (vLLM: ``layer_types``
+and ``compress_rates``, ``quant_method`` rewritten to ``deepseek_v4_fp8``) or SGLang's
+``_DeepseekV4ConfigAlias.to_dict()``.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import attrs
 
 import warmreg
 
-__all__ = ["DSV4", "KV_CACHE_DTYPES", "PLUGIN", "compress_ratios", "kv_cache_dtype"]
+__all__ = ["DSV4", "FP8_QUANT_METHODS", "KV_CACHE_DTYPES", "PLUGIN", "compress_ratios", "fp8_checkpoint", "kv_cache_dtype"]
 
 PLUGIN = "warmreg-deepseek-v4"
 #: The DeepSeek-V4 sparse backends support only a KV-manager block size of 256 (specs section 2).
@@ -31,6 +34,37 @@ def kv_cache_dtype(config: warmreg.WarmConfig) -> str:
     :raises warmreg.ConfigError: for any other value, listing the known ones.
     """
     return config.get("serving.kv_cache_dtype", str, plugin=PLUGIN, default="fp8_ds_mla", choices=KV_CACHE_DTYPES)
+
+
+#: ``quantization_config.quant_method`` of an FP8 checkpoint: the published config.json says ``fp8``;
+#: vLLM rewrites it in place to its ``deepseek_v4_fp8`` config (a subclass of its Fp8Config,
+#: ``DeepseekV4ForCausalLMConfig.verify_and_update_model_config``), so a VllmConfig's hf_config says that.
+FP8_QUANT_METHODS = ("fp8", "deepseek_v4_fp8")
+
+
+def fp8_checkpoint(config: warmreg.WarmConfig | Mapping[str, Any] | Any) -> bool:
+    """Whether the checkpoint's linear weights (so ``wo_a``) are FP8: ``quantization_config.quant_method``
+    is one of :data:`FP8_QUANT_METHODS`.
+
+    :param config: a :class:`warmreg.WarmConfig`, a config.json dict, or a Hugging Face config object
+        (transformers' ``DeepseekV4Config``, SGLang's ``_DeepseekV4ConfigAlias``).
+    :raises warmreg.ConfigError: if ``quantization_config`` is neither an object nor absent.
+    """
+    if isinstance(config, warmreg.WarmConfig):
+        model: Any = config.model
+    elif isinstance(config, Mapping):
+        model = config
+    else:
+        model = {"quantization_config": getattr(config, "quantization_config", None)}
+    quant = model.get("quantization_config")
+    if quant is None:
+        return False
+    if not isinstance(quant, Mapping):
+        if not hasattr(quant, "quant_method"):  # a quantization config object, e.g. transformers'
+            raise warmreg.ConfigError("model.quantization_config", f"must be an object (got {quant!r})", plugin=PLUGIN)
+        quant = {"quant_method": quant.quant_method}
+    method = quant.get("quant_method")
+    return getattr(method, "value", method) in FP8_QUANT_METHODS
 
 
 def _ratio(value: Any) -> str | None:
@@ -94,6 +128,8 @@ class DSV4:
     ratios: tuple[int, ...]
     vision_max_n_token: int
     dtype: str
+    #: the checkpoint's linear weights are FP8 (:func:`fp8_checkpoint`)
+    fp8_checkpoint: bool = False
 
     @classmethod
     def from_config(cls, config: warmreg.WarmConfig) -> DSV4:
@@ -124,6 +160,7 @@ class DSV4:
             ratios=compress_ratios(config.model),
             vision_max_n_token=config.get("model.vision_max_n_token", int, plugin=PLUGIN, default=0),
             dtype=config.get("serving.dtype", str, plugin=PLUGIN, default="bfloat16"),
+            fp8_checkpoint=fp8_checkpoint(config),
         )
 
     @property
