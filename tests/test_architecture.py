@@ -3,7 +3,7 @@
 - no import circle in ``warmreg`` (every import counts: top-level, inside functions, under TYPE_CHECKING);
 - the layers: the contract and the pipeline never import an add-on (packs, distributed, monitor) nor
   an entry point (``warmup``, the CLI, the pytest plugin); add-ons never import an entry point; the
-  Triton adapter imports nothing above the contract's values;
+  adapters (Triton's, and the engines' config readers) import nothing above the contract's values;
 - the core (contract + pipeline) stays within 2,500 lines and ``warm()`` within 40;
 - every module's ``__all__`` lists exactly its public names (re-exports allowed, nothing missing).
 """
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1] / "warmreg"
 
 CONTRACT = {"errors", "key", "platform", "config", "domains", "space", "hookspecs", "registry", "kernel", "launch"}
 PIPELINE = {"plugins", "planning", "bind", "compile", "stage", "pipeline", "report"}
-ADAPTER = {"_triton", "_triton_cache", "_triton_fast", "_triton_interp", "_triton_launchers", "_triton_release"}
+ADAPTER = {"_triton", "_triton_cache", "_triton_fast", "_triton_interp", "_triton_launchers", "_triton_release", "engines"}
 SUPPORT = {"_json", "_output", "_version"}
 ADDONS = {
     "pack", "_pack_format", "_pack_install", "_pack_reader", "_pack_wheel", "distributed", "monitoring", "replay", "coverage",

@@ -40,22 +40,7 @@ def test_plan_keys_equal_the_example_format_json(built: dict[str, Any], case: st
     # comes from the deployment's JSON, everything else from the real object.
     serving = {k: expected["serving"][k] for k in cases.VLLM_CPU_REWRITTEN}
     got, want = planned_keys(built[case], serving=serving), planned_keys(expected)
-    if got != want and (pending := _fp8_check_not_switched(built[case])):
-        pytest.xfail(pending)
     assert got == want, differences(got, want)
-
-
-def _fp8_check_not_switched(vc: Any) -> str | None:
-    """Why the plans may still differ: the FP8 inverse-RoPE kernel's own checkpoint test, if it still
-    misses vLLM's ``deepseek_v4_fp8`` rename (it is to call ``warmreg_deepseek_v4.model.fp8_checkpoint``)."""
-    try:
-        from warmreg_deepseek_v4.inv_rope_quant import fp8_checkpoint as kernel_check
-    except ImportError:
-        return None
-    cfg = WarmConfig.load(vc)
-    if kernel_check(cfg) != fp8_checkpoint(cfg):
-        return "inv_rope_quant.fp8_checkpoint does not read model.fp8_checkpoint yet: vLLM's deepseek_v4_fp8 is not FP8 to it"
-    return None
 
 
 def test_the_real_object_reads_as_the_example(built: dict[str, Any]) -> None:

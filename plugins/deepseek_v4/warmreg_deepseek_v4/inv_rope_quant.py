@@ -37,7 +37,7 @@ import warmreg
 
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
 from .backends import SPARSE_BACKENDS, attention_backend
-from .model import DSV4, PLUGIN
+from .model import DSV4, PLUGIN, fp8_checkpoint
 
 __all__ = ["InvRopeFP8Quant", "InvRopeQuantKey", "fp8_checkpoint", "inv_rope_fp8_quant_reference", "register"]
 
@@ -132,19 +132,6 @@ class InvRopeQuantKey(warmreg.CompileKey):
     num_warps: int
     num_stages: int
     launch_pdl: bool
-
-
-def fp8_checkpoint(config: warmreg.WarmConfig) -> bool:
-    """Whether the checkpoint's linear weights, so ``wo_a``, are FP8 (``quantization_config.quant_method``).
-
-    :raises warmreg.ConfigError: if ``quantization_config`` is not an object.
-    """
-    quant = config.model.get("quantization_config")
-    if quant is None:
-        return False
-    if not isinstance(quant, Mapping):
-        raise warmreg.ConfigError("model.quantization_config", f"must be an object (got {quant!r})", plugin=PLUGIN)
-    return quant.get("quant_method") == "fp8"
 
 
 class InvRopeFP8Quant(warmreg.TritonKernel[InvRopeQuantKey]):

@@ -1,4 +1,4 @@
-"""A typed view of the DeepSeek-V4 config values the kernels need (specs section 13).
+"""A typed view of the DeepSeek-V4 config values the kernels need (the published ``config.json`` of DeepSeek-V4-Flash and -Pro).
 
 Every value is read through :meth:`warmreg.WarmConfig.get`, so a missing or invalid field names
 itself, this plugin and the fix. The model section may be in any of the forms the engines hand
@@ -19,7 +19,8 @@ import warmreg
 __all__ = ["DSV4", "FP8_QUANT_METHODS", "KV_CACHE_DTYPES", "PLUGIN", "compress_ratios", "fp8_checkpoint", "kv_cache_dtype"]
 
 PLUGIN = "warmreg-deepseek-v4"
-#: The DeepSeek-V4 sparse backends support only a KV-manager block size of 256 (specs section 2).
+#: The DeepSeek-V4 sparse backends support only a KV-manager block size of 256 (vLLM 0.33 forces it for
+#: DeepSeek-V4 in ``DeepseekV4ForCausalLMConfig``; a VllmConfig built for it reports 256).
 SPARSE_BLOCK_SIZE = 256
 SWA_PAGE_SIZE = 64
 #: ``serving.kv_cache_dtype`` values this plugin knows, in vLLM's names: ``fp8_ds_mla`` is the FP8
