@@ -1,7 +1,8 @@
 """Warm time of two checkouts side by side on this machine: this tree against a baseline tree.
 
 Each round runs both, alternating (A, B, A, B, ...), each in a fresh process: a cold warm into an
-empty Triton cache, then a warm from that cache. The checkout is chosen by ``PYTHONPATH`` (its core
+empty Triton cache, then a warm from that cache. Each tree warms its own copy of the config (the same
+path inside each tree). The checkout is chosen by ``PYTHONPATH`` (its core
 and both plugins), so the same interpreter, Triton and torch run both. Writes
 benchmarks/results/warm_ab_<tag>.json with every round's wall times, the medians and the ratios.
 
@@ -50,20 +51,20 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tag", default="cpu2core")
     args = ap.parse_args()
-    config = str(Path(args.config).resolve())
     workers = len(os.sched_getaffinity(0))
     trees = {"this": ROOT, "baseline": Path(args.baseline).resolve()}
-    code = _WARM.format(config=config, target=args.target, workers=workers)
+    relative = Path(args.config).resolve().relative_to(ROOT)  # each tree warms its own copy of the config
+    codes = {name: _WARM.format(config=str(tree / relative), target=args.target, workers=workers) for name, tree in trees.items()}
     rounds: dict[str, dict[str, list[float]]] = {name: {"cold": [], "warm_cache": []} for name in trees}
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(args.rounds):
             for name, tree in trees.items():
                 cache = os.path.join(tmp, f"{name}-{i}")
                 os.makedirs(cache)
-                cold = _run(tree, code, cache)
+                cold = _run(tree, codes[name], cache)
                 assert cold["core"].startswith(str(tree)), cold["core"]
                 rounds[name]["cold"].append(cold["wall"])
-                rounds[name]["warm_cache"].append(_run(tree, code, cache)["wall"])
+                rounds[name]["warm_cache"].append(_run(tree, codes[name], cache)["wall"])
     medians = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in rounds.items()}
     ratios = {k: medians["this"][k] / medians["baseline"][k] for k in ("cold", "warm_cache")}
     results = {
