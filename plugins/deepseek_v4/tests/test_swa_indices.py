@@ -246,3 +246,22 @@ def test_warm_cross_compiles_for_cuda_90() -> None:
     )
     assert report.ok, [(r.kernel, r.error) for r in report.failed]
     assert report.compiled == 7
+
+
+def test_combine_clamps_a_bounded_replay_to_the_gathered_rows() -> None:
+    """A bounded SWA replay that starts after ``pos - (window - 1)``: the window starts at the first
+    gathered row. vLLM 0.33's ``combine_topk_swa_indices`` keeps the plain window start there, so its
+    first SWA columns index workspace rows before the request's gathered ones (never written)."""
+    seq, qlen, gather = 300, 12, 14  # replay kept 2 prefix tokens: gather_start 286 > pos - (WINDOW - 1) <= 284
+    qsl, seqs, gathers = (torch.tensor(v, dtype=torch.int32) for v in ([0, qlen], [seq], [gather]))
+    kw: dict[str, Any] = dict(num_tokens=qlen, compress_ratio=1, M=gather, N=0)
+    got_idx, got_len = CombineTopkSwaIndices(window_size=WINDOW, workers=1)(None, qsl, seqs, gathers, **kw)
+    want_idx, want_len = combine_topk_swa_indices_reference(None, qsl, seqs, gathers, **kw, window_size=WINDOW)
+    assert torch.equal(got_idx, want_idx) and torch.equal(got_len, want_len)
+    gather_start = seq - gather
+    for i in range(qlen):
+        pos = seq - qlen + i
+        assert pos - (WINDOW - 1) < gather_start  # the case: the plain window starts before the gathered rows
+        assert int(got_len[i]) == pos - gather_start + 1 < min(pos + 1, WINDOW)  # clamped, not the full window
+        row = got_idx[i, : int(got_len[i])]
+        assert int(row[0]) == 0 and torch.equal(row, torch.arange(int(got_len[i]), dtype=torch.int32))

@@ -12,7 +12,12 @@ query token ``t`` of request ``b`` (``pos = seq - qlen + i``, ``gather_start = s
     out[t, rest] = -1;   lens[t] = topk_len + swa_len                 (row width round_up(TOP_K + W + IMAGE_WIDTH, 128))
 
 Without bounded replay ``gather_start <= max(pos - (W - 1), 0)``, so ``swa_start`` is the plain window
-start; with it the window starts no earlier than the gathered rows.
+start; with it the window starts no earlier than the gathered rows. Bounded replay is the one case
+where this differs from vLLM 0.33's kernel: when a replay starts after ``pos - (W - 1)``, vLLM keeps
+the plain window start, so its first SWA columns index workspace rows before the request's gathered
+ones, which the dequant-gather never wrote; here the window is clamped to the rows that were gathered
+(``test_combine_clamps_a_bounded_replay_to_the_gathered_rows``). Equal outputs everywhere else (the
+H200 comparison on identical inputs).
 
 Every pointer is ``do_not_specialize_on_alignment``: rows are addressed through runtime strides, so
 alignment could not vectorize anything, and chunk slices (``seq_lens[a:b]``) need no second binary.
