@@ -34,9 +34,10 @@ def test_plan_has_the_kda_and_rmsnorm_keys(kimi_plan: warmreg.Plan) -> None:
     assert "kimi_k3" in kimi_plan.plugins
     (key,) = kimi_plan.kernel(KDA).keys  # one binary for every decode and speculative step
     assert key.fields() == {
-        "dtype": "bfloat16", "gate_dtype": "float32", "beta_dtype": "float32",
+        "dtype": "bfloat16", "gate_dtype": "bfloat16", "beta_dtype": "bfloat16",  # the raw projections
         "num_heads": 12, "head_k_dim": 128, "head_v_dim": 128, "block_k": 128, "block_v": 32,
-        "use_qk_l2norm": True, "q_stride": "div16", "k_stride": "div16", "v_stride": "div16",
+        "use_qk_l2norm": True, "has_dt_bias": True, "use_lower_bound": True,  # gate_lower_bound -5.0 (example)
+        "q_stride": "div16", "k_stride": "div16", "v_stride": "div16",
         "q_aligned": True, "k_aligned": True, "v_aligned": True, "g_aligned": True,
         "state_stride": "div16", "state_aligned": True, "num_warps": 4,
     }  # fmt: skip
@@ -63,8 +64,10 @@ def test_runtime_kda_shapes_are_planned(kimi_plan: warmreg.Plan, lens: list[int]
         q=q,
         k=k,
         v=v,
-        g=warmreg.meta((tokens, heads, dim), torch.float32),
-        beta=warmreg.meta((tokens, heads), torch.float32),
+        raw_g=warmreg.meta((tokens, heads, dim), torch.bfloat16),
+        raw_beta=warmreg.meta((tokens, heads), torch.bfloat16),
+        dt_bias=warmreg.meta((heads * dim,), torch.float32),
+        lower_bound=-5.0,
         state_pool=warmreg.meta((1024, heads, dim, dim), torch.float32),
         use_qk_l2norm=True,
     )
@@ -119,6 +122,27 @@ def test_speculation_and_tp_do_not_add_keys() -> None:
     """Token counts reach no key field: no speculation and TP 4 give one key too (with 24 heads)."""
     (key,) = warmreg.plan(_example(num_speculative_tokens=0, tensor_parallel_size=4), target="cuda:90").kernel(KDA).keys
     assert key.num_heads == 24
+
+
+@pytest.mark.parametrize("bound", [None, "absent"])
+def test_no_lower_bound_plans_the_softplus_gate(bound: str | None) -> None:
+    """gate_lower_bound null or absent: the softplus gate (USE_LOWER_BOUND off), still one key."""
+    data = _example()
+    linear = data["model"]["text_config"]["linear_attn_config"]
+    if bound == "absent":
+        del linear["gate_lower_bound"]
+    else:
+        linear["gate_lower_bound"] = None
+    (key,) = warmreg.plan(data, target="cuda:90").kernel(KDA).keys
+    assert (key.use_lower_bound, key.has_dt_bias) == (False, True)
+
+
+@pytest.mark.parametrize("bound", [0.5, 0, True, "-5"])
+def test_bad_lower_bound_is_a_config_error(bound: object) -> None:
+    data = _example()
+    data["model"]["text_config"]["linear_attn_config"]["gate_lower_bound"] = bound
+    with pytest.raises(warmreg.ConfigError, match=r"linear_attn_config\.gate_lower_bound"):
+        warmreg.plan(data, target="cuda:90")
 
 
 def test_heads_not_divisible_by_tp_is_a_config_error() -> None:

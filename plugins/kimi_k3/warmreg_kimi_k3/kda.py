@@ -1,17 +1,34 @@
-"""Kimi Delta Attention (KDA): the recurrent step for decode and speculative decode.
+"""Kimi Delta Attention (KDA): the recurrent step for decode and speculative decode, gate fused in.
+
+This is the kernel vLLM's Kimi-K3 CUDA path launches for speculative decode:
+``vllm/model_executor/layers/fla/ops/kda.py: fused_recurrent_kda`` (``fuse_gate=True`` by default),
+which launches ``fused_recurrent_kda_fwd_kernel`` with ``USE_GATE_IN_KERNEL=True`` and
+``APPLY_BETA_SIGMOID=True``, called from the KDA layer of ``vllm/models/kimi_k3/nvidia/kda.py``. It
+takes the RAW gate projection and the RAW beta projection (model dtype) and applies the gate
+activation and the beta sigmoid in the kernel; ``fused_kda_gate`` is not on that path.
 
 Math, per sequence ``n`` and head ``h``, with the state ``S`` in fp32 of shape ``[K, V]`` and every
 input cast to fp32::
 
+    a = exp(A_log[h])
     S = pool[slot[n], h] if slot[n] >= 0 else 0
     for t in tokens of n (cu_seqlens[n] .. cu_seqlens[n + 1] - 1):
+        x = raw_g[t, h] + (dt_bias[h, :] if dt_bias is given else 0)      # [K], per channel
+        g = lb * sigmoid(a * x)      if a lower bound lb is set            # in (lb, 0)
+            -a * softplus(x)         otherwise (softplus(x) = x if x > 20 else log(1 + exp(x)))
+        beta = sigmoid(raw_beta[t, h])
         q, k = q[t, h], k[t, h]
         if USE_L2NORM:  q = q / sqrt(sum(q * q) + 1e-6);  k = k / sqrt(sum(k * k) + 1e-6)
-        S = S * exp(g[t, h])[:, None]                      # channel-wise decay, g in log space
-        u = beta[t, h] * (v[t, h] - S^T k)                 # the delta rule
+        S = S * exp(g)[:, None]                            # channel-wise decay, g in log space
+        u = beta * (v[t, h] - S^T k)                       # the delta rule
         S = S + k u^T
         o[t, h] = cast(S^T (q * scale), dtype of v)
     if slot[n] >= 0:  pool[slot[n], h] = S                  # the final state, written back in place
+
+``A_log`` is ``[H]`` (any shape of ``H`` contiguous elements, e.g. the model's ``[1, 1, H, 1]``),
+``dt_bias`` ``[H * K]`` (one bias per channel, ``dt_bias[h * K + c]``), both float32 parameters.
+The lower bound is a runtime float argument (as in vLLM: only whether it is set, ``USE_LOWER_BOUND``,
+is a constexpr), so its value never changes the binary.
 
 Inputs are varlen (a few tokens per sequence, ``cu_seqlens`` int32 ``[N + 1]``); the state pool
 ``[num_slots, H, K, V]`` (fp32) is indexed by a per-sequence slot (int32 ``[N]``), a negative slot
@@ -33,25 +50,40 @@ import warmreg
 
 from .model import PLUGIN, KimiK3, positive, tensor_parallel_size
 
-__all__ = ["L2NORM_EPS", "MAX_BLOCK_V", "KDARecurrent", "KDARecurrentKey", "kda_recurrent_reference", "register"]
+__all__ = [
+    "L2NORM_EPS",
+    "MAX_BLOCK_V",
+    "SOFTPLUS_THRESHOLD",
+    "KDARecurrent",
+    "KDARecurrentKey",
+    "kda_gate_reference",
+    "kda_recurrent_reference",
+    "register",
+]
 
 #: Largest V tile: a [128, 32] fp32 tile is 32 registers per thread at 4 warps, and V = 128 gives
 #: 4 programs per (sequence, head), enough parallelism for small decode batches.
 MAX_BLOCK_V = 32
 #: The epsilon of the in-kernel L2 normalisation of q and k.
 L2NORM_EPS = 1e-6
+#: softplus(x) = x above this (softplus beta 1), as vLLM's fused_recurrent_kda_fwd_kernel.
+SOFTPLUS_THRESHOLD = 20.0
 
 
 # The token count T and the number of sequences N are not arguments at all (cu_seqlens and the grid
 # carry them), so one binary serves every batch. beta, cu_seqlens and the slots are read one scalar
 # at a time: their 16-byte alignment cannot change the code, so Triton must not specialize on it.
-@triton.jit(do_not_specialize_on_alignment=["beta_ptr", "cu_seqlens_ptr", "slots_ptr"])
+# A_log (one scalar a head) and dt_bias (K floats a head, loaded once a program) are parameters; without
+# dt_bias the launcher passes A_log in its place (never read), so neither may specialize on alignment.
+@triton.jit(do_not_specialize_on_alignment=["beta_ptr", "a_log_ptr", "dt_bias_ptr", "cu_seqlens_ptr", "slots_ptr"])
 def _kda_recurrent_kernel(
     q_ptr,
     k_ptr,
     v_ptr,
-    g_ptr,
-    beta_ptr,
+    g_ptr,  # the raw gate projection [T, H, K]
+    beta_ptr,  # the raw beta projection [T, H]
+    a_log_ptr,  # [H] float32
+    dt_bias_ptr,  # [H * K] float32 (A_log again when HAS_DT_BIAS is False: unread)
     o_ptr,
     state_ptr,
     cu_seqlens_ptr,
@@ -61,12 +93,15 @@ def _kda_recurrent_kernel(
     v_stride,
     state_stride,
     scale,
+    lower_bound,  # a runtime float: read only when USE_LOWER_BOUND
     H: tl.constexpr,  # heads on this rank: a model constant; the g/beta/o token strides derive from it
     K: tl.constexpr,  # key head dim: a model constant
     V: tl.constexpr,  # value head dim: a model constant
     BLOCK_K: tl.constexpr,  # next_pow2(K): one tile covers K (needed by S^T k and the L2 norm)
     BLOCK_V: tl.constexpr,  # min(next_pow2(V), 32): V is split over grid axis 2
     USE_L2NORM: tl.constexpr,  # L2-normalise q and k in the kernel (Kimi-Linear does)
+    HAS_DT_BIAS: tl.constexpr,  # add dt_bias to the raw gate
+    USE_LOWER_BOUND: tl.constexpr,  # gate = lb * sigmoid(...) instead of -exp(A_log) * softplus(...)
 ):
     n = tl.program_id(0)
     h = tl.program_id(1)
@@ -84,6 +119,9 @@ def _kda_recurrent_kernel(
     # with its operands' integer dtype and rejects that as a mask; compiled, it folds to the same IR as c.
     live = tl.where(slot >= 0, True, False)
     s = tl.load(s_ptrs, mask=mask_s & live, other=0.0).to(tl.float32)
+    a = tl.exp(tl.load(a_log_ptr + h).to(tl.float32))
+    if HAS_DT_BIAS:
+        bias = tl.load(dt_bias_ptr + h * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
     # A while loop, not range(bos, eos): Triton 3.6.0's interpreter cannot take loaded values as range
     # bounds under numpy >= 2 (it calls int() on a 1-element array); compiled, both are an scf loop.
     t = bos
@@ -91,8 +129,14 @@ def _kda_recurrent_kernel(
         q = tl.load(q_ptr + t * q_stride + h * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * k_stride + h * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + t * v_stride + h * V + offs_v, mask=mask_v, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + (t * H + h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + t * H + h).to(tl.float32)
+        x = tl.load(g_ptr + (t * H + h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        if HAS_DT_BIAS:
+            x = x + bias
+        if USE_LOWER_BOUND:
+            g = lower_bound * tl.sigmoid(a * x)
+        else:
+            g = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # softplus, SOFTPLUS_THRESHOLD 20
+        beta = tl.sigmoid(tl.load(beta_ptr + t * H + h).to(tl.float32))
         if USE_L2NORM:
             q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)
             k = k / tl.sqrt(tl.sum(k * k, axis=0) + 1e-6)
@@ -111,14 +155,16 @@ class KDARecurrentKey(warmreg.CompileKey):
     """What changes the binary of the KDA recurrent step."""
 
     dtype: str  # q, k, v and o
-    gate_dtype: str  # g
-    beta_dtype: str
+    gate_dtype: str  # the raw gate projection
+    beta_dtype: str  # the raw beta projection
     num_heads: int  # H (constexpr)
     head_k_dim: int  # K
     head_v_dim: int  # V
     block_k: int
     block_v: int
     use_qk_l2norm: bool
+    has_dt_bias: bool  # HAS_DT_BIAS
+    use_lower_bound: bool  # USE_LOWER_BOUND (the bound's value is a runtime float, not part of the key)
     # q, k, v may be views of one fused qkv projection: token strides and alignment vary with that.
     q_stride: warmreg.IntClass
     k_stride: warmreg.IntClass
@@ -147,9 +193,12 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
     :param head_k_dim: key head dim ``K``.
     :param head_v_dim: value head dim ``V``.
     :param dtype: activation dtype name of q, k, v and o.
-    :param gate_dtype: dtype name of ``g`` (the gate kernel's output, fp32 in Kimi-Linear).
-    :param beta_dtype: dtype name of ``beta`` (``sigmoid`` of an fp32 projection in Kimi-Linear).
+    :param gate_dtype: dtype name of the raw gate projection (the model dtype in vLLM's Kimi-K3 layer).
+    :param beta_dtype: dtype name of the raw beta projection (likewise).
     :param use_qk_l2norm: whether the deployment normalises q and k in the kernel.
+    :param has_dt_bias: whether the layers have a ``dt_bias`` (added to the raw gate).
+    :param lower_bound: ``linear_attn_config.gate_lower_bound``, or None for the softplus gate; only
+        whether it is set reaches the key.
     :param max_num_seqs: most sequences in a decode step.
     :param num_speculative_tokens: draft tokens per sequence (each step has 1 + this many tokens).
     :param plugin: the registering plugin, named in config errors.
@@ -166,9 +215,11 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
         head_k_dim: int,
         head_v_dim: int,
         dtype: str = "bfloat16",
-        gate_dtype: str = "float32",
-        beta_dtype: str = "float32",
+        gate_dtype: str = "bfloat16",
+        beta_dtype: str = "bfloat16",
         use_qk_l2norm: bool = True,
+        has_dt_bias: bool = True,
+        lower_bound: float | None = None,
         max_num_seqs: int = 1,
         num_speculative_tokens: int = 0,
         plugin: str = PLUGIN,
@@ -178,6 +229,8 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
         self.gate_dtype = getattr(torch, gate_dtype)
         self.beta_dtype = getattr(torch, beta_dtype)
         self.use_qk_l2norm = use_qk_l2norm
+        self.has_dt_bias = has_dt_bias
+        self.lower_bound = lower_bound
         self.max_num_seqs = max_num_seqs
         self.num_speculative_tokens = num_speculative_tokens
         self.plugin = plugin
@@ -188,8 +241,10 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
+        raw_g: torch.Tensor,
+        raw_beta: torch.Tensor,
+        dt_bias: torch.Tensor | None,
+        lower_bound: float | None,
         state_pool: torch.Tensor,
         use_qk_l2norm: bool,
     ) -> KDARecurrentKey:
@@ -197,21 +252,23 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
         block_k, block_v = warmreg.next_pow2(k_dim), _block_v(v_dim)
         return KDARecurrentKey(
             dtype=warmreg.dtype_name(q.dtype),
-            gate_dtype=warmreg.dtype_name(g.dtype),
-            beta_dtype=warmreg.dtype_name(beta.dtype),
+            gate_dtype=warmreg.dtype_name(raw_g.dtype),
+            beta_dtype=warmreg.dtype_name(raw_beta.dtype),
             num_heads=heads,
             head_k_dim=k_dim,
             head_v_dim=v_dim,
             block_k=block_k,
             block_v=block_v,
             use_qk_l2norm=bool(use_qk_l2norm),
+            has_dt_bias=dt_bias is not None,
+            use_lower_bound=lower_bound is not None,
             q_stride=warmreg.int_class(q.stride(0)),
             k_stride=warmreg.int_class(k.stride(0)),
             v_stride=warmreg.int_class(v.stride(0)),
             q_aligned=warmreg.is_aligned(q),
             k_aligned=warmreg.is_aligned(k),
             v_aligned=warmreg.is_aligned(v),
-            g_aligned=warmreg.is_aligned(g),
+            g_aligned=warmreg.is_aligned(raw_g),
             state_stride=warmreg.int_class(state_pool.stride(0)),
             state_aligned=warmreg.is_aligned(state_pool),
             num_warps=max(1, min(8, block_k * block_v // 1024)),
@@ -249,18 +306,27 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
             "q": [q for q, _, _ in views],
             "k": [k for _, k, _ in views],
             "v": [v for _, _, v in views],
-            "g": [warmreg.meta((t, h, kd), self.gate_dtype) for t in self._token_counts()],
-            "beta": [warmreg.meta((t, h), self.beta_dtype) for t in self._token_counts()],
+            "raw_g": [warmreg.meta((t, h, kd), self.gate_dtype) for t in self._token_counts()],
+            "raw_beta": [warmreg.meta((t, h), self.beta_dtype) for t in self._token_counts()],
+            "dt_bias": [warmreg.meta((h * kd,), torch.float32) if self.has_dt_bias else None],
+            "lower_bound": [self.lower_bound],
             # One slot per running request plus the engine's padding slot; contiguous pool.
             "state_pool": [warmreg.meta((self.max_num_seqs + 1, h, kd, vd), torch.float32)],
             "use_qk_l2norm": [self.use_qk_l2norm],
         }
 
     def when(
-        self, *, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, **_: Any
+        self,
+        *,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        raw_g: torch.Tensor,
+        raw_beta: torch.Tensor,
+        **_: Any,
     ) -> bool:
         # One step: every input has the same T, and q, k, v come from the same projection layout.
-        same_t = q.shape[0] == k.shape[0] == v.shape[0] == g.shape[0] == beta.shape[0]
+        same_t = q.shape[0] == k.shape[0] == v.shape[0] == raw_g.shape[0] == raw_beta.shape[0]
         return same_t and _is_view(q) == _is_view(k) == _is_view(v)
 
     def warmup_inputs(self, key: KDARecurrentKey) -> Mapping[str, Any]:
@@ -276,8 +342,11 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
             "q": act(kd, key.q_stride, key.q_aligned),
             "k": act(kd, key.k_stride, key.k_aligned),
             "v": act(vd, key.v_stride, key.v_aligned),
-            "g": warmreg.meta((1, h, kd), getattr(torch, key.gate_dtype), offset=0 if key.g_aligned else 1),
-            "beta": warmreg.meta((1, h), getattr(torch, key.beta_dtype)),
+            "raw_g": warmreg.meta((1, h, kd), getattr(torch, key.gate_dtype), offset=0 if key.g_aligned else 1),
+            "raw_beta": warmreg.meta((1, h), getattr(torch, key.beta_dtype)),
+            "A_log": warmreg.meta((h,), torch.float32),
+            "dt_bias": warmreg.meta((h * kd,), torch.float32) if key.has_dt_bias else None,
+            "lower_bound": -1.0 if key.use_lower_bound else None,  # any value: a runtime argument
             "cu_seqlens": warmreg.meta((2,), torch.int32),
             "state_pool": warmreg.meta(
                 (1, h, kd, vd),
@@ -296,8 +365,11 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
+        raw_g: torch.Tensor,
+        raw_beta: torch.Tensor,
+        A_log: torch.Tensor,  # the model's parameter name
+        dt_bias: torch.Tensor | None,
+        lower_bound: float | None,
         cu_seqlens: torch.Tensor,
         state_pool: torch.Tensor,
         state_slots: torch.Tensor,
@@ -305,15 +377,20 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
         scale: float | None = None,
         use_qk_l2norm: bool | None = None,
     ) -> warmreg.LaunchSpec[KDARecurrentKey]:
-        """Run the recurrence over each sequence's tokens; returns ``o`` ``[T, H, V]`` (dtype of v).
+        """Run the gate, beta and the recurrence over each sequence's tokens; returns ``o`` ``[T, H, V]``
+        (dtype of v). The arguments follow vLLM's ``fused_recurrent_kda(q, k, v, raw_g, raw_beta, A_log,
+        dt_bias, lower_bound, ...)``; the math is in the module docstring.
 
         The final state of each sequence with a non-negative slot is written into ``state_pool``.
 
         :param q: ``[T, H, K]``, heads and K contiguous; the token stride is free (fused-projection view).
         :param k: ``[T, H, K]``, like ``q``.
         :param v: ``[T, H, V]``, like ``q``.
-        :param g: ``[T, H, K]`` contiguous, log-space decay.
-        :param beta: ``[T, H]`` contiguous.
+        :param raw_g: ``[T, H, K]`` contiguous, the raw gate projection (before bias and activation).
+        :param raw_beta: ``[T, H]`` contiguous, the raw beta projection (before the sigmoid).
+        :param A_log: float32, ``H`` contiguous elements (``[H]`` or the model's ``[1, 1, H, 1]``).
+        :param dt_bias: float32, ``H * K`` contiguous elements (``[H * K]``), or None.
+        :param lower_bound: the gate's lower bound (``< 0``), or None for the softplus gate.
         :param cu_seqlens: int32 ``[N + 1]``, token offsets of the N sequences; rows of ``o`` outside
             ``cu_seqlens[0] .. cu_seqlens[N]`` are left unwritten.
         :param state_pool: fp32 ``[num_slots, H, K, V]``; the slot stride is free, the rest contiguous.
@@ -322,17 +399,22 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
         :param use_qk_l2norm: L2-normalise q and k in the kernel (default: this instance's setting).
         :raises LaunchError: for shapes, dtypes, layouts or devices the kernel cannot take.
         """
-        self._check(q, k, v, g, beta, cu_seqlens, state_pool, state_slots)
+        self._check(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, state_pool, state_slots)
         l2norm = self.use_qk_l2norm if use_qk_l2norm is None else use_qk_l2norm
-        key = self.dispatch(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, use_qk_l2norm=l2norm)
+        key = self.dispatch(
+            q=q, k=k, v=v, raw_g=raw_g, raw_beta=raw_beta, dt_bias=dt_bias, lower_bound=lower_bound,
+            state_pool=state_pool, use_qk_l2norm=l2norm,
+        )  # fmt: skip
         o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         kwargs = dict(
-            q_ptr=q, k_ptr=k, v_ptr=v, g_ptr=g, beta_ptr=beta, o_ptr=o, state_ptr=state_pool,
+            q_ptr=q, k_ptr=k, v_ptr=v, g_ptr=raw_g, beta_ptr=raw_beta, a_log_ptr=A_log,
+            dt_bias_ptr=A_log if dt_bias is None else dt_bias, o_ptr=o, state_ptr=state_pool,
             cu_seqlens_ptr=cu_seqlens, slots_ptr=state_slots,
             q_stride=q.stride(0), k_stride=k.stride(0), v_stride=v.stride(0), state_stride=state_pool.stride(0),
             scale=float(key.head_k_dim**-0.5 if scale is None else scale),
+            lower_bound=0.0 if lower_bound is None else float(lower_bound),
             H=key.num_heads, K=key.head_k_dim, V=key.head_v_dim, BLOCK_K=key.block_k, BLOCK_V=key.block_v,
-            USE_L2NORM=key.use_qk_l2norm,
+            USE_L2NORM=key.use_qk_l2norm, HAS_DT_BIAS=key.has_dt_bias, USE_LOWER_BOUND=key.use_lower_bound,
         )  # fmt: skip
         num_seqs = cu_seqlens.shape[0] - 1
         v_tiles = (key.head_v_dim + key.block_v - 1) // key.block_v  # not triton.cdiv: microseconds of host time
@@ -344,8 +426,11 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        g: torch.Tensor,
-        beta: torch.Tensor,
+        raw_g: torch.Tensor,
+        raw_beta: torch.Tensor,
+        A_log: torch.Tensor,
+        dt_bias: torch.Tensor | None,
+        lower_bound: float | None,
         cu_seqlens: torch.Tensor,
         state_pool: torch.Tensor,
         state_slots: torch.Tensor,
@@ -357,17 +442,29 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
             fail(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} must be [T, H, K], [T, H, K], [T, H, V]")
         t, h, kd = q.shape
         vd = v.shape[2]
-        if g.shape != q.shape or beta.shape != (t, h):
-            fail(f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [T, H, K] = {(t, h, kd)} and [T, H]")
+        if raw_g.shape != q.shape or raw_beta.shape != (t, h):
+            fail(
+                f"raw_g {tuple(raw_g.shape)} and raw_beta {tuple(raw_beta.shape)} must be [T, H, K] = {(t, h, kd)}"
+                " and [T, H]"
+            )
         for name, x, dim in (("q", q, kd), ("k", k, kd), ("v", v, vd)):
             if x.stride(2) != 1 or x.stride(1) != dim:
                 fail(f"{name} needs contiguous heads and head dim (strides (*, {dim}, 1), got {x.stride()})")
-        if not (g.is_contiguous() and beta.is_contiguous()):
-            fail("g and beta must be contiguous", fix="pass the gate and beta outputs, not views of them")
+        if not (raw_g.is_contiguous() and raw_beta.is_contiguous()):
+            fail("raw_g and raw_beta must be contiguous", fix="pass the gate and beta projections, not views of them")
         if k.dtype != q.dtype or v.dtype != q.dtype:
             fail(f"q, k, v must share one dtype (got {q.dtype}, {k.dtype}, {v.dtype})")
-        if not all(x.dtype.is_floating_point for x in (q, g, beta)):
-            fail(f"q, g and beta must be floating point (got {q.dtype}, {g.dtype}, {beta.dtype})")
+        if not all(x.dtype.is_floating_point for x in (q, raw_g, raw_beta)):
+            fail(f"q, raw_g and raw_beta must be floating point (got {q.dtype}, {raw_g.dtype}, {raw_beta.dtype})")
+        params = (("A_log", A_log, h), ("dt_bias", dt_bias, h * kd))
+        for name, p, numel in params:
+            if p is not None and (p.dtype != torch.float32 or p.numel() != numel or not p.is_contiguous()):
+                fail(
+                    f"{name} must be float32 with {numel} contiguous elements (got {p.dtype} {tuple(p.shape)})",
+                    fix="pass the layer's parameter ([H] for A_log, [H * K] for dt_bias), as the model holds it",
+                )
+        if lower_bound is not None and not lower_bound < 0:
+            fail(f"lower_bound must be < 0 or None (got {lower_bound!r})")
         if state_pool.ndim != 4 or tuple(state_pool.shape[1:]) != (h, kd, vd):
             fail(f"state_pool {tuple(state_pool.shape)} must be [num_slots, H, K, V] with (H, K, V) = {(h, kd, vd)}")
         if state_pool.dtype != torch.float32:
@@ -380,7 +477,8 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
             fail(
                 f"state_slots must be int32 [N] (got {state_slots.dtype} {tuple(state_slots.shape)}, N = {cu_seqlens.shape[0] - 1})"
             )
-        devices = {x.device for x in (q, k, v, g, beta, cu_seqlens, state_pool, state_slots)}
+        tensors = [q, k, v, raw_g, raw_beta, A_log, cu_seqlens, state_pool, state_slots]
+        devices = {x.device for x in (*tensors, *([] if dt_bias is None else [dt_bias]))}
         if len(devices) > 1:
             fail(f"all inputs must be on one device (got {sorted(map(str, devices))})")
 
@@ -390,12 +488,37 @@ def _is_view(x: torch.Tensor) -> bool:
     return x.storage_offset() != 0 or x.stride(0) != x.shape[1] * x.shape[2]
 
 
+def kda_gate_reference(
+    raw_g: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
+) -> torch.Tensor:
+    """The gate the kernel applies, in fp32: ``g [..., H, K]`` (log-space decay, ``<= 0``).
+
+    ``x = raw_g + dt_bias`` (``dt_bias`` ``[H * K]`` viewed as ``[H, K]``; 0 if None), ``a = exp(A_log[h])``;
+    ``g = lower_bound * sigmoid(a * x)`` if a lower bound is set, else ``-a * softplus(x)`` (beta 1,
+    threshold 20: ``x`` itself above 20).
+    """
+    heads, k_dim = raw_g.shape[-2], raw_g.shape[-1]
+    x = raw_g.float()
+    if dt_bias is not None:
+        x = x + dt_bias.float().reshape(heads, k_dim)
+    a = torch.exp(A_log.float().reshape(heads, 1))
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(a * x)
+    return -a * torch.nn.functional.softplus(x, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
+
+
 def kda_recurrent_reference(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
+    raw_g: torch.Tensor,
+    raw_beta: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor | None,
+    lower_bound: float | None,
     cu_seqlens: torch.Tensor,
     state_pool: torch.Tensor,
     state_slots: torch.Tensor,
@@ -403,12 +526,15 @@ def kda_recurrent_reference(
     scale: float | None = None,
     use_qk_l2norm: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference: the recurrence token by token in fp32, one cast of ``o`` at the end.
+    """PyTorch reference: the gate (:func:`kda_gate_reference`) and ``beta = sigmoid(raw_beta)`` in fp32,
+    then the recurrence token by token in fp32, one cast of ``o`` at the end.
 
     :returns: ``(o, pool)``: ``o`` ``[T, H, V]`` in v's dtype (zeros outside the sequences) and a
         copy of ``state_pool`` with the final states written; the input pool is not modified.
     """
     scale = q.shape[-1] ** -0.5 if scale is None else scale
+    g = kda_gate_reference(raw_g, A_log, dt_bias, lower_bound)
+    beta = torch.sigmoid(raw_beta.float())
     pool = state_pool.clone()
     o = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
     bounds = cu_seqlens.tolist()
@@ -419,8 +545,8 @@ def kda_recurrent_reference(
             if use_qk_l2norm:
                 qt = qt / torch.sqrt((qt * qt).sum(-1, keepdim=True) + L2NORM_EPS)
                 kt = kt / torch.sqrt((kt * kt).sum(-1, keepdim=True) + L2NORM_EPS)
-            s = s * torch.exp(g[t].float())[..., None]
-            u = beta[t].float()[:, None] * (v[t].float() - torch.einsum("hkv,hk->hv", s, kt))
+            s = s * torch.exp(g[t])[..., None]
+            u = beta[t][:, None] * (v[t].float() - torch.einsum("hkv,hk->hv", s, kt))
             s = s + kt[..., None] * u[:, None, :]
             o[t] = torch.einsum("hkv,hk->hv", s, qt * scale)
         if slot >= 0:
@@ -438,8 +564,26 @@ def _linear_attn(config: warmreg.WarmConfig, name: str, value: Any) -> int:
     return int(value)
 
 
+def _lower_bound(config: warmreg.WarmConfig, value: Any) -> float | None:
+    """``text.linear_attn_config.gate_lower_bound``: None (absent or null: the softplus gate) or a float < 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value < 0:
+        raise warmreg.ConfigError(
+            "text.linear_attn_config.gate_lower_bound",
+            f"must be a number < 0 or null (got {value!r})",
+            plugin=PLUGIN,
+            fix=f"correct it in {config.source}",
+        )
+    return float(value)
+
+
 def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register the KDA step when ``text.linear_attn_config.kda_layers`` is non-empty (every platform).
+
+    Reads ``linear_attn_config.{num_heads, head_dim, gate_lower_bound}``; the raw gate and beta are in the
+    model dtype and the layers have a ``dt_bias``, as vLLM's Kimi-K3 KDA layer (``vllm/models/kimi_k3/
+    nvidia/kda.py``) passes them to ``fused_recurrent_kda``.
 
     :raises warmreg.ConfigError: for a malformed ``linear_attn_config`` or a tensor-parallel size that
         does not divide the KDA head count.
@@ -458,6 +602,7 @@ def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, 
         return  # no KDA layers
     heads = _linear_attn(config, "num_heads", linear.get("num_heads"))
     head_dim = _linear_attn(config, "head_dim", linear.get("head_dim"))
+    lower_bound = _lower_bound(config, linear.get("gate_lower_bound"))
     tp = tensor_parallel_size(config)
     if heads % tp:
         raise warmreg.ConfigError(
@@ -472,7 +617,11 @@ def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, 
             head_k_dim=head_dim,
             head_v_dim=head_dim,
             dtype=m.dtype,
+            gate_dtype=m.dtype,  # raw projections, in the model dtype
+            beta_dtype=m.dtype,
             use_qk_l2norm=True,  # Kimi-Linear normalises q and k inside the kernel
+            has_dt_bias=True,  # an assumption: Kimi-Linear's KDA layer always has one (examples/kimi_k3.json)
+            lower_bound=lower_bound,
             max_num_seqs=config.get("serving.max_num_seqs", int, plugin=PLUGIN),
             num_speculative_tokens=config.get("serving.num_speculative_tokens", int, plugin=PLUGIN, default=0),
             plugin=PLUGIN,
