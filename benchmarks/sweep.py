@@ -923,6 +923,12 @@ class KimiSweep(Sweep):
             kda = self.kernel(KDA)
             self.hkv = (kda.num_heads, kda.head_k_dim, kda.head_v_dim)
             self.pool = self.randn(lim.max_seqs + 1, *self.hkv, dtype=F32, scale=0.1)  # a slot a request + padding
+            # The layer's fp32 parameters (A_log [H], dt_bias [H * K]) and the configured gate lower bound.
+            h, dk = kda.num_heads, kda.head_k_dim
+            a_log = torch.rand(h, generator=self.gen, device=self.dev).mul_(1.5).add_(0.5).log_()  # exp in [0.5, 2)
+            dt_bias = self.randn(h * dk, dtype=F32, scale=0.5) if kda.has_dt_bias else None
+            self.gate = (a_log, dt_bias, kda.lower_bound)
+            self.raw_dtypes = (kda.gate_dtype, kda.beta_dtype)
 
     def run(self, st: Step) -> None:
         for bs in self.groups:
@@ -944,12 +950,12 @@ class KimiSweep(Sweep):
             q, k, v = (fused[:, i * h * dk : i * h * dk + h * w].view(t, h, w) for i, w in enumerate((dk, dk, dv)))
         else:
             q, k, v = self.randn(t, h, dk), self.randn(t, h, dk), self.randn(t, h, dv)
-        g = torch.rand(t, h, dk, generator=self.gen, device=self.dev).mul_(-0.5)  # log-space decay (gate output)
-        beta = torch.rand(t, h, generator=self.gen, device=self.dev)
+        raw_g = self.randn(t, h, dk, dtype=self.raw_dtypes[0])  # the raw projections: gate and beta in the kernel
+        raw_beta = self.randn(t, h, dtype=self.raw_dtypes[1], scale=2.0)
         slots = torch.randperm(self.pool.shape[0] - 1, generator=self.gen, device=self.dev)[: b.num_decodes].to(I32)
         if self.rng.random() < 0.1:
             slots[-1] = -1  # a padded entry: no state in, nothing written back
-        args = (q, k, v, g, beta, st.qsl[: b.num_decodes + 1], self.pool, slots)
+        args = (q, k, v, raw_g, raw_beta, *self.gate, st.qsl[: b.num_decodes + 1], self.pool, slots)
         self.launch(
             KDA,
             f"{b.num_decodes} decode sequences",
