@@ -293,16 +293,19 @@ def b_gather(size: tuple[int, int]) -> Case:
 
 
 def b_kda(size: tuple[int, int]) -> Case:
-    """read T*H*(3*K*2 q,k,v + K*4 g + 4 beta) + N*8 + 4 + N*H*K*V*4 state; write T*H*V*2 o + N*H*K*V*4 state"""
+    """read T*H*(3*K*2 q,k,v + K*2 raw gate + 2 raw beta) + H*4 A_log + H*K*4 dt_bias + N*8 + 4 + N*H*K*V*4 state;
+    write T*H*V*2 o + N*H*K*V*4 state (the raw gate and beta in bf16, as Kimi-K3's projections give them)"""
     n, s = size
     t, h, d = n * s, S.kda_heads, S.kda_dim
     q, k, v = (randn(t, h, d).to(BF16) for _ in range(3))
-    args = (q, k, v, -0.5 * torch.rand(t, h, d, device=S.dev), torch.rand(t, h, device=S.dev),
-            torch.arange(0, t + 1, s, dtype=I32, device=S.dev))  # fmt: skip
+    raw_g, raw_beta = randn(t, h, d).to(BF16), randn(t, h).to(BF16)
+    a_log, dt_bias = 0.5 * torch.rand(h, device=S.dev), 0.1 * randn(h * d)
+    lower_bound = -5.0  # as the example config assumes (a runtime argument: no key depends on it)
+    args = (q, k, v, raw_g, raw_beta, a_log, dt_bias, lower_bound, torch.arange(0, t + 1, s, dtype=I32, device=S.dev))
     nslots = n + 1 if S.small else S.max_seqs + 1  # a slot per running request + the padding slot
     pool = 0.1 * randn(nslots, h, d, d)
     pool_k, slots = pool.clone(), torch.randperm(nslots, device=S.dev)[:n].to(I32)
-    kern = KDARecurrent(num_heads=h, head_k_dim=d, head_v_dim=d)
+    kern = KDARecurrent(num_heads=h, head_k_dim=d, head_v_dim=d, lower_bound=lower_bound)
     def compare(got: Any, want: Any) -> tuple[bool, float, str]:
         ok_o, err, msg = close([(got[0], want[0])], 1e-2, 1.6e-2)  # tests: bf16 o, one rounding step
         ok_s, err_s, msg_s = close([(got[1], want[1])], 1e-5, 1e-5)  # fp32 state
@@ -310,7 +313,7 @@ def b_kda(size: tuple[int, int]) -> Case:
         keep[slots.long()] = False
         same = torch.equal(pool_k[keep], pool[keep])
         return ok_o and ok_s and same, err, f"state max abs err {err_s:.3g}; other slots untouched {same} {msg} {msg_s}"
-    nbytes = t * h * (3 * d * 2 + d * 4 + 4) + n * 8 + 4 + 2 * n * h * d * d * 4 + t * h * d * 2
+    nbytes = t * h * (3 * d * 2 + d * 2 + 2) + h * 4 + h * d * 4 + n * 8 + 4 + 2 * n * h * d * d * 4 + t * h * d * 2
     return Case(f"N={n} x {s} tok (T={t})", nbytes, lambda: (kern(*args, pool_k, slots), pool_k),
                 lambda: kda_recurrent_reference(*args, pool, slots), compare)  # fmt: skip
 
