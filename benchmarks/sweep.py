@@ -7,7 +7,8 @@ here stops the sweep before anything runs (:class:`SweepError` names it); a driv
 
 Steps are decode-only, prefill-only or mixed (the first three one of each, then 5:2:3 at random), decode requests
 first as engines schedule them. A decode request carries ``1 + num_speculative_tokens`` tokens (70% of steps), 1
-(15%) or either (15%: no uniform decode); token counts run from 1 to ``max_num_batched_tokens`` and sequence
+(15%) or either (15%: no uniform decode), and the first step's mix ``1 + num_speculative_tokens`` and 1 (unequal
+decode lengths: the C4 indexer's padded decode path); token counts run from 1 to ``max_num_batched_tokens`` and sequence
 lengths to ``max_model_len`` (each step first draws its longest sequence: log-uniform and uniform draws and both
 extremes); a fifth of the requests replay a bounded SWA window. Inputs are built as an engine builds them and go
 through the plugins' launchers (``plan.kernel(name).kernel``): ``query_start_loc``/``seq_lens``/``positions`` from
@@ -27,7 +28,8 @@ launch the same keys):
 - DeepSeek-V4, each type: Q/KV RMSNorm, its sparse prefill chunk by chunk (dequant-gather of its compressed cache
   and of the SWA cache, then the combine), inverse RoPE + FP8 quant. C4 adds its compressor's save, and the
   indexer (save, compress + insert, Q RoPE + quant, global top-k of the decode tokens (and of the prefill tokens
-  under FlashInfer), prefill chunk metadata, cut along M above the logits budget); C128 adds its compressor's
+  under FlashInfer), on decode batches of unequal lengths the pack of the FP8 Q and the unpack of the top-k,
+  prefill chunk metadata, cut along M above the logits budget); C128 adds its compressor's
   save. The MTP layer's two norms run around the attention type of the MTP layer (SWA-only: with the SWA-only
   layers when the model has them, else as a type of its own).
 - Kimi-K3: the MLA layers' Q/KV RMSNorm (over either registered projection width) and the KDA layers' recurrent
@@ -73,6 +75,7 @@ from warmreg_deepseek_v4.indexer import indexer_page_stride
 from warmreg_deepseek_v4.inv_rope_quant import fp8_checkpoint
 from warmreg_deepseek_v4.metadata import C4_STATE_BLOCK_SIZE, C128_STATE_BLOCK_SIZE
 from warmreg_deepseek_v4.model import SPARSE_BLOCK_SIZE, SWA_PAGE_SIZE
+from warmreg_deepseek_v4.pack_seq import pack_seq_reference
 from warmreg_deepseek_v4.sparse_mla import (
     FLASHINFER_SPARSE,
     attention_backend,
@@ -83,6 +86,7 @@ from warmreg_deepseek_v4.sparse_mla import (
 )
 from warmreg_deepseek_v4.swa_indices import decode_swa_indices_reference
 from warmreg_deepseek_v4.swa_prefill_metadata import sparse_swa_prefill_metadata_reference
+from warmreg_deepseek_v4.unpack_seq import unpack_seq_reference
 from warmreg_kimi_k3.kda import kda_recurrent_reference
 
 import warmreg
@@ -116,8 +120,10 @@ DRIVERS = frozenset(
             "inv_rope_fp8_quant",
             "mtp_input_rmsnorm",
             "mtp_shared_head_rmsnorm",
+            "pack_seq",
             "prepare_uniform_decode",
             "sparse_swa_prefill_metadata",
+            "unpack_seq",
         )
     ]
 )
@@ -220,11 +226,12 @@ def _length(rng: random.Random, lo: int, hi: int) -> int:
     return _count(rng, lo, hi) if r < 0.6 else rng.randint(lo, hi)
 
 
-def make_batch(rng: random.Random, kind: str, lim: Limits) -> Batch:
+def make_batch(rng: random.Random, kind: str, lim: Limits, *, mix_decode: bool = False) -> Batch:
     """A decode-first batch of ``kind`` within the limits, as an engine's scheduler emits it.
 
     The step first draws its longest sequence, so that steps of short sequences only occur too (the C128 width
-    and the sparse-prefill workspace follow a step's longest sequence).
+    and the sparse-prefill workspace follow a step's longest sequence). ``mix_decode``: the decode requests carry
+    ``1 + num_speculative_tokens`` tokens, then 1 (at least one of each, where the limits leave room for both).
     """
     if kind == "mixed" and (lim.max_tokens < 2 or lim.max_seqs < 2):
         kind = "decode"
@@ -234,8 +241,14 @@ def make_batch(rng: random.Random, kind: str, lim: Limits) -> Batch:
         room = lim.max_tokens - (kind == "mixed")
         n_dec = _count(rng, 1, max(1, min(lim.max_seqs - (kind == "mixed"), room // d)))
         mode = rng.random()
-        for _ in range(n_dec):
-            qlens.append(min(room, d if mode < 0.7 else 1 if mode < 0.85 else rng.randint(1, d)))
+        mix = mix_decode and d > 1 and room > d and lim.max_seqs - (kind == "mixed") > 1
+        if mix:
+            n_dec = min(max(n_dec, 2), room - d + 1)
+        for i in range(n_dec):
+            if mix:
+                qlens.append(d if i == 0 else 1)
+            else:
+                qlens.append(min(room, d if mode < 0.7 else 1 if mode < 0.85 else rng.randint(1, d)))
             seqs.append(_length(rng, qlens[-1] + 1, cap))  # some context before the drafts
     n_dec = len(qlens)
     if kind != "decode":
@@ -767,10 +780,13 @@ class DSV4Sweep(Sweep):
         if self.has("indexer_q_rope_quant"):
             h, d = self.m.index_n_heads, self.m.index_head_dim
             args = (st.positions, self.randn(T, h, d, scale=2), self.rope[4], self.randn(T, h), d**-0.5, h**-0.5)
-            self.launch(
+            q = self.launch(
                 DSV4_PREFIX + "indexer_q_rope_quant", "c4 indexer", lambda: self.k("indexer_q_rope_quant")(*args)
             )
+            if q is not None:
+                self.pack_q(st, q[0])
         st.topk = self.local_topk(st)
+        self.unpack_topk(st)
         if self.has("global_topk_indices") and KV in st.slots:
             valid = st.slots[KV] >= 0
             spans = [(0, b.decode_tokens, "decode")] + [(b.decode_tokens, T, "FlashInfer prefill")] * self.flashinfer
@@ -781,6 +797,41 @@ class DSV4Sweep(Sweep):
             for a, e, cuts in self.indexer_chunks(b):
                 for qs0, qs1 in cuts:
                     self._chunk_metadata(st, a, e, qs0, qs1)
+
+    def decode_lens(self, st: Step) -> tuple[list[int], torch.Tensor] | None:
+        """The decode lengths (host and device) when they differ: the native decode's padded path, else None."""
+        lens = list(st.batch.qlens[: st.batch.num_decodes])
+        return (lens, torch.tensor(lens, dtype=I32, device=self.dev)) if len(set(lens)) > 1 else None
+
+    def pack_q(self, st: Step, q_fp8: torch.Tensor) -> None:
+        """The padded decode's pack of the FP8 Q ``q_fp8[:Td]`` (``[Td, H * D]``) into ``[B, Lmax, H, D]``."""
+        dec = self.decode_lens(st)
+        if dec is None or not self.has("pack_seq"):
+            return
+        x = q_fp8[: st.batch.decode_tokens].reshape(st.batch.decode_tokens, -1)
+        self.launch(
+            DSV4_PREFIX + "pack_seq",
+            f"decode lens {dec[0]}",
+            lambda: self.k("pack_seq")(x, dec[1], lengths_host=dec[0]).view(len(dec[0]), max(dec[0]), *q_fp8.shape[1:]),
+        )  # no reference check: the -inf pad has no e4m3fn encoding (the plugin's tests mask those slots)
+
+    def unpack_topk(self, st: Step) -> None:
+        """The padded decode's unpack of the top-k of the ``B * next_n`` packed rows back into the buffer's ``[:Td]``."""
+        dec = self.decode_lens(st)
+        if dec is None or st.topk is None or not self.has("unpack_seq"):
+            return
+        nd, next_n = st.batch.decode_tokens, 1 + self.lim.spec
+        # what the top-k of the padded rows writes: the decode rows' indices, -1 in the pad rows
+        packed = torch.full((len(dec[0]), next_n, self.m.index_topk), -1, dtype=I32, device=self.dev)
+        packed[:, : max(dec[0])] = pack_seq_reference(st.topk[:nd], dec[1], pad_value=-1)
+        out = self.launch(
+            DSV4_PREFIX + "unpack_seq",
+            f"decode lens {dec[0]}",
+            lambda: self.k("unpack_seq")(packed, dec[1], lengths_host=dec[0]),
+            fallback=lambda: unpack_seq_reference(packed, dec[1]),
+            ref=lambda: unpack_seq_reference(packed, dec[1]),
+        )
+        st.topk[:nd].copy_(out)
 
     def _index_insert(self, st: Step) -> None:
         """The indexer compressor's fused compress + RMSNorm + RoPE + FP8 quant + insert (of closing windows)."""
@@ -1009,7 +1060,7 @@ def run_config(
     try:
         for i in range(steps):
             kind = KINDS[i] if i < len(KINDS) else rng.choices(KINDS, weights=(5, 2, 3))[0]
-            batches.append(make_batch(rng, kind, lim))
+            batches.append(make_batch(rng, kind, lim, mix_decode=i == 0))
             sweep.step(batches[-1], i)
         if cuda:
             torch.cuda.synchronize()

@@ -32,9 +32,10 @@ def test_sweep_launches_every_plan_kernel(example: str) -> None:
     sweep = _sweep_module()
     config = str(ROOT / "examples" / f"{example}.json")
     # Tiny sizes: the interpreter runs the programs one by one in Python (the indexer Q kernel has 64 per token,
-    # the inverse RoPE 4 x heads per launch). Two tokens a step still give a decode-only, a prefill-only and a
-    # mixed step; seed 36 draws a 1-token decode step, so the three steps carry 4 tokens, the fewest possible.
-    run = sweep.run_config(config, steps=3, seed=36, device="cpu", max_tokens=2, max_seq_len=16, max_seqs=2)
+    # the inverse RoPE 4 x heads per launch). Three tokens a step are the fewest that give the first (decode-only)
+    # step unequal decode lengths (2 + 1 under MTP 1: the indexer's pack / unpack), then a prefill-only and a
+    # mixed step.
+    run = sweep.run_config(config, steps=3, seed=36, device="cpu", max_tokens=3, max_seq_len=16, max_seqs=2)
     assert run["step_kinds"] == {"decode": 1, "prefill": 1, "mixed": 1}
     assert run["step_failures"] == []
     planned = {kp.name for kp in warmreg.plan(config, target=sweep.CPU_TARGET).kernels}

@@ -25,6 +25,7 @@ from . import (
     inv_rope_quant,
     mtp_input_norm,
     mtp_shared_head_norm,
+    pack_seq,
     qkv_rmsnorm,
     slot_mapping,
     sparse_mla,
@@ -32,6 +33,7 @@ from . import (
     swa_indices,
     swa_prefill_metadata,
     uniform_decode,
+    unpack_seq,
 )
 from .model import DSV4, PLUGIN
 
@@ -56,6 +58,8 @@ OP_MODULES: tuple[ModuleType, ...] = (
     cache_insert,
     state_cache,
     indexer_q,
+    pack_seq,
+    unpack_seq,
     indexer_kv,
     inv_rope_quant,
     mtp_input_norm,
