@@ -7,7 +7,7 @@ and both plugins), so the same interpreter, Triton and torch run both. Writes
 benchmarks/results/warm_ab_<tag>.json with every round's wall times, the medians and the ratios.
 
     git worktree add /tmp/base <commit>
-    python benchmarks/warm_ab.py examples/deepseek_v4_flash.json --baseline /tmp/base [--rounds 5] [--target cuda:90]
+    python benchmarks/warm_ab.py examples/deepseek_v4_flash.json --baseline /tmp/base [--tree DIR] [--rounds 5] [--target cuda:90]
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from _common import write
 ROOT = Path(__file__).resolve().parents[1]
 
 _WARM = """
-import json, time, warmreg
+import json, time, torch, warmreg
+from warmreg import warm  # the pipeline (and torch) imported before the timer, as in an engine
 t = time.perf_counter()
-r = warmreg.warm({config!r}, target={target!r}, workers={workers}, on_error="continue", progress=False)
+r = warm({config!r}, target={target!r}, workers={workers}, on_error="continue", progress=False)
 wall = time.perf_counter() - t
 assert r.ok, r.summary()
 print(json.dumps({{"wall": wall, "keys": r.declared, "compiled": r.compiled, "from_cache": r.from_cache, "core": warmreg.__file__}}))
@@ -47,12 +48,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("config")
     ap.add_argument("--baseline", required=True, help="a checkout of the commit to compare against")
+    ap.add_argument("--tree", default=str(ROOT), help="the checkout measured against it (default: this one)")
     ap.add_argument("--target", default="cuda:90")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--tag", default="cpu2core")
     args = ap.parse_args()
     workers = len(os.sched_getaffinity(0))
-    trees = {"this": ROOT, "baseline": Path(args.baseline).resolve()}
+    trees = {"this": Path(args.tree).resolve(), "baseline": Path(args.baseline).resolve()}
     relative = Path(args.config).resolve().relative_to(ROOT)  # each tree warms its own copy of the config
     codes = {name: _WARM.format(config=str(tree / relative), target=args.target, workers=workers) for name, tree in trees.items()}
     rounds: dict[str, dict[str, list[float]]] = {name: {"cold": [], "warm_cache": []} for name in trees}
@@ -68,8 +70,8 @@ def main() -> None:
     medians = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in rounds.items()}
     ratios = {k: medians["this"][k] / medians["baseline"][k] for k in ("cold", "warm_cache")}
     results = {
-        "config": args.config, "target": args.target, "workers": workers, "baseline": str(trees["baseline"]),
-        "baseline_commit": subprocess.run(["git", "-C", str(trees["baseline"]), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "config": args.config, "target": args.target, "workers": workers, "trees": {k: str(v) for k, v in trees.items()},
+        "commits": {k: subprocess.run(["git", "-C", str(v), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() for k, v in trees.items()},
         "rounds": rounds, "medians": medians, "this_over_baseline": ratios,
     }  # fmt: skip
     path = write(f"warm_ab_{args.tag}", results)
