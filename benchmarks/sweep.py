@@ -87,6 +87,7 @@ from warmreg_deepseek_v4.sparse_mla import (
 from warmreg_deepseek_v4.swa_indices import decode_swa_indices_reference
 from warmreg_deepseek_v4.swa_prefill_metadata import sparse_swa_prefill_metadata_reference
 from warmreg_deepseek_v4.unpack_seq import unpack_seq_reference
+from warmreg_kimi_k3.attn_res import attn_res_reference
 from warmreg_kimi_k3.kda import kda_recurrent_reference
 
 import warmreg
@@ -99,7 +100,7 @@ CPU_TARGET = "cuda:90"  # the plan a CPU run drives: the H200's
 I32, I64, BF16, F32, U8 = torch.int32, torch.int64, torch.bfloat16, torch.float32, torch.uint8
 
 SLOTS, NORM = "warmreg.ops.block_table_slot_mapping", "warmreg.ops.fused_qkv_rmsnorm"
-KDA = "kimi_k3.kda_recurrent"
+KDA, ATTN_RES = "kimi_k3.kda_recurrent", "kimi_k3.attn_res"
 DSV4_PREFIX = "deepseek_v4."
 CSLOTS, GATHER, COMBINE, SAVE = (
     DSV4_PREFIX + n
@@ -107,7 +108,7 @@ CSLOTS, GATHER, COMBINE, SAVE = (
 )
 #: Every kernel the sweep can drive.
 DRIVERS = frozenset(
-    [SLOTS, NORM, KDA, CSLOTS, GATHER, COMBINE, SAVE]
+    [SLOTS, NORM, KDA, ATTN_RES, CSLOTS, GATHER, COMBINE, SAVE]
     + [
         DSV4_PREFIX + n
         for n in (
@@ -958,7 +959,8 @@ class DSV4Sweep(Sweep):
 
 
 class KimiSweep(Sweep):
-    """Kimi-K3: the MLA layers' slot mapping and Q/KV RMSNorm, the KDA layers' recurrent decode step."""
+    """Kimi-K3: the MLA layers' slot mapping and Q/KV RMSNorm, the KDA layers' recurrent decode step, and the
+    attention residuals of the decoder layers (each distinct call site of the forward once a step)."""
 
     def __init__(self, plan: warmreg.Plan, dev: torch.device, lim: Limits, seed: int) -> None:
         super().__init__(plan, dev, lim, seed)
@@ -980,6 +982,15 @@ class KimiSweep(Sweep):
             dt_bias = self.randn(h * dk, dtype=F32, scale=0.5) if kda.has_dt_bias else None
             self.gate = (a_log, dt_bias, kda.lower_bound)
             self.raw_dtypes = (kda.gate_dtype, kda.beta_dtype)
+        if ATTN_RES in self.names:
+            self.layers.append(("attn_res", 0))
+            ar = self.kernel(ATTN_RES)
+            d = ar.hidden_size
+            # The engine's persistent buffers, sliced to a step's tokens: the running block sum [T, D] and the
+            # residual buffer [T, max_blocks, D]; the layers' norm weights and pseudo-query (one set: pointers).
+            self.ar_prefix = self.randn(lim.max_tokens, d)
+            self.ar_blocks = self.randn(lim.max_tokens, ar.max_blocks, d)
+            self.ar_weights = (self.randn(d, scale=0.1).add_(1), self.randn(d, scale=0.02), self.randn(d).add_(1))
 
     def run(self, st: Step) -> None:
         for bs in self.groups:
@@ -987,8 +998,37 @@ class KimiSweep(Sweep):
         for kind, _ in self.layers:
             if kind == "mla":
                 self.qkv_norm(st, kind, self.q, self.kv, self.rng.choice(self.widths), self.eps)
-            else:
+            elif kind == "kda":
                 self.kda(st)
+            else:
+                self.attn_res(st)
+
+    def attn_res(self, st: Step) -> None:
+        """Every distinct call site of the forward (before attention with its block writes, before the MLP, the
+        model output), sorted by block count, on the step's tokens; the sublayer outputs are random deltas."""
+        ar, t = self.kernel(ATTN_RES), st.batch.tokens
+        norm_w, qk_w, out_w = self.ar_weights
+        prefix, blocks = self.ar_prefix[:t], self.ar_blocks[:t]
+        for site in ar.call_sites:
+            args: dict[str, Any] = dict(
+                prefix=prefix, delta=self.randn(t, ar.hidden_size, scale=0.1) if site.has_delta else None,
+                blocks=blocks, norm_weight=norm_w, qk_weight=qk_w,
+                num_blocks=site.num_blocks, block_write_idx=site.block_write_idx, eps=ar.eps,
+                output_norm_weight=out_w if site.apply_output_norm else None,
+                output_norm_eps=ar.output_norm_eps if site.apply_output_norm else None,
+            )  # fmt: skip
+            what = f"{site.num_blocks} blocks, write {site.block_write_idx}, norm {site.apply_output_norm}"
+            self.attn_res_site(ar, what, args)
+
+    def attn_res_site(self, ar: Any, what: str, args: dict[str, Any]) -> None:
+        """One ``attn_res`` launch; the reference runs on copies first, then the launch updates the buffers."""
+        self.launch(
+            ATTN_RES,
+            what,
+            lambda: ar(**args),
+            ref=lambda: attn_res_reference(**args)[0],
+            tol=(1e-2, 1.6e-2),  # the plugin's tests: bf16 output from fp32 sums in different orders
+        )
 
     def kda(self, st: Step) -> None:
         """The KDA decode step over the decode requests; q, k, v separate or views of one fused projection."""

@@ -9,7 +9,15 @@ import attrs
 
 import warmreg
 
-__all__ = ["PLUGIN", "KimiK3", "positive", "positive_text_int", "tensor_parallel_size"]
+__all__ = [
+    "PLUGIN",
+    "KimiK3",
+    "attn_res_block_size",
+    "positive",
+    "positive_text_int",
+    "rms_norm_eps",
+    "tensor_parallel_size",
+]
 
 PLUGIN = "warmreg-kimi-k3"
 
@@ -27,6 +35,28 @@ def positive_text_int(config: warmreg.WarmConfig, field: str) -> int:
     :raises warmreg.ConfigError: if it is missing or not a positive int.
     """
     return config.get(f"text.{field}", int, plugin=PLUGIN, check=positive)
+
+
+def attn_res_block_size(config: warmreg.WarmConfig) -> int | None:
+    """``text.attn_res_block_size``: decoder layers per attention-residual block, or None when absent or
+    null (the model then has plain residuals and never launches ``attn_res``).
+
+    :raises warmreg.ConfigError: if it is set but not a positive int.
+    """
+    return config.get("text.attn_res_block_size", int, plugin=PLUGIN, check=positive, default=None)
+
+
+def _positive_float(value: Any) -> str | None:
+    return None if value > 0 else f"must be > 0 (got {value})"
+
+
+def rms_norm_eps(config: warmreg.WarmConfig) -> float:
+    """``text.rms_norm_eps``: the epsilon of the model's RMSNorms (required: it is a constexpr of ``attn_res``,
+    so a guessed default would warm binaries the engine never launches).
+
+    :raises warmreg.ConfigError: if it is missing or not a number > 0.
+    """
+    return config.get("text.rms_norm_eps", float, plugin=PLUGIN, check=_positive_float)
 
 
 def tensor_parallel_size(config: warmreg.WarmConfig) -> int:
