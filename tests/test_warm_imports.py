@@ -53,7 +53,10 @@ def test_warm_launch_code_of_the_examples_imports_no_sympy() -> None:
     configs = [str(ROOT / "examples" / f"{name}.json") for name in ("deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3")]
     out = subprocess.run([sys.executable, "-c", _CHILD, *configs], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split() == ["keys", "135"]
+    import warmreg
+
+    planned = sum(warmreg.plan(c, target="cuda:90").num_keys for c in configs)
+    assert planned >= 135 and out.stdout.split() == ["keys", str(planned)]  # every key's launch code ran
 
 
 _NO_TORCH = _BLOCK.format(module="torch") + r"""
