@@ -3,7 +3,8 @@
 # (README, "Supported versions"). For each VERSION (default: 3.6.0 3.7.1 3.9.0), in a virtual
 # environment beside the current Python (it sees that Python's torch and test tools; only Triton
 # differs):
-#   1. the adapter tests and every kernel test under Triton's interpreter (plugins, shared ops),
+#   1. the adapter tests and every kernel test under Triton's interpreter (plugins, shared ops), less
+#      those marked slow (a whole plan's cross-compile is step 3's pack build here),
 #   2. the README's main job: warm the DeepSeek-V4-Flash example for cuda:90 (0 failed keys),
 #   3. a Kimi-K3 pack built and installed under that release: the next warm compiles 0 keys.
 # Usage: bash scripts/other-tritons.sh [VERSION ...]     (WARMREG_VENVS=DIR keeps the venvs there)
@@ -25,7 +26,7 @@ for v in "${versions[@]}"; do
     "$vpy" -c "import triton, sys; sys.exit(triton.__version__ != '$v')" || { echo "Triton $v did not install"; exit 1; }
     work=$(mktemp -d -t warmreg-check-XXXX)
     export TRITON_CACHE_DIR="$work/cache"
-    "$vpy" -m pytest -q -p no:cacheprovider "${tests[@]}" || status=1
+    "$vpy" -m pytest -q -p no:cacheprovider -m "not slow" "${tests[@]}" || status=1
     "$vpy" -m warmreg warm examples/deepseek_v4_flash.json --target cuda:90 --json "$work/flash.json" || status=1
     "$vpy" -m warmreg build examples/kimi_k3.json --target cuda:90 -o "$work/kimi.tar.gz" || status=1
     TRITON_CACHE_DIR="$work/fresh" "$vpy" -m warmreg warm examples/kimi_k3.json --target cuda:90 --pack "$work/kimi.tar.gz" \

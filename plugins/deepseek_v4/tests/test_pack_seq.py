@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
 from dsv4_support import ModulePlugin, example_config
 from warmreg_deepseek_v4 import pack_seq, unpack_seq
 from warmreg_deepseek_v4.pack_seq import PackSeq, pack_seq_reference
@@ -22,6 +23,13 @@ import warmreg
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 FLASH = EXAMPLES / "deepseek_v4_flash.json"
 NAMES = {"deepseek_v4.pack_seq", "deepseek_v4.unpack_seq"}
+#: Triton 3.6 and 3.7's interpreter cannot hold an e4m3fnuz tensor ("fail to convert fp8e4b8 to ir
+#: type"); from 3.8 it can. The e4m3fnuz key is still planned and cross-compiled for gfx942 below.
+FNUZ_INTERPRETED = tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 8)
+FP8 = [
+    torch.float8_e4m3fn,
+    pytest.param(torch.float8_e4m3fnuz, marks=pytest.mark.skipif(not FNUZ_INTERPRETED, reason="Triton < 3.8's interpreter has no e4m3fnuz")),
+]
 LENGTHS = [[2], [2, 1, 2], [1] * 64, [0, 2], [65, 3], [0]]  # [1]*64: 256 rows are slow in the interpreter
 
 
@@ -38,7 +46,7 @@ def _live(lengths: list[int], d: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("lengths", LENGTHS, ids=str)
 @pytest.mark.parametrize("d", [512, 100])
-@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e4m3fnuz])
+@pytest.mark.parametrize("dtype", FP8)
 def test_pack_fp8_matches_reference(lengths: list[int], d: int, dtype: torch.dtype) -> None:
     n = sum(lengths) + 3  # sum(lengths) < N: trailing rows are ignored
     x, lens = _fp8(n, d, dtype, len(lengths) + d), torch.tensor(lengths, dtype=torch.int32)

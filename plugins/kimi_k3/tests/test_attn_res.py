@@ -16,7 +16,7 @@ from warmreg_kimi_k3.attn_res import AttnRes, attn_res_reference, call_sites
 
 import warmreg
 
-EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "kimi_k3.json"
+EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "kimi_k3_attn_res.json"  # kimi_k3.json sets no block size
 ATTN_RES = AttnRes.name
 # The output and the updated prefix are cast to bf16 once, from fp32 sums (the dot products, the norms, the
 # softmax and the mix) whose order differs between the kernel and the reference: one bf16 rounding step apart
@@ -114,6 +114,7 @@ def _dispatch_args(inputs: dict[str, Any], num_blocks: int, write: int) -> dict[
     }  # fmt: skip
 
 
+@pytest.mark.slow  # 256 rows through the interpreter: about 20 s
 def test_prefill_tile_at_256_tokens() -> None:
     """The T class boundary: 255 tokens take the (4, 8) tile, 256 the (1, 4) tile, and 256 matches the
     reference. (The 256-row launch is 256 interpreted programs at hidden 32, a few seconds.)"""
