@@ -119,6 +119,18 @@ def test_vllm_enum_backend_and_rename_are_read() -> None:
     assert fp8_checkpoint(cfg) and DSV4.from_config(cfg).fp8_checkpoint
 
 
+def test_vllm_indexer_format_and_kda_backends_are_read_from_their_config_paths() -> None:
+    # AttentionConfig.indexer_kv_dtype is a field; --kda-*-backend land in the additional_config dict
+    vc = snapshot(
+        "vllm-flash",
+        **{"attention_config.indexer_kv_dtype": "mxfp4", "additional_config": {"kda_prefill_backend": "triton"}},
+    )
+    cfg = WarmConfig.load(vc)
+    assert cfg.serving["indexer_kv_dtype"] == "mxfp4" and cfg.serving["kda_prefill_backend"] == "triton"
+    assert "kda_decode_backend" not in cfg.serving  # unset in the dict: not a setting
+    assert "additional_config.kda_prefill_backend" in cfg.origins["kda_prefill_backend"]
+
+
 def test_sglang_counts_and_names_map_onto_canonical_ones() -> None:
     sa = snapshot("sglang-flash_eagle")
     assert (sa.speculative_num_draft_tokens, sa.kv_cache_dtype, sa.attention_backend) == (2, "fp8_e4m3", "dsv4")

@@ -61,6 +61,9 @@ SERVING_FIELDS: Mapping[str, tuple[Callable[[Any], str | None], str]] = MappingP
         "tensor_parallel_size": (_int_in(1, 1024), "tensor-parallel ranks"),
         "num_speculative_tokens": (_int_in(0, 64), "draft tokens per decode step (0 = no speculation)"),
         "speculative_method": (_string, "speculative decoding method in vLLM's names, e.g. mtp, eagle or dspark"),
+        "indexer_kv_dtype": (_string, "sparse-attention indexer K cache format in vLLM's names, e.g. auto, fp8 or mxfp4"),
+        "kda_prefill_backend": (_string, "KDA (linear attention) prefill kernels in vLLM's names, e.g. auto or triton"),
+        "kda_decode_backend": (_string, "KDA (linear attention) decode kernels in vLLM's names, e.g. auto or triton"),
         "decode_context_parallel_size": (_int_in(1, 1024), "decode context-parallel ranks (1 = off)"),
         "cp_kv_cache_interleave_size": (_int_in(1, 2**16), "tokens dealt to one DCP rank at a time"),
     }

@@ -71,7 +71,7 @@ class EngineRead:
 
 def _dotted(obj: Any, path: str) -> Any:
     for part in path.split("."):
-        obj = getattr(obj, part, None)
+        obj = obj.get(part) if isinstance(obj, Mapping) else getattr(obj, part, None)
         if obj is None:
             return None
     return obj
@@ -128,6 +128,9 @@ VLLM_PATHS: Mapping[str, str] = {
     "tensor_parallel_size": "parallel_config.tensor_parallel_size",
     "num_speculative_tokens": "speculative_config.num_speculative_tokens",
     "speculative_method": "speculative_config.method",
+    "indexer_kv_dtype": "attention_config.indexer_kv_dtype",
+    "kda_prefill_backend": "additional_config.kda_prefill_backend",
+    "kda_decode_backend": "additional_config.kda_decode_backend",
     "decode_context_parallel_size": "parallel_config.decode_context_parallel_size",
     "cp_kv_cache_interleave_size": "parallel_config.cp_kv_cache_interleave_size",
 }
