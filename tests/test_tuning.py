@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +169,102 @@ def test_a_tuned_kernel_whose_key_has_no_config_field_is_refused() -> None:
 
     with pytest.raises(warmreg.KernelContractError, match="field `config"):
         _plan(Bad())
+
+
+def _gpu_choice_file(gpu_standin: _Bench) -> Path:
+    """What a warm on the serving GPU keeps: the choice file of 'Test GPU 9000' (candidate 1)."""
+    plan = _plan()
+    tuning.Tune().after_load(plan, _tasks(plan))
+    return tuning.choices_path("Test GPU 9000")
+
+
+def test_a_cross_built_pack_carries_the_gpu_hosts_choices_and_its_install_keeps_them(
+    gpu_standin: _Bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from warmreg import pack as packs
+
+    choice_file = tmp_path / "gpu-choices.json"
+    choice_file.write_bytes(_gpu_choice_file(gpu_standin).read_bytes())
+    out = tmp_path / "pack"
+    manifest = packs.build(
+        CONFIG, out, target="cuda:90", plugins=[Plugin(TunedDouble())], entry_points=False, launcher_pythons=[],
+        tuning_choices=choice_file,
+    )  # fmt: skip
+    assert len(manifest.entries) == 2  # both candidates compiled
+    (choice,) = manifest.tuning
+    assert choice.config == 1 and choice.device == "Test GPU 9000" and choice.key == TunedKey(dtype="float32").to_json()
+    serving_cache = tmp_path / "serving-cache"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(serving_cache))
+    warmreg.reset_state()
+    report = packs.install(out, jits={warmreg._triton.full_name(TunedDouble.jit): TunedDouble.jit})
+    assert report.installed == 2 and report.choices == 1
+    calls = gpu_standin.calls
+    plan = _plan()
+    stage = tuning.Tune()
+    stage.after_load(plan, _tasks(plan))  # the serving host's warm: kept, no benchmark
+    assert stage.choices[0].source == "kept" and gpu_standin.calls == calls
+    assert launch.TUNED["tests.tuned_double"] == {TunedKey(dtype="float32"): 1}
+
+
+def test_a_cross_build_without_choices_records_none(tmp_path: Path) -> None:
+    from warmreg import pack as packs
+
+    manifest = packs.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(TunedDouble())], entry_points=False, launcher_pythons=[])
+    assert manifest.tuning == () and "tuning" not in json.loads((tmp_path / "p" / "manifest.json").read_text())["body"]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"config": 5}, "tuning[0].config must be an int in 0..1"),
+        ({"device": 7}, "tuning[0].device must be a string"),
+        ({"key": "x"}, "tuning[0].key must be a serialized compile key"),
+        ({"extra": 1}, "tuning[0] has a malformed entry"),
+    ],
+)
+def test_a_hostile_choice_in_a_manifest_is_refused_naming_the_field(
+    gpu_standin: _Bench, tmp_path: Path, change: dict[str, Any], message: str
+) -> None:
+    from warmreg import _pack_format
+    from warmreg import pack as packs
+
+    choice_file = tmp_path / "gpu-choices.json"
+    choice_file.write_bytes(_gpu_choice_file(gpu_standin).read_bytes())
+    out = tmp_path / "pack"
+    packs.build(
+        CONFIG, out, target="cuda:90", plugins=[Plugin(TunedDouble())], entry_points=False, launcher_pythons=[],
+        tuning_choices=choice_file,
+    )  # fmt: skip
+    doc = json.loads((out / "manifest.json").read_text())
+    body = doc["body"]
+    body["tuning"][0].update(change)
+    (out / "manifest.json").write_text(json.dumps({"body": body, "sha256": _pack_format._sha256(_pack_format._canonical(body))}))
+    with pytest.raises(packs.PackError, match=re.escape(message)):
+        packs.verify(out)
+
+
+def test_coverage_counts_candidates_not_chosen_apart_from_unused() -> None:
+    from warmreg.coverage import coverage
+
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(TunedDouble())], entry_points=False, workers=1)
+    base = TunedKey(dtype="float32")
+    tuned = attrs.evolve(report, tuning=({"kernel": "tests.tuned_double", "key": base.to_json(), "config": 1},))
+    (row,) = coverage(tuned, {"tests.tuned_double": {attrs.evolve(base, config=1)}}, []).kernels
+    assert (row.declared, row.hit, row.unused, row.not_chosen) == (2, 1, 0, 1)
+    (row,) = coverage(report, {}, []).kernels  # no choice made (a cross warm): both candidates unused
+    assert (row.unused, row.not_chosen) == (2, 0)
+
+
+@pytest.mark.gpu
+def test_gpu_warm_tunes_keeps_and_serves_the_choice_with_no_miss() -> None:
+    report = warmreg.warm(CONFIG, plugins=[Plugin(TunedDouble())], entry_points=False, workers=2)
+    (choice,) = report.tuning
+    assert choice["source"] == "benchmark" and set(choice["microseconds"]) == {0, 1}
+    chosen = choice["config"]
+    x = torch.arange(100, dtype=torch.float32, device="cuda")
+    with warmreg.monitor("error") as mon:
+        out, block = TunedDouble()(x)
+    assert torch.equal(out, 2 * x) and block.item() == (16, 64)[chosen] and not mon.misses
+    launch.TUNED.clear()
+    again = warmreg.warm(CONFIG, plugins=[Plugin(TunedDouble())], entry_points=False, workers=2)
+    assert again.from_cache == 2 and [c["source"] for c in again.tuning] == ["kept"] and again.tuning[0]["config"] == chosen

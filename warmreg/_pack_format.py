@@ -19,7 +19,7 @@ from . import _json
 from .errors import WarmregError
 
 __all__ = [
-    "FORMAT", "LIMITS", "Limits", "Manifest", "PackEntry", "PackError", "PackFile", "PackLauncher", "check_name",
+    "FORMAT", "LIMITS", "Limits", "Manifest", "PackChoice", "PackEntry", "PackError", "PackFile", "PackLauncher", "check_name",
     "parse_manifest",
 ]  # fmt: skip
 
@@ -38,6 +38,8 @@ class Limits:
     launchers: int = 1_000
     members: int = 25_000  # members of an archive (listed or not): two files per entry, launchers
     files_per_entry: int = 16
+    choices: int = 10_000  # autotune choices
+    candidates: int = 64  # autotune candidates of one kernel
 
 
 LIMITS = Limits()
@@ -129,6 +131,21 @@ class PackLauncher:
 
 
 @attrs.frozen(kw_only=True)
+class PackChoice:
+    """The autotune candidate chosen for one tuning key on a GPU (``device``, its name)."""
+
+    kernel: str
+    key: dict[str, Any] = attrs.field(eq=False)
+    config: int
+    candidates: tuple[str, ...] = attrs.field(converter=lambda xs: tuple(str(x) for x in xs))
+    device: str
+
+
+def _choices(items: Any) -> tuple[PackChoice, ...]:
+    return tuple(items)
+
+
+@attrs.frozen(kw_only=True)
 class Manifest:
     """The manifest of a pack."""
 
@@ -143,11 +160,15 @@ class Manifest:
     entries: tuple[PackEntry, ...] = attrs.field(converter=_entries)
     complete: bool = True
     launchers: tuple[PackLauncher, ...] = attrs.field(default=(), converter=_launchers)
+    tuning: tuple[PackChoice, ...] = attrs.field(default=(), converter=_choices)
 
     def to_json(self) -> dict[str, Any]:
         body = attrs.asdict(self)
         body["entries"] = [attrs.asdict(e) for e in self.entries]
         body["launchers"] = [attrs.asdict(x) for x in self.launchers]
+        body["tuning"] = [{**attrs.asdict(c), "candidates": list(c.candidates)} for c in self.tuning]
+        if not self.tuning:
+            del body["tuning"]  # a pack without autotuned kernels reads as before
         return {"body": body, "sha256": _sha256(_canonical(body))}
 
     @classmethod
@@ -271,9 +292,20 @@ class _Check:
             file=self.file(x["file"], f"{where}.file"),
         )
 
+    def choice(self, obj: Any, where: str) -> PackChoice:
+        c = self.fields(obj, where, {"kernel", "key", "config", "candidates", "device"})
+        if not isinstance(c["key"], dict) or not isinstance(c["key"].get("type"), str) or not isinstance(c["key"].get("fields"), dict):
+            raise self.fail(f"{where}.key", "must be a serialized compile key {type, fields}")
+        candidates = [self.string(x, f"{where}.candidates[{i}]", limit=1024) for i, x in enumerate(self.items(c["candidates"], f"{where}.candidates", LIMITS.candidates))]
+        return PackChoice(
+            kernel=self.string(c["kernel"], f"{where}.kernel"), key=c["key"],
+            config=self.integer(c["config"], f"{where}.config", 0, max(len(candidates) - 1, 0)),
+            candidates=candidates, device=self.string(c["device"], f"{where}.device"),
+        )  # fmt: skip
+
     def manifest(self, body: dict[str, Any]) -> Manifest:
         scalars = {"format", "warmreg_version", "triton_version", "ptxas_version", "target", "python", "created", "model_type"}
-        b = self.fields(body, "body", scalars | {"entries", "complete"}, frozenset({"launchers"}))
+        b = self.fields(body, "body", scalars | {"entries", "complete"}, frozenset({"launchers", "tuning"}))
         for name in ("warmreg_version", "triton_version", "target", "python", "model_type"):
             self.string(b[name], name)
         if b["ptxas_version"] is not None:
@@ -290,4 +322,8 @@ class _Check:
         total = sum(f.size for e in entries for f in e.files) + sum(x.file.size for x in launchers)
         if total > LIMITS.total:
             raise PackError(self.pack, f"lists {total} bytes of files, more than the {LIMITS.total} this warmreg reads", fix="split the pack")
-        return Manifest(**{**b, "format": self.integer(b["format"], "format", 1, FORMAT), "created": float(b["created"]), "entries": entries, "launchers": launchers})
+        tuning = [self.choice(c, f"tuning[{i}]") for i, c in enumerate(self.items(b.get("tuning", []), "tuning", LIMITS.choices))]
+        return Manifest(**{
+            **b, "format": self.integer(b["format"], "format", 1, FORMAT), "created": float(b["created"]), "entries": entries,
+            "launchers": launchers, "tuning": tuning,
+        })  # fmt: skip

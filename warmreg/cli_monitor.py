@@ -45,8 +45,11 @@ def _cmd_report(args: argparse.Namespace) -> int:
     warm_report = WarmReport.from_json(json.loads(Path(args.warm_report).read_text())) if args.warm_report else None
     cov = coverage(warm_report, used, misses)
     if not (args.json and emit_json(args, json.dumps(cov.to_json(), indent=2))):
-        rows = [[row.kernel, str(row.declared), str(row.compiled), str(row.hit), str(row.missed), str(row.unused)] for row in cov.kernels]
-        show_table("warmreg coverage", ["kernel", "declared", "compiled", "hit", "missed", "unused"], rows)
+        rows = [
+            [row.kernel, str(row.declared), str(row.compiled), str(row.hit), str(row.missed), str(row.unused), str(row.not_chosen)]
+            for row in cov.kernels
+        ]
+        show_table("warmreg coverage", ["kernel", "declared", "compiled", "hit", "missed", "unused", "not chosen"], rows)
         for miss in cov.misses:
             out.print(miss.explain(), highlight=False)
     if args.require_complete and not cov.complete:

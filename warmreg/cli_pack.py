@@ -23,7 +23,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
     pythons = [] if args.no_launchers else args.launcher_python  # None: this interpreter, if it can
     config = load_config(args)  # config, --serving/--set and target, checked before anything compiles
-    options = {"target": args.target, "workers": args.workers, "launcher_pythons": pythons}
+    options = {"target": args.target, "workers": args.workers, "launcher_pythons": pythons, "tuning_choices": args.tuning}
     if args.wheel:
         wrote, manifest = build_wheel(config, args.output, label=Path(args.config).stem, **options)
     else:
@@ -35,6 +35,8 @@ def _cmd_build(args: argparse.Namespace) -> int:
         out.print(f"  with {len(manifest.launchers)} prebuilt C launchers for Python {', '.join(versions)}")
     elif not release_of(manifest.triton_version).per_signature_launcher:
         out.print(f"  no C launchers needed: Triton {manifest.triton_version} builds none per kernel")
+    if manifest.tuning:
+        out.print(f"  with {len(manifest.tuning)} autotune choices made on {', '.join(sorted({c.device for c in manifest.tuning}))}")
     return 0
 
 
@@ -116,6 +118,11 @@ def add_commands(sub: Any) -> None:
         "repeatable; default: this interpreter), e.g. the serving host's python3.12",
     )  # fmt: skip
     b.add_argument("--no-launchers", action="store_true", help="carry no prebuilt C launchers")
+    b.add_argument(
+        "--tuning", default=None, metavar="FILE",
+        help="a cross build: record the autotune choices a warm on the serving GPU kept (its Triton cache's "
+        "warmreg-tuning/<device>-triton-<release>.json), so the serving host benchmarks nothing",
+    )  # fmt: skip
     b.add_argument(
         "--wheel", action="store_true",
         help="write an installable wheel into the directory -o names; warm installs an installed pack wheel first",

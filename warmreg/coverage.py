@@ -1,5 +1,8 @@
 """Coverage: per kernel, keys declared, compiled at warmup, hit at runtime, missed, warmed but unused.
 
+An autotuned kernel declares every candidate of each tuning key; the candidates warm's tuning did
+not choose are counted apart (``not_chosen``), not as unused.
+
 Built from a :class:`~warmreg.WarmReport` and what a monitor saw (its snapshot, or a record file).
 """
 
@@ -30,6 +33,7 @@ class KernelCoverage:
     missed: int
     unused: int
     missed_keys: tuple[str, ...] = ()
+    not_chosen: int = 0
 
 
 @attrs.frozen
@@ -76,6 +80,7 @@ def coverage(report: WarmReport | None, used: dict[str, set[CompileKey]], misses
     """Combine what warm compiled with what runtime used and missed."""
     declared: dict[str, set[CompileKey]] = {}
     compiled: dict[str, int] = {}
+    chosen = {(c["kernel"], json.dumps(c["key"], sort_keys=True)): c["config"] for c in (report.tuning if report else ())}
     for r in report.results if report else ():
         declared.setdefault(r.kernel, set()).add(r.key)
         compiled[r.kernel] = compiled.get(r.kernel, 0) + (r.status != "failed")
@@ -84,6 +89,7 @@ def coverage(report: WarmReport | None, used: dict[str, set[CompileKey]], misses
     for name in names:
         mine = [m for m in misses if (m.kernel or m.jit_name) == name]
         keys_used = used.get(name, set()) - {m.runtime_key for m in mine if m.runtime_key is not None}
+        passed_over = {k for k in declared.get(name, set()) if _not_chosen(name, k, chosen)}
         rows.append(
             KernelCoverage(
                 kernel=name,
@@ -91,8 +97,18 @@ def coverage(report: WarmReport | None, used: dict[str, set[CompileKey]], misses
                 compiled=compiled.get(name, 0),
                 hit=len(keys_used & declared.get(name, set())) if declared else len(keys_used),
                 missed=len(mine),
-                unused=len(declared.get(name, set()) - keys_used),
+                unused=len(declared.get(name, set()) - keys_used - passed_over),
                 missed_keys=tuple(str(m.runtime_key) if m.runtime_key else (m.triton_key or m.kind) for m in mine),
+                not_chosen=len(passed_over - keys_used),
             )
         )
     return Coverage(tuple(rows), tuple(misses))
+
+
+def _not_chosen(kernel: str, key: CompileKey, chosen: dict[tuple[str, str], int]) -> bool:
+    """Whether ``key`` is a candidate of a tuning key for which warm chose another candidate."""
+    index = getattr(key, "config", None)
+    if index is None:
+        return False
+    base = json.dumps(attrs.evolve(key, config=None).to_json(), sort_keys=True)  # type: ignore[call-arg]
+    return chosen.get((kernel, base), index) != index

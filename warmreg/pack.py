@@ -37,12 +37,13 @@ from typing import Any
 import attrs
 import triton
 
-from . import _triton, _triton_cache, _triton_launchers
+from . import _triton, _triton_cache, _triton_launchers, tuning
 from ._output import check_output
 from ._pack_format import (
     _ARCHIVES,
     FORMAT,
     Manifest,
+    PackChoice,
     PackEntry,
     PackError,
     PackFile,
@@ -171,6 +172,8 @@ class InstallReport:
     seconds: float
     #: prebuilt C launchers written into the cache (those for this machine's Python ABI, not yet there)
     launchers: int = 0
+    #: autotune choices written into the cache's choice files (:mod:`warmreg.tuning`)
+    choices: int = 0
 
 
 def install(
@@ -198,9 +201,10 @@ def install(
     installed, present, refused = install_entries(read.entries, read.platform, pack=read.name, jits=jits, all_or_nothing=all_or_nothing)
     try:
         launchers = sum(_triton_launchers.install(x.cache_key, x.file.name, data) for x, data in launcher_blobs)
+        choices = tuning.keep(read.manifest.tuning)
     except OSError as exc:
-        raise CacheError(_triton_cache.cache_dir(), f"cannot take the pack's C launchers ({exc.strerror or exc})") from exc
-    return InstallReport(read.name, installed, present, tuple(refused), time.perf_counter() - start, launchers)
+        raise CacheError(_triton_cache.cache_dir(), f"cannot take the pack's C launchers or choices ({exc.strerror or exc})") from exc
+    return InstallReport(read.name, installed, present, tuple(refused), time.perf_counter() - start, launchers, choices)
 
 
 class PackInstall(Stage):
@@ -278,8 +282,16 @@ def build(
     force: bool = False,
     launcher_pythons: Iterable[str | None] | None = None,
     progress: bool | None = None,
+    tuning_choices: str | os.PathLike[str] | None = None,
 ) -> Manifest:
     """Compile every key of ``config`` for ``target`` and write a pack (no GPU needed for a cross target).
+
+    Every autotune candidate is compiled. Which one each tuning key uses is recorded in the pack
+    (installed with it, so a serving host benchmarks nothing) when it is known: built on the local
+    GPU, the build tunes them; a cross build takes them from ``tuning_choices``, a choice file a
+    warm on the serving GPU model kept (``warmreg-tuning/<device>-triton-<release>.json`` in its
+    Triton cache). Without either, a warm from the pack on the GPU benchmarks the compiled
+    candidates (it compiles nothing).
 
     :param output: a directory, or a file ending in ``.tar``, ``.tar.gz`` or ``.zip``.
     :param force: replace an existing output.
@@ -310,7 +322,9 @@ def build(
     with tempfile.TemporaryDirectory(prefix="warmreg-build-") as tmp:
         with _cache_at(os.path.join(tmp, "cache")):
             _triton.forget_compiled()  # compile into the empty cache, even keys this process has loaded
-            results = run(the_plan, workers=workers or default_workers(), on_error="continue", progress=progress)
+            tune = tuning.Tune.for_plan(the_plan)
+            stages = [tune] if tune is not None else []
+            results = run(the_plan, workers=workers or default_workers(), on_error="continue", stages=stages, progress=progress)
             failed = [r for r in results if r.status == "failed"]
             if failed:
                 raise PackError(str(out), f"{len(failed)} key(s) failed to compile; first: {failed[0].kernel}: {failed[0].error}", fix="fix the kernel")
@@ -330,11 +344,17 @@ def build(
         manifest = Manifest(
             format=FORMAT, warmreg_version=__version__, triton_version=triton.__version__, ptxas_version=_triton_cache.ptxas_version(platform),
             target=platform.target, python=sys.version.split()[0], created=time.time(), model_type=the_plan.config.model_type,
-            entries=entries, launchers=launchers,
+            entries=entries, launchers=launchers, tuning=_choices(the_plan, tune, tuning_choices),
         )  # fmt: skip
         (staged / "manifest.json").write_text(json.dumps(manifest.to_json(), indent=1))
         _publish_pack(staged, out)
     return manifest
+
+
+def _choices(the_plan: Any, tune: tuning.Tune | None, path: str | os.PathLike[str] | None) -> list[PackChoice]:
+    if tune is not None:
+        return tuning.pack_choices(the_plan, tune.choices, _triton.device_name())
+    return tuning.choices_from_file(the_plan, path) if path is not None else []
 
 
 def build_wheel(config: Any, out_dir: str | Path, *, label: str | None = None, **kwargs: Any) -> tuple[Path, Manifest]:

@@ -30,20 +30,22 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import triton
 
 from . import _triton, _triton_cache
-from .bind import Task
+from ._pack_format import PackChoice
 from .errors import KernelContractError, WarmregError
 from .key import CompileKey
-from .launch import TUNED, WARM_SESSION, use_config
-from .planning import KernelPlan, Plan
 from .stage import Stage
 
-__all__ = ["Choice", "Tune", "choices_path", "tuning_key"]
+if TYPE_CHECKING:  # the launch state imports torch: a pack install that only keeps choices needs neither
+    from .bind import Task
+    from .planning import KernelPlan, Plan
+
+__all__ = ["Choice", "Tune", "choices_from_file", "choices_path", "keep", "pack_choices", "tuning_key"]
 
 log = logging.getLogger("warmreg.tuning")
 _FORMAT = 1
@@ -142,6 +144,51 @@ def _kept(entry: dict[str, Any] | None, candidates: list[str], compiled: list[in
     return index if isinstance(index, int) and not isinstance(index, bool) and index in compiled else None
 
 
+def pack_choices(plan: Plan, choices: list[Choice], device_name: str) -> list[PackChoice]:
+    """The choices of a warm, as a pack carries them (so a serving host benchmarks nothing)."""
+    candidates = {kp.name: _candidates_id(kp) for kp in plan.kernels if kp.kernel.tune_configs}
+    return [
+        PackChoice(kernel=c.kernel, key=c.key.to_json(), config=c.config, candidates=candidates[c.kernel], device=device_name)
+        for c in choices
+    ]
+
+
+def choices_from_file(plan: Plan, path: str | os.PathLike[str]) -> list[PackChoice]:
+    """The choices a GPU host kept (its ``warmreg-tuning/*.json``) for ``plan``'s tuning keys, for a
+    pack built elsewhere (a CPU build for that GPU); entries whose candidates differ are left out.
+
+    :raises WarmregError: if the file is not a choice file.
+    """
+    file = Path(path)
+    entries = _read(file)
+    if not entries:
+        raise WarmregError(f"{file} holds no tuning choices warmreg reads", fix="pass a warmreg-tuning/*.json file of a GPU host's Triton cache")
+    device = json.loads(file.read_text()).get("device")
+    if not isinstance(device, str) or not device:
+        raise WarmregError(f"{file} names no device", fix="pass a warmreg-tuning/*.json file written by warm")
+    out = []
+    for kp in plan.kernels:
+        if not kp.kernel.tune_configs:
+            continue
+        candidates = _candidates_id(kp)
+        for base in dict.fromkeys(tuning_key(k) for k in kp.keys):
+            index = _kept(entries.get(_entry_id(kp.name, base)), candidates, list(range(len(candidates))))
+            if index is not None:
+                out.append(PackChoice(kernel=kp.name, key=base.to_json(), config=index, candidates=candidates, device=device))
+    return out
+
+
+def keep(choices: tuple[PackChoice, ...] | list[PackChoice]) -> int:
+    """Write a pack's choices into the choice file of each device they were made on; returns how many."""
+    by_device: dict[str, dict[str, dict[str, Any]]] = {}
+    for c in choices:
+        entry_id = json.dumps([c.kernel, c.key], sort_keys=True)
+        by_device.setdefault(c.device, {})[entry_id] = {"candidates": list(c.candidates), "config": c.config, "microseconds": {}}
+    for device, entries in by_device.items():
+        _write(choices_path(device), entries, device)
+    return len(choices)
+
+
 class _Probe:
     """A warm session that only reads the tuning key a launch would have (no launch)."""
 
@@ -171,6 +218,8 @@ class Tune(Stage):
         return cls() if plan.platform.local and any(kp.kernel.tune_configs for kp in plan.kernels) else None
 
     def after_load(self, plan: Plan, tasks: list[Task]) -> None:
+        from .launch import TUNED
+
         start = time.perf_counter()
         ok = {(t.kp.name, t.key) for t in tasks if t.status != "failed"}
         device_name = _triton.device_name()
@@ -206,6 +255,8 @@ class Tune(Stage):
         self.seconds = time.perf_counter() - start
 
     def _benchmark(self, kp: KernelPlan, base: CompileKey, compiled: list[int]) -> Choice:
+        from .launch import WARM_SESSION, use_config
+
         kernel = kp.kernel_for(attrs.evolve(base, config=compiled[0]))  # type: ignore[call-arg]
         device = _triton.torch_device()
         inputs = kernel.tuning_inputs(base, device)
