@@ -184,6 +184,7 @@ def kda_prefill_backend(model: KimiK3, config: warmreg.WarmConfig, platform: war
         layout and platform (it fails to start there).
     """
     choice = _setting(config, "kda_prefill_backend", PREFILL_BACKENDS)
+    has_flashinfer, has_aiter = warmreg.has_feature("flashinfer")(platform), warmreg.has_feature("aiter")(platform)
     layout = kda_layout(model, config)
     bounded = layout is not None and layout.lower_bound is not None
     if platform.is_rocm:
@@ -194,7 +195,7 @@ def kda_prefill_backend(model: KimiK3, config: warmreg.WarmConfig, platform: war
             raise _refuse("kda_prefill_backend", f"'fused' needs gfx950 (got {platform.arch})")
         if choice != "auto":
             return choice
-        if gfx950 and bounded and RECURRENT_STATE_DTYPE == "float32" and warmreg.has_feature("aiter")(platform):
+        if gfx950 and bounded and RECURRENT_STATE_DTYPE == "float32" and has_aiter:
             return "gluon"
         return "fused" if gfx950 else "triton"
     if choice == "fused":
@@ -203,7 +204,7 @@ def kda_prefill_backend(model: KimiK3, config: warmreg.WarmConfig, platform: war
     flashkda = shape_ok and _cuda_family(platform, 9, 10, 12)
     flashinfer = (
         shape_ok and platform.is_cuda and platform.sm in (100, 103) and RECURRENT_STATE_DTYPE == "bfloat16"
-        and warmreg.has_feature("flashinfer")(platform)
+        and has_flashinfer
     )  # fmt: skip
     if choice == "flashinfer" and not flashinfer:
         raise _refuse("kda_prefill_backend", "FlashInfer KDA prefill needs SM100/SM103, FlashInfer, bf16 activations "
@@ -232,6 +233,7 @@ def kda_decode_backend(model: KimiK3, config: warmreg.WarmConfig, platform: warm
         refuses them.
     """
     choice = _setting(config, "kda_decode_backend", DECODE_BACKENDS)
+    has_flashinfer = warmreg.has_feature("flashinfer")(platform)  # first: the feature is known to plan either way
     if choice == "triton" or not platform.is_cuda:
         return "triton"
     layout = kda_layout(model, config)
@@ -247,7 +249,7 @@ def kda_decode_backend(model: KimiK3, config: warmreg.WarmConfig, platform: warm
         raise _refuse("kda_decode_backend", "native fused KDA decode needs SM90/SM10x/SM12x, bf16, heads per rank in "
                       f"{NATIVE_DECODE_HEADS}, head_dim 128, conv width 4 and no speculative tokens")  # fmt: skip
     flashinfer = fusable and layout is not None and layout.num_heads in FLASHINFER_DECODE_HEADS
-    flashinfer = flashinfer and _cuda_family(platform, 10) and warmreg.has_feature("flashinfer")(platform)
+    flashinfer = flashinfer and _cuda_family(platform, 10) and has_flashinfer
     if choice == "flashinfer" and not flashinfer:
         raise _refuse("kda_decode_backend", "FlashInfer fused KDA decode needs SM10x, FlashInfer, bf16, heads per rank "
                       f"in {FLASHINFER_DECODE_HEADS}, head_dim 128, conv width 4 and no speculative tokens")  # fmt: skip
@@ -265,10 +267,11 @@ def kda_spec_decode_backend(model: KimiK3, config: warmreg.WarmConfig, platform:
     prefills takes the ``"native"`` path (Triton conv update and ``fused_recurrent_kda``), so both run in such a
     deployment. Without speculative tokens this is ``"native"`` and nothing launches for it. ROCm: ``"native"``.
     """
+    has_flashinfer = warmreg.has_feature("flashinfer")(platform)
     layout = kda_layout(model, config)
     packed = (
         layout is not None and _cuda_family(platform, 10) and layout.num_heads in FLASHINFER_DECODE_HEADS
         and layout.head_dim == _FUSED_HEAD_DIM and layout.conv_width == _FUSED_CONV_WIDTH
         and 1 <= layout.num_speculative_tokens <= 7 and model.dtype == "bfloat16" and layout.lower_bound is not None
     )  # fmt: skip
-    return "flashinfer" if packed and warmreg.has_feature("flashinfer")(platform) else "native"
+    return "flashinfer" if packed and has_flashinfer else "native"
