@@ -32,9 +32,12 @@ launch the same keys):
   prefill chunk metadata, cut along M above the logits budget); C128 adds its compressor's
   save. The MTP layer's two norms run around the attention type of the MTP layer (SWA-only: with the SWA-only
   layers when the model has them, else as a type of its own).
-- Kimi-K3: the MLA layers' Q/KV RMSNorm (over either registered projection width) and the KDA layers' recurrent
-  step over the decode requests (q, k, v as separate tensors or views of one projection; prefill tokens take the
-  chunked KDA kernel, which no plugin registers).
+- Kimi-K3: the MLA layers' Q/KV RMSNorm (over either registered projection width), the KDA layers' short
+  convolutions (the prefill conv1d of q, k and v, column slices of the packed projection, when the step has
+  prefills; the conv update of the speculative decode rows, varlen with accepted counts; the plain-decode update
+  on decode steps of one-token rows where the plan holds it) and their recurrent step over the decode requests
+  (q, k, v as separate tensors or views of one projection; prefill tokens take the chunked KDA kernel, which no
+  plugin registers).
 
 Reported per config and kernel: launches, misses (explanations), failures, the monitor's counters as a cross-check,
 and every key launched that the plan does not hold; plus steps, tokens and the mix of step kinds.
@@ -88,6 +91,8 @@ from warmreg_deepseek_v4.swa_indices import decode_swa_indices_reference
 from warmreg_deepseek_v4.swa_prefill_metadata import sparse_swa_prefill_metadata_reference
 from warmreg_deepseek_v4.unpack_seq import unpack_seq_reference
 from warmreg_kimi_k3.attn_res import attn_res_reference
+from warmreg_kimi_k3.causal_conv1d import causal_conv1d_reference, conv1d_chunks, projection_row_stride
+from warmreg_kimi_k3.causal_conv1d_update import causal_conv1d_update_reference
 from warmreg_kimi_k3.kda import kda_recurrent_reference
 
 import warmreg
@@ -101,6 +106,7 @@ I32, I64, BF16, F32, U8 = torch.int32, torch.int64, torch.bfloat16, torch.float3
 
 SLOTS, NORM = "warmreg.ops.block_table_slot_mapping", "warmreg.ops.fused_qkv_rmsnorm"
 KDA, ATTN_RES = "kimi_k3.kda_recurrent", "kimi_k3.attn_res"
+CONV, CONV_UPDATE = "kimi_k3.causal_conv1d", "kimi_k3.causal_conv1d_update"
 DSV4_PREFIX = "deepseek_v4."
 CSLOTS, GATHER, COMBINE, SAVE = (
     DSV4_PREFIX + n
@@ -108,7 +114,7 @@ CSLOTS, GATHER, COMBINE, SAVE = (
 )
 #: Every kernel the sweep can drive.
 DRIVERS = frozenset(
-    [SLOTS, NORM, KDA, ATTN_RES, CSLOTS, GATHER, COMBINE, SAVE]
+    [SLOTS, NORM, KDA, ATTN_RES, CONV, CONV_UPDATE, CSLOTS, GATHER, COMBINE, SAVE]
     + [
         DSV4_PREFIX + n
         for n in (
@@ -972,6 +978,17 @@ class KimiSweep(Sweep):
             tp = int(self.cfg.serving.get("tensor_parallel_size", 1))
             self.widths.append(self.widths[0] + int(text["num_attention_heads"]) // tp * int(text["v_head_dim"]))
         self.layers = [("mla", 0)] * (NORM in self.names) + [("kda", 0)] * (KDA in self.names)
+        self.conv_names = [n for n in (CONV, CONV_UPDATE) if n in self.names]
+        if self.conv_names:
+            self.layers.append(("conv", 0))
+            lay = self.kernel(self.conv_names[0]).layout
+            self.conv_layout, self.conv_row = lay, projection_row_stride(lay)
+            rows = lay.conv_width - 1 + lay.num_speculative_tokens
+            # One KDA layer's conv state in vLLM's default (state_len, dim) layout, as the layer transposes it;
+            # line 0 is the null block, so requests take lines 1.. (a line a request).
+            packed = self.randn(lim.max_seqs + 1, rows, 3 * lay.projection_size)
+            self.conv_state = packed.transpose(1, 2)
+            self.conv_weight = self.randn(3 * lay.projection_size, lay.conv_width, dtype=F32, scale=0.5)
         if KDA in self.names:
             kda = self.kernel(KDA)
             self.hkv = (kda.num_heads, kda.head_k_dim, kda.head_v_dim)
@@ -1000,6 +1017,8 @@ class KimiSweep(Sweep):
                 self.qkv_norm(st, kind, self.q, self.kv, self.rng.choice(self.widths), self.eps)
             elif kind == "kda":
                 self.kda(st)
+            elif kind == "conv":
+                self.conv(st)
             else:
                 self.attn_res(st)
 
@@ -1028,6 +1047,77 @@ class KimiSweep(Sweep):
             lambda: ar(**args),
             ref=lambda: attn_res_reference(**args)[0],
             tol=(1e-2, 1.6e-2),  # the plugin's tests: bf16 output from fp32 sums in different orders
+        )
+
+    def conv(self, st: Step) -> None:
+        """The KDA layer's short convolutions on the step's packed projection ``[T, row]`` (vLLM's ``_forward``):
+        the speculative rows (the decode requests, first) through the varlen update, the prefills through three
+        prefill conv1d launches (q, k, v); a decode step of one-token rows through the plain-decode update when
+        the plan holds it (vLLM's builder then classifies them as decodes)."""
+        b, lay = st.batch, self.conv_layout
+        p, spec, t = lay.projection_size, lay.num_speculative_tokens, b.tokens
+        proj = self.randn(t, self.conv_row)
+        perm = torch.randperm(self.conv_state.shape[0] - 1, generator=self.gen, device=self.dev)
+        lines = perm[: len(b.qlens)].add_(1).to(I32)
+        one_token = b.num_prefills == 0 and all(q == 1 for q in b.qlens)
+        upd = self.kernel(CONV_UPDATE) if CONV_UPDATE in self.names else None
+        if upd is not None and upd.plain_decode and one_token and (not spec or self.rng.random() < 0.5):
+            width = self.rng.choice([self.conv_row, 4 * p] if upd.overlap_rows else [self.conv_row])
+            x = self.randn(t, width)[:, : 3 * p]
+            stride = self.rng.choice(sorted({1, 1 + spec}))
+            indices = self._conv_lines(lines, stride)
+            self._conv_update(f"{t} plain decode rows", x, indices)
+        elif upd is not None and spec and b.num_decodes:
+            n, d = b.num_decodes, b.decode_tokens
+            x = proj[:d, : 3 * p] if self.rng.random() < 0.5 else proj[:d, : 3 * p].contiguous()  # slice or gathered
+            qsl = st.qsl[: n + 1].to(I32)
+            accepted = torch.tensor([self.rng.randint(1, 1 + spec) for _ in range(n)], dtype=I32, device=self.dev)
+            spec_args = {"num_accepted_tokens": accepted, "query_start_loc": qsl}
+            self._conv_update(f"{n} speculative rows", x, self._conv_lines(lines[:n], 1 + spec), 1 + spec, spec_args)
+        if b.num_prefills and CONV in self.names:
+            start = b.decode_tokens if spec else 0  # without speculation the decodes are prefill rows of one token
+            first = b.num_decodes if spec else 0
+            rows = proj[start:]
+            if spec and self.rng.random() < 0.5:
+                rows = rows[:, : 3 * p].contiguous()  # a mixed batch's gathered non-speculative rows (index_select)
+            qsl = (st.qsl[first:] - st.qsl[first]).to(I32)
+            stride = 1 if spec and b.num_decodes else 1 + spec  # gathered rows, or block_table[:, 0]
+            indices = self._conv_lines(lines[first:], stride)
+            init = torch.rand(len(b.qlens) - first, generator=self.gen, device=self.dev) < 0.7
+            chunks = conv1d_chunks(qsl.cpu(), device=self.dev)
+            for c, name in enumerate("qkv"):
+                cols = slice(c * p, (c + 1) * p)
+                args = (rows[:, cols], self.conv_weight[cols], None, self.conv_state[:, cols], qsl, indices, init)
+                self._conv_prefill(f"{b.num_prefills} prefills, {name}", args, chunks)
+
+    def _conv_prefill(self, what: str, args: tuple[Any, ...], chunks: Any) -> None:
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            return self.kernel(CONV)(*args, chunks=chunks), args[3]  # the output and the updated state slice
+
+        # The plugin's tests: fp32 sums in one order, one bf16 step apart (the interpreter truncates).
+        self.launch(CONV, what, run, ref=lambda: causal_conv1d_reference(*args), tol=(1e-6, 2**-7))
+
+    def _conv_lines(self, lines: torch.Tensor, stride: int) -> torch.Tensor:
+        """Cache lines as ``block_table[:, 0]`` of a table ``stride`` wide (a gathered copy when 1)."""
+        table = torch.zeros((lines.shape[0], stride), dtype=I32, device=self.dev)
+        table[:, 0] = lines
+        return table[:, 0]
+
+    def _conv_update(
+        self, what: str, x: torch.Tensor, indices: torch.Tensor, max_len: int = -1, spec: dict[str, Any] | None = None
+    ) -> None:
+        kw = spec or {}
+        args = (x, self.conv_state, self.conv_weight, None)
+        def run() -> tuple[torch.Tensor, torch.Tensor]:
+            out = self.kernel(CONV_UPDATE)(*args, conv_state_indices=indices, max_query_len=max_len, **kw)
+            return out, self.conv_state
+
+        self.launch(
+            CONV_UPDATE,
+            what,
+            run,
+            ref=lambda: causal_conv1d_update_reference(*args, indices, **kw),
+            tol=(1e-6, 2**-7),
         )
 
     def kda(self, st: Step) -> None:

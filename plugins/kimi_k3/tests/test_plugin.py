@@ -44,7 +44,9 @@ def test_plan_has_the_kda_and_rmsnorm_keys(kimi_plan: warmreg.Plan) -> None:
     assert len(kimi_plan.kernel(RMSNORM).keys) == 1
     (slots,) = kimi_plan.kernel("warmreg.ops.block_table_slot_mapping").keys  # the MLA layers' paged cache
     assert slots.fields()["block_size"] == 64
-    assert kimi_plan.num_keys == 3  # the example sets no attn_res_block_size: attn_res in test_attn_res.py
+    # The example sets no attn_res_block_size (attn_res in test_attn_res.py); the conv1d keys are in
+    # test_causal_conv1d.py (2) and test_causal_conv1d_update.py (5).
+    assert kimi_plan.num_keys == 3 + 2 + 5
 
 
 @pytest.mark.parametrize(
@@ -154,4 +156,6 @@ def test_warm_cross_compiles_the_kimi_plan_for_sm90(kimi_plan: warmreg.Plan) -> 
     report = warmreg.warm(EXAMPLE, target="cuda:90", workers=2, on_error="continue")
     assert report.ok, [r.error for r in report.failed]
     assert report.declared == kimi_plan.num_keys
-    assert {r.kernel for r in report.results} == {KDA, RMSNORM, "warmreg.ops.block_table_slot_mapping"}
+    assert {r.kernel for r in report.results} == {
+        KDA, RMSNORM, "warmreg.ops.block_table_slot_mapping", "kimi_k3.causal_conv1d", "kimi_k3.causal_conv1d_update"
+    }  # fmt: skip

@@ -2,7 +2,9 @@
 
 Kernels: the shared fused Q/KV RMSNorm and block-table slot mapping (``warmreg.ops``) for the MLA layers
 (:mod:`warmreg_kimi_k3.qkv_rmsnorm`, :mod:`warmreg_kimi_k3.slot_mapping`) and the KDA recurrent step
-(:mod:`warmreg_kimi_k3.kda`) for decode and speculative decode of the KDA layers. Importing this package
+(:mod:`warmreg_kimi_k3.kda`) for decode and speculative decode of the KDA layers, and their short causal
+convolutions (:mod:`warmreg_kimi_k3.causal_conv1d` for prefill, :mod:`warmreg_kimi_k3.causal_conv1d_update` for
+decode and speculative decode), with vLLM's KDA backend resolution in :mod:`warmreg_kimi_k3.backends`. Importing this package
 registers nothing; warmreg calls :func:`warmreg_kimi_k3.plugin.warmreg_register_kernels` through the
 ``warmreg`` entry point.
 """
