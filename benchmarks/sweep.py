@@ -32,12 +32,15 @@ launch the same keys):
   prefill chunk metadata, cut along M above the logits budget); C128 adds its compressor's
   save. The MTP layer's two norms run around the attention type of the MTP layer (SWA-only: with the SWA-only
   layers when the model has them, else as a type of its own).
-- Kimi-K3: the MLA layers' Q/KV RMSNorm (over either registered projection width), the KDA layers' short
-  convolutions (the prefill conv1d of q, k and v, column slices of the packed projection, when the step has
-  prefills; the conv update of the speculative decode rows, varlen with accepted counts; the plain-decode update
-  on decode steps of one-token rows where the plan holds it) and their recurrent step over the decode requests
-  (q, k, v as separate tensors or views of one projection; prefill tokens take the chunked KDA kernel, which no
-  plugin registers).
+- Kimi-K3: the MLA layers' Q/KV RMSNorm (over either registered projection width); the KDA metadata builder's
+  aligned state indices (every step) and, on decode-only steps under speculation, its staging of the metadata into
+  graph buffers padded past the step's requests; the KDA layers' short convolutions (the prefill conv1d of q, k and
+  v, column slices of the packed projection, when the step has prefills; the conv update of the speculative decode
+  rows, varlen with accepted counts; the plain-decode update on decode steps of one-token rows where the plan holds
+  it), the initial-state gather of the prefill requests, the recurrent step over the decode requests (q, k, v as
+  separate tensors or views of one projection; prefill tokens take the chunked KDA kernel where the plan holds it)
+  and the gated RMSNorm of the output over every token (the gate a column view of the fused projection, at its
+  usual width or the overlap path's).
 
 Reported per config and kernel: launches, misses (explanations), failures, the monitor's counters as a cross-check,
 and every key launched that the plan does not hold; plus steps, tokens and the mix of step kinds.
@@ -93,7 +96,11 @@ from warmreg_deepseek_v4.unpack_seq import unpack_seq_reference
 from warmreg_kimi_k3.attn_res import attn_res_reference
 from warmreg_kimi_k3.causal_conv1d import causal_conv1d_reference, conv1d_chunks, projection_row_stride
 from warmreg_kimi_k3.causal_conv1d_update import causal_conv1d_update_reference
+from warmreg_kimi_k3.gated_rmsnorm import gated_rmsnorm_reference, projection_width
+from warmreg_kimi_k3.gather_initial_states import gather_initial_states_reference
 from warmreg_kimi_k3.kda import kda_recurrent_reference
+from warmreg_kimi_k3.kda_spec_metadata import stage_spec_decode_metadata_reference
+from warmreg_kimi_k3.kda_state_indices import aligned_state_indices_reference
 
 import warmreg
 from warmreg.ops import block_table_slot_mapping_reference, block_table_width, fused_qkv_rmsnorm_reference
@@ -107,6 +114,8 @@ I32, I64, BF16, F32, U8 = torch.int32, torch.int64, torch.bfloat16, torch.float3
 SLOTS, NORM = "warmreg.ops.block_table_slot_mapping", "warmreg.ops.fused_qkv_rmsnorm"
 KDA, ATTN_RES = "kimi_k3.kda_recurrent", "kimi_k3.attn_res"
 CONV, CONV_UPDATE = "kimi_k3.causal_conv1d", "kimi_k3.causal_conv1d_update"
+KDA_NORM, KDA_GATHER = "kimi_k3.gated_rmsnorm", "kimi_k3.gather_initial_states"
+KDA_ALIGNED, KDA_STAGE = "kimi_k3.aligned_state_indices", "kimi_k3.stage_spec_decode_metadata"
 DSV4_PREFIX = "deepseek_v4."
 CSLOTS, GATHER, COMBINE, SAVE = (
     DSV4_PREFIX + n
@@ -114,7 +123,7 @@ CSLOTS, GATHER, COMBINE, SAVE = (
 )
 #: Every kernel the sweep can drive.
 DRIVERS = frozenset(
-    [SLOTS, NORM, KDA, ATTN_RES, CONV, CONV_UPDATE, CSLOTS, GATHER, COMBINE, SAVE]
+    [SLOTS, NORM, KDA, ATTN_RES, CONV, CONV_UPDATE, KDA_NORM, KDA_GATHER, KDA_ALIGNED, KDA_STAGE, CSLOTS, GATHER, COMBINE, SAVE]
     + [
         DSV4_PREFIX + n
         for n in (
@@ -999,6 +1008,7 @@ class KimiSweep(Sweep):
             dt_bias = self.randn(h * dk, dtype=F32, scale=0.5) if kda.has_dt_bias else None
             self.gate = (a_log, dt_bias, kda.lower_bound)
             self.raw_dtypes = (kda.gate_dtype, kda.beta_dtype)
+        self.kda_tables()
         if ATTN_RES in self.names:
             self.layers.append(("attn_res", 0))
             ar = self.kernel(ATTN_RES)
@@ -1009,9 +1019,30 @@ class KimiSweep(Sweep):
             self.ar_blocks = self.randn(lim.max_tokens, ar.max_blocks, d)
             self.ar_weights = (self.randn(d, scale=0.1).add_(1), self.randn(d, scale=0.02), self.randn(d).add_(1))
 
+    def kda_tables(self) -> None:
+        """The KDA group's persistent block table (one state block per ``block_size`` tokens, plus the drafts'),
+        the graph buffers the spec-decode metadata is staged into, and the layer's state pool and norm weight."""
+        lim, spec = self.lim, self.lim.spec
+        self.kda_bs = int(self.cfg.serving["block_size"])
+        self.kda_table = self.block_table(block_table_width(lim.max_model_len, self.kda_bs) + spec)
+        rows = lim.max_seqs * (1 + spec)  # the builder's decode_cudagraph_max_bs
+        self.staged = (
+            torch.zeros(rows, 1 + spec, dtype=I32, device=self.dev),
+            torch.zeros(rows + 1, dtype=I32, device=self.dev),
+            torch.ones(rows, dtype=I32, device=self.dev),
+        )
+        if KDA_GATHER in self.names or KDA_NORM in self.names:
+            norm = self.kernel(KDA_NORM if KDA_NORM in self.names else KDA_GATHER)
+            h, d = norm.num_heads, norm.head_dim
+            if KDA not in self.names:
+                self.pool = self.randn(lim.max_seqs + 1, h, d, d, dtype=F32, scale=0.1)
+            self.o_norm_w = self.randn(d, scale=0.2).add_(1)
+
     def run(self, st: Step) -> None:
         for bs in self.groups:
             self.slot_mapping(st, bs)
+        state = self.aligned_state_indices(st)
+        self.stage_spec_metadata(st, state)
         for kind, _ in self.layers:
             if kind == "mla":
                 self.qkv_norm(st, kind, self.q, self.kv, self.rng.choice(self.widths), self.eps)
@@ -1021,6 +1052,78 @@ class KimiSweep(Sweep):
                 self.conv(st)
             else:
                 self.attn_res(st)
+        self.gather_initial_states(st, state)
+        self.kda_gated_norm(st)
+
+    def aligned_state_indices(self, st: Step) -> torch.Tensor:
+        """The V1 builder's align-mode state slots ``[R, 1 + spec]``: each request's block of its last token on."""
+        b, slots = st.batch, 1 + self.lim.spec
+        table = self.kda_table[: len(b.qlens)]
+
+        def torch_indices() -> torch.Tensor:
+            return aligned_state_indices_reference(table, st.seq_lens, block_size=self.kda_bs, num_state_slots=slots)
+
+        if KDA_ALIGNED not in self.names:
+            return torch_indices()
+        return self.launch(
+            KDA_ALIGNED,
+            f"{len(b.qlens)} requests, block size {self.kda_bs}",
+            lambda: self.kernel(KDA_ALIGNED)(table, st.seq_lens, block_size=self.kda_bs, num_state_slots=slots),
+            fallback=torch_indices,
+            ref=torch_indices,
+        )
+
+    def stage_spec_metadata(self, st: Step, state: torch.Tensor) -> None:
+        """A decode-only speculative step: its requests' metadata into the graph buffers, padded to a captured
+        batch size (the next power of two, within the buffers)."""
+        b = st.batch
+        if KDA_STAGE not in self.names or b.num_prefills or not b.num_decodes:
+            return
+        n, rows = b.num_decodes, self.staged[0].shape[0]
+        padded = min(rows, warmreg.next_pow2(n))
+        accepted = torch.randint(1, 2 + self.lim.spec, (n,), generator=self.gen, device=self.dev, dtype=I32)
+        staged = (self.staged[0][:padded], self.staged[1][: padded + 1], self.staged[2][:padded])
+        args = (state[:n], st.qsl[: n + 1], accepted, *staged)
+        self.launch(
+            KDA_STAGE,
+            f"{n} speculative decodes padded to {padded}",
+            lambda: self.kernel(KDA_STAGE)(*args, num_spec_decodes=n),
+            ref=lambda: stage_spec_decode_metadata_reference(*args, num_spec_decodes=n),
+        )
+
+    def gather_initial_states(self, st: Step, state: torch.Tensor) -> None:
+        """The prefill requests' initial states: their slots are column 0 of their aligned state indices, and
+        a request has one when it has computed tokens before this chunk."""
+        b = st.batch
+        if KDA_GATHER not in self.names or not b.num_prefills:
+            return
+        nd = b.num_decodes
+        slots = state[nd:, 0] % self.pool.shape[0]  # the sweep's random table ids, folded into the pool
+        has = torch.tensor([s > q for s, q in zip(b.seqs[nd:], b.qlens[nd:])], device=self.dev)
+        args = (self.pool, slots, has)
+        self.launch(
+            KDA_GATHER,
+            f"{b.num_prefills} prefill requests",
+            lambda: self.kernel(KDA_GATHER)(*args),
+            ref=lambda: gather_initial_states_reference(*args),
+        )
+
+    def kda_gated_norm(self, st: Step) -> None:
+        """The KDA output's gated RMSNorm over every token; the gate a column view of the fused projection."""
+        if KDA_NORM not in self.names:
+            return
+        norm, t = self.kernel(KDA_NORM), st.batch.tokens
+        h, d = norm.num_heads, norm.head_dim
+        width = self.rng.choice((projection_width(h, d), 4 * h * d))  # the usual projection, the overlap path's
+        g = self.randn(t, width, scale=2.0)[:, 3 * h * d : 4 * h * d].view(t, h, d)
+        args = (self.randn(1, t, h, d, scale=3.0), g, self.o_norm_w)
+        self.launch(
+            KDA_NORM,
+            f"{t} tokens, projection width {width}",
+            lambda: norm(*args),
+            ref=lambda: gated_rmsnorm_reference(*args),
+            tol=(1e-2, 1.6e-2),  # the plugin's tests: bf16 output, fp32 sums in different orders
+        )
 
     def attn_res(self, st: Step) -> None:
         """Every distinct call site of the forward (before attention with its block writes, before the MLP, the

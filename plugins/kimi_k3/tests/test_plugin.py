@@ -16,6 +16,13 @@ from warmreg.ops import FusedQKVRMSNorm
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "kimi_k3.json"
 KDA = KDARecurrent.name
 RMSNORM = FusedQKVRMSNorm.name
+SLOTS = "warmreg.ops.block_table_slot_mapping"
+KDA_EXTRAS = (
+    "kimi_k3.aligned_state_indices",
+    "kimi_k3.gated_rmsnorm",
+    "kimi_k3.gather_initial_states",
+    "kimi_k3.stage_spec_decode_metadata",
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +49,16 @@ def test_plan_has_the_kda_and_rmsnorm_keys(kimi_plan: warmreg.Plan) -> None:
         "state_stride": "div16", "state_aligned": True, "num_warps": 4,
     }  # fmt: skip
     assert len(kimi_plan.kernel(RMSNORM).keys) == 1
-    (slots,) = kimi_plan.kernel("warmreg.ops.block_table_slot_mapping").keys  # the MLA layers' paged cache
+    (slots,) = kimi_plan.kernel(SLOTS).keys  # the MLA layers' paged cache
     assert slots.fields()["block_size"] == 64
-    # The example sets no attn_res_block_size (attn_res in test_attn_res.py); the conv1d keys are in
-    # test_causal_conv1d.py (2) and test_causal_conv1d_update.py (5).
-    assert kimi_plan.num_keys == 3 + 2 + 5
+    # One key each for the KDA layers' gated RMSNorm, initial-state gather, aligned state indices and spec-decode
+    # staging (their own test files); the conv1d keys are in test_causal_conv1d.py (2) and
+    # test_causal_conv1d_update.py (5); the example sets no attn_res_block_size: attn_res in test_attn_res.py.
+    conv = {"kimi_k3.causal_conv1d": 2, "kimi_k3.causal_conv1d_update": 5}
+    assert {kp.name: len(kp.keys) for kp in kimi_plan.kernels if kp.name not in (KDA, RMSNORM, SLOTS)} == {
+        **dict.fromkeys(KDA_EXTRAS, 1), **conv
+    }
+    assert kimi_plan.num_keys == 7 + 7
 
 
 @pytest.mark.parametrize(
@@ -156,6 +168,4 @@ def test_warm_cross_compiles_the_kimi_plan_for_sm90(kimi_plan: warmreg.Plan) -> 
     report = warmreg.warm(EXAMPLE, target="cuda:90", workers=2, on_error="continue")
     assert report.ok, [r.error for r in report.failed]
     assert report.declared == kimi_plan.num_keys
-    assert {r.kernel for r in report.results} == {
-        KDA, RMSNORM, "warmreg.ops.block_table_slot_mapping", "kimi_k3.causal_conv1d", "kimi_k3.causal_conv1d_update"
-    }  # fmt: skip
+    assert {r.kernel for r in report.results} == {KDA, RMSNORM, SLOTS, *KDA_EXTRAS, "kimi_k3.causal_conv1d", "kimi_k3.causal_conv1d_update"}

@@ -49,7 +49,7 @@ from triton.language.extra import cuda as tl_cuda
 
 import warmreg
 
-from .model import PLUGIN, KimiK3, attn_res_block_size, positive_text_int, rms_norm_eps
+from .model import PLUGIN, KimiK3, attn_res_block_size, local_pdl, positive_text_int, rms_norm_eps
 
 __all__ = [
     "CPP_HIDDEN",
@@ -387,9 +387,7 @@ class AttnRes(warmreg.TritonKernel[AttnResKey]):
         """
         self._check(prefix, delta, blocks, norm_weight, qk_weight, num_blocks, block_write_idx,
                     output_norm_weight, output_norm_eps)  # fmt: skip
-        if launch_pdl is None:
-            local = warmreg.runtime_platform()
-            launch_pdl = bool(local and local.supports_pdl)
+        launch_pdl = local_pdl(launch_pdl)
         key = self.dispatch(
             prefix=prefix, delta=delta, blocks=blocks, norm_weight=norm_weight, output_norm_weight=output_norm_weight,
             num_blocks=num_blocks, block_write_idx=block_write_idx, eps=eps, output_norm_eps=output_norm_eps,

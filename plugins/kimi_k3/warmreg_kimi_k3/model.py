@@ -13,6 +13,7 @@ __all__ = [
     "PLUGIN",
     "KimiK3",
     "attn_res_block_size",
+    "local_pdl",
     "positive",
     "positive_text_int",
     "rms_norm_eps",
@@ -44,6 +45,15 @@ def attn_res_block_size(config: warmreg.WarmConfig) -> int | None:
     :raises warmreg.ConfigError: if it is set but not a positive int.
     """
     return config.get("text.attn_res_block_size", int, plugin=PLUGIN, check=positive, default=None)
+
+
+def local_pdl(launch_pdl: bool | None) -> bool:
+    """``launch_pdl``, or when None whether the local GPU has programmatic dependent launch: the default of the
+    launchers whose key holds ``launch_pdl``, so that runtime launches match what the domains planned."""
+    if launch_pdl is not None:
+        return bool(launch_pdl)
+    local = warmreg.runtime_platform()
+    return bool(local and local.supports_pdl)
 
 
 def _positive_float(value: Any) -> str | None:

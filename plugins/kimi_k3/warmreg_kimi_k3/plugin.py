@@ -10,14 +10,36 @@ from types import ModuleType
 
 import warmreg
 
-from . import attn_res, causal_conv1d, causal_conv1d_update, kda, qkv_rmsnorm, slot_mapping
+from . import (
+    attn_res,
+    causal_conv1d,
+    causal_conv1d_update,
+    gated_rmsnorm,
+    gather_initial_states,
+    kda,
+    kda_spec_metadata,
+    kda_state_indices,
+    qkv_rmsnorm,
+    slot_mapping,
+)
 from .model import KimiK3
 
 __all__ = ["MODEL_TYPES", "OP_MODULES", "warmreg_model_types", "warmreg_register_kernels"]
 
 MODEL_TYPES = ("kimi_k3", "kimi_linear")
 #: The op modules, in registration order: each exposes ``register(registry, model, config, platform)``.
-OP_MODULES: tuple[ModuleType, ...] = (qkv_rmsnorm, slot_mapping, kda, causal_conv1d, causal_conv1d_update, attn_res)
+OP_MODULES: tuple[ModuleType, ...] = (
+    qkv_rmsnorm,
+    slot_mapping,
+    kda,
+    causal_conv1d,
+    causal_conv1d_update,
+    gated_rmsnorm,
+    gather_initial_states,
+    kda_state_indices,
+    kda_spec_metadata,
+    attn_res,
+)
 
 
 @warmreg.hookimpl
@@ -31,8 +53,9 @@ def warmreg_register_kernels(
     registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform
 ) -> None:
     """Register the kernels of a Kimi-K3 deployment: the shared Q/KV RMSNorm and slot mapping of the
-    MLA layers, the KDA decode step, the KDA layers' short convolutions, and the attention residuals of every
-    decoder layer."""
+    MLA layers; the KDA layers' decode step, short convolutions, output gated RMSNorm, prefill initial-state
+    gather and metadata kernels (aligned state indices, speculative-decode staging); and the attention
+    residuals of every decoder layer."""
     if config.model_type not in MODEL_TYPES:
         return
     m = KimiK3.from_config(config)
