@@ -26,6 +26,7 @@ __all__ = [
     "SPECULATIVE_METHODS",
     "DSparkDraft",
     "dspark_swa_index_width",
+    "mtp_drafts",
     "num_speculative_tokens",
     "speculative_method",
 ]
@@ -49,6 +50,15 @@ def speculative_method(config: warmreg.WarmConfig) -> str | None:
     :raises warmreg.ConfigError: for any other value, naming the accepted ones.
     """
     return config.get("serving.speculative_method", str, plugin=PLUGIN, default=None, choices=SPECULATIVE_METHODS)
+
+
+def mtp_drafts(config: warmreg.WarmConfig) -> bool:
+    """Whether the checkpoint's MTP layers draft: ``speculative_method`` ``mtp`` or unset (vLLM picks ``mtp`` for a
+    DeepSeek-V4 target without a draft model; with no speculation the MTP kernels are warmed as before).
+
+    :raises warmreg.ConfigError: for an unknown method.
+    """
+    return speculative_method(config) in (None, "mtp")
 
 
 def num_speculative_tokens(config: warmreg.WarmConfig) -> int:
