@@ -55,7 +55,7 @@ def test_sweep_launches_every_plan_kernel(example: str) -> None:
 def test_sweep_drives_the_dspark_draft_step() -> None:
     """DeepSeek-V4-Flash-0731 with DSpark: each target step is followed by a draft step (its inputs, its non-causal
     SWA indices, the SWA-only draft layers on 5 tokens a request). Seven tokens a step are the fewest that give the
-    first step unequal decode lengths under 1 + 5 (6 + 1: the indexer's pack / unpack). About 4 minutes."""
+    first step unequal decode lengths under 1 + 5 (6 + 1: the indexer's pack / unpack). About 2 CPU minutes."""
     sweep = _sweep_module()
     config = str(ROOT / "examples" / "deepseek_v4_flash_0731_dspark.json")
     run = sweep.run_config(config, steps=3, seed=36, device="cpu", max_tokens=7, max_seq_len=16, max_seqs=2)
