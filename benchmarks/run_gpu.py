@@ -41,7 +41,12 @@ ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 from _common import RESULTS, machine  # noqa: E402
 
-CONFIGS = ["examples/deepseek_v4_flash.json", "examples/deepseek_v4_pro.json", "examples/kimi_k3.json"]
+CONFIGS = [
+    "examples/deepseek_v4_flash.json",
+    "examples/deepseek_v4_pro.json",
+    "examples/kimi_k3.json",
+    "examples/deepseek_v4_flash_0731_dspark.json",
+]
 
 
 def _steps(packs: dict[str, str]) -> list[tuple[str, str, list[str]]]:

@@ -31,7 +31,10 @@ launch the same keys):
   under FlashInfer), on decode batches of unequal lengths the pack of the FP8 Q and the unpack of the top-k,
   prefill chunk metadata, cut along M above the logits budget); C128 adds its compressor's
   save. The MTP layer's two norms run around the attention type of the MTP layer (SWA-only: with the SWA-only
-  layers when the model has them, else as a type of its own).
+  layers when the model has them, else as a type of its own). With DSpark (``speculative_method`` ``dspark``) a
+  draft step follows each target step: its inputs (decode requests rejected some drafts, prefill chunks sampled a
+  token or none), its non-causal SWA indices over ``Nq`` query tokens a request, and the SWA-only draft layers'
+  Q/KV RMSNorm and inverse RoPE + quant on those tokens.
 - Kimi-K3: the MLA layers' Q/KV RMSNorm (over either registered projection width); the KDA metadata builder's
   aligned state indices (every step) and, on decode-only steps under speculation, its staging of the metadata into
   graph buffers padded past the step's requests; the KDA layers' short convolutions (the prefill conv1d of q, k and
@@ -75,6 +78,9 @@ from _common import write
 from warmreg_deepseek_v4 import DSV4
 from warmreg_deepseek_v4.combine_indices import combine_topk_swa_indices_reference
 from warmreg_deepseek_v4.compressed_slot_mapping import compressed_slot_mapping_reference
+from warmreg_deepseek_v4.dspark import DSparkDraft, num_speculative_tokens
+from warmreg_deepseek_v4.dspark_inputs import DraftInputs, prepare_dspark_inputs_reference
+from warmreg_deepseek_v4.dspark_swa_indices import dspark_swa_indices_reference
 from warmreg_deepseek_v4.fp8_ds_mla import FP8_MAX, HEAD_DIM, NOPE_DIM, ROPE_DIM, SCALE_BYTES, TOKEN_BYTES, page_bytes
 from warmreg_deepseek_v4.global_topk import global_topk_indices_reference
 from warmreg_deepseek_v4.indexer import indexer_page_stride
@@ -106,7 +112,10 @@ import warmreg
 from warmreg.ops import block_table_slot_mapping_reference, block_table_width, fused_qkv_rmsnorm_reference
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = tuple(str(ROOT / "examples" / f"{n}.json") for n in ("deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3"))
+EXAMPLES = tuple(
+    str(ROOT / "examples" / f"{n}.json")
+    for n in ("deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3", "deepseek_v4_flash_0731_dspark")
+)
 KINDS = ("decode", "prefill", "mixed")
 CPU_TARGET = "cuda:90"  # the plan a CPU run drives: the H200's
 I32, I64, BF16, F32, U8 = torch.int32, torch.int64, torch.bfloat16, torch.float32, torch.uint8
@@ -129,6 +138,7 @@ DRIVERS = frozenset(
         for n in (
             "c128a_topk_metadata",
             "decode_swa_indices",
+            "dspark_noncausal_swa_indices",
             "global_topk_indices",
             "indexer_kv_compress_insert",
             "indexer_prefill_chunk_metadata",
@@ -137,6 +147,7 @@ DRIVERS = frozenset(
             "mtp_input_rmsnorm",
             "mtp_shared_head_rmsnorm",
             "pack_seq",
+            "prepare_dspark_inputs",
             "prepare_uniform_decode",
             "sparse_swa_prefill_metadata",
             "unpack_seq",
@@ -175,7 +186,8 @@ class Limits:
         """The config's serving values, capped by the arguments (CPU defaults: 4 tokens, 4 requests, length 256;
         and small workspace and logits budgets, so that chunking and cuts along M happen at those sizes)."""
         serving, big = cfg.serving, 1 << 62
-        mml, spec = int(serving["max_model_len"]), int(serving.get("num_speculative_tokens", 0) or 0)
+        mml = int(serving["max_model_len"])
+        spec = num_speculative_tokens(cfg) if cfg.model_type == "deepseek_v4" else int(serving.get("num_speculative_tokens") or 0)
         return cls(
             max_tokens=min(int(serving["max_num_batched_tokens"]), max_tokens or (big if cuda else 4)),
             max_seqs=min(int(serving["max_num_seqs"]), max_seqs or (big if cuda else 4)),
@@ -577,6 +589,28 @@ class DSV4Sweep(Sweep):
             self.layers += [("mtp", mtp_ratio)] * (mtp_ratio not in main)
         self._caches()
         self._buffers()
+        self.draft = DSparkDraft.from_config(self.cfg, m) if self.has("prepare_dspark_inputs") else None
+        if self.draft is not None:
+            self._draft_buffers(self.draft)
+
+    def _draft_buffers(self, d: DSparkDraft) -> None:
+        """The DSpark speculator's persistent buffers, sized by the config (their sizes are key fields), and the
+        target's request states (last sampled and next prefill tokens, sampling parameters)."""
+        srv, dev = self.cfg.serving, self.dev
+        self.draft_reqs, self.draft_tokens = int(srv["max_num_seqs"]), int(srv["max_num_batched_tokens"])
+        self.draft_buf = DraftInputs.zeros(self.draft_reqs, self.draft_tokens, d.num_tokens, dev)
+        reqs, gen = self.draft_reqs, self.gen
+        self.req_states = (
+            torch.randint(0, 1 << 17, (reqs, 1), generator=gen, device=dev, dtype=I64),  # last sampled
+            torch.randint(0, 1 << 17, (1, reqs), generator=gen, device=dev, dtype=I32),  # next prefill tokens
+            torch.rand(reqs, generator=gen, device=dev),  # temperature
+            torch.randint(0, 1 << 40, (reqs,), generator=gen, device=dev, dtype=I64),  # seeds
+        )
+        rows = max(self.lim.max_tokens, self.lim.max_seqs * d.num_query_per_req)
+        self.draft_swa = (
+            torch.zeros(rows, 1, d.index_width, dtype=I32, device=dev),  # decode_swa_indices_noncausal
+            torch.zeros(rows, dtype=I32, device=dev),  # decode_swa_lens
+        )
 
     def _caches(self) -> None:
         """Compressed caches' tables, fp8_ds_mla and indexer pages, compressor states, RoPE caches, weights."""
@@ -642,6 +676,59 @@ class DSV4Sweep(Sweep):
         self.uniform_decode(st)
         for kind, ratio in self.layers:
             self.layer(st, kind, ratio)
+        if self.draft is not None:
+            self.dspark_draft(st, self.draft)
+
+    def dspark_draft(self, st: Step, d: DSparkDraft) -> None:
+        """The DSpark draft step after the target step: its inputs (one launch for the SWA group), its non-causal
+        SWA metadata, then the draft layers on ``Nq`` query tokens a request. Decode requests rejected some of their
+        drafts; a prefill chunk sampled a token (its last chunk) or none (chunked prefill)."""
+        b, rng = st.batch, self.rng
+        reqs = len(b.qlens)
+        nrej = [rng.randint(0, q - 1) if i < b.num_decodes else 0 for i, q in enumerate(b.qlens)]
+        sampled = [q - r if i < b.num_decodes else rng.randint(0, 1) for i, (q, r) in enumerate(zip(b.qlens, nrej))]
+        states = torch.randperm(self.draft_reqs, generator=self.gen, device=self.dev)[:reqs].to(I64)
+        args = (
+            st.positions, st.qsl, states, self.req_states[0], self.req_states[1],
+            torch.tensor(sampled, dtype=I32, device=self.dev), torch.tensor(nrej, dtype=I32, device=self.dev),
+            self.req_states[2], self.req_states[3], self.tables[SWA],
+        )  # fmt: skip
+        kw: dict[str, Any] = dict(
+            num_reqs=reqs, block_size=SWA, parallel_drafting_token_id=d.noise_token_id,
+            num_query_per_req=d.num_query_per_req, num_speculative_steps=d.num_tokens, max_num_reqs=self.draft_reqs,
+            max_num_tokens=self.draft_tokens, max_model_len=self.lim.max_model_len,
+            sample_from_anchor=d.sample_from_anchor,
+        )  # fmt: skip
+        out = self.launch(
+            DSV4_PREFIX + "prepare_dspark_inputs",
+            f"{reqs} requests, max_q {max(b.qlens)}",
+            lambda: self.k("prepare_dspark_inputs")(*args, **kw, max_query_len=max(b.qlens), out=self.draft_buf),
+            fallback=lambda: prepare_dspark_inputs_reference(self.draft_buf, *args, **kw),
+            ref=lambda: prepare_dspark_inputs_reference(self.draft_buf, *args, **kw),
+        )
+        nq = d.num_query_per_req
+        T = reqs * nq
+        qsl, seqs = out.query_start_loc[: reqs + 1], out.seq_lens[:reqs]
+        tok2req = torch.arange(reqs, dtype=I32, device=self.dev).repeat_interleave(nq)
+        valid = out.query_slot_mapping[:T] >= 0
+        sw_args = (qsl, seqs, tok2req, valid, self.tables[SWA])
+        sw_kw = dict(num_tokens=T, window_size=self.window, index_width=d.index_width, block_size=SWA)
+        self.draft_swa[1][T:] = 0  # the builder zeroes the lens past the decode tokens first
+        self.launch(
+            DSV4_PREFIX + "dspark_noncausal_swa_indices",
+            f"draft: {reqs} requests x {nq} tokens, W={d.index_width}",
+            lambda: self.k("dspark_noncausal_swa_indices")(*sw_args, **sw_kw, out=self.draft_swa),
+            ref=lambda: dspark_swa_indices_reference(*sw_args, **sw_kw),
+        )
+        seq_host = seqs.tolist()
+        draft = Batch("draft", tuple(seq_host), (nq,) * reqs, (0,) * reqs, reqs)
+        dst = step_tensors(draft, self.window, self.dev)
+        m = self.m
+        for ratio in sorted(set(d.ratios)):  # the SWA-only draft layers run as an SWA-only layer on the draft tokens
+            if ratio == 1:
+                self.layer(dst, "dspark draft", 1)
+            else:
+                self.qkv_norm(dst, "dspark draft", m.q_lora_rank, m.head_dim, m.q_lora_rank + m.head_dim, m.rms_norm_eps)
 
     def layer(self, st: Step, kind: str, ratio: int) -> None:
         """One layer of a type: Q/KV norm, compressor and indexer, sparse prefill, inverse RoPE; for the type of the

@@ -51,6 +51,22 @@ def test_sweep_launches_every_plan_kernel(example: str) -> None:
     assert all(o["platform_only"] for o in run["keys_outside_plan"]), run["keys_outside_plan"]
 
 
+@pytest.mark.slow
+def test_sweep_drives_the_dspark_draft_step() -> None:
+    """DeepSeek-V4-Flash-0731 with DSpark: each target step is followed by a draft step (its inputs, its non-causal
+    SWA indices, the SWA-only draft layers on 5 tokens a request). Seven tokens a step are the fewest that give the
+    first step unequal decode lengths under 1 + 5 (6 + 1: the indexer's pack / unpack). About 2 CPU minutes."""
+    sweep = _sweep_module()
+    config = str(ROOT / "examples" / "deepseek_v4_flash_0731_dspark.json")
+    run = sweep.run_config(config, steps=3, seed=36, device="cpu", max_tokens=7, max_seq_len=16, max_seqs=2)
+    assert run["step_failures"] == [] and run["not_launched"] == []
+    assert set(run["kernels"]) == {kp.name for kp in warmreg.plan(config, target=sweep.CPU_TARGET).kernels}
+    for name, k in run["kernels"].items():
+        assert k["launches"] >= 1 and k["failures"] == 0 and k["misses"] == 0 and k["monitor_agrees"], (name, k)
+        assert all(c.endswith("matches the PyTorch reference") for c in k["checks"]), k["checks"]
+    assert all(o["platform_only"] for o in run["keys_outside_plan"]), run["keys_outside_plan"]
+
+
 def test_sweep_refuses_a_plan_kernel_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     sweep = _sweep_module()
     monkeypatch.setattr(sweep, "DRIVERS", sweep.DRIVERS - {sweep.KDA})

@@ -12,6 +12,8 @@ import torch
 import triton
 from dsv4_support import ModulePlugin, example_config
 from warmreg_deepseek_v4.backends import c128_active_width, c128_widths
+from warmreg_deepseek_v4.dspark import dspark_swa_index_width
+from warmreg_deepseek_v4.dspark_swa_indices import dspark_swa_indices_reference
 from warmreg_deepseek_v4.flashinfer_indices import (
     FlashInferMixedSparseIndices,
     flashinfer_mixed_sparse_indices_reference,
@@ -169,9 +171,83 @@ def test_empty_batch_and_bad_inputs() -> None:
     args, kw = _layer_inputs(step, 4)
     with pytest.raises(warmreg.LaunchError, match="decode_is_valid_token"):
         kernel(*args[:3], None, *args[4:], **kw)
-    wide = (torch.cat([args[0], args[0]], dim=1), *args[1:])
-    with pytest.raises(warmreg.LaunchError, match="causal"):
-        kernel(*wide, **kw)  # DSpark's non-causal rows are not supported yet
+    narrow = (args[0][:, : WINDOW - 1], *args[1:])
+    with pytest.raises(warmreg.LaunchError, match="< window"):
+        kernel(*narrow, **kw)
+
+
+# -- DSpark's non-causal draft rows ---------------------------------------------------------------------
+def _draft(
+    seed: int, contexts: list[int], qlen: int, ratio: int, *, pads: int = 0
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A DSpark draft batch (all decode: ``qlen`` tokens a request after ``contexts``) and ``pads`` graph-pad tokens
+    of an empty last request, with its non-causal SWA rows and, for C4/C128, the layer's decode inputs."""
+    reqs, real = len(contexts), len(contexts) * qlen
+    qsl = torch.tensor([i * qlen for i in range(reqs + 1)] + [real], dtype=torch.int32)
+    seqs = torch.tensor([c + qlen for c in contexts] + [0], dtype=torch.int32)
+    req = torch.cat([torch.arange(reqs).repeat_interleave(qlen), torch.full((pads,), reqs)]).to(torch.int32)
+    positions = torch.cat([torch.arange(c, c + qlen) for c in contexts] + [torch.zeros(pads, dtype=torch.int64)])
+    valid = torch.ones(real + pads, dtype=torch.bool)
+    valid[real:] = False
+    rng = random.Random(seed)
+    valid[[i for i in range(real) if rng.random() < 0.1]] = False
+    width = dspark_swa_index_width(WINDOW, qlen if qlen <= 48 else qlen - 1)
+    swa_table = _table(seed, reqs + 1, triton.cdiv(max(seqs.tolist()) + 8, SWA_PAGE))
+    T = real + pads
+    swa = dspark_swa_indices_reference(
+        qsl, seqs, req, valid, swa_table, num_tokens=T, window_size=WINDOW, index_width=width, block_size=SWA_PAGE
+    )[0]
+    dc = lens = dvalid = cbt = None
+    cbs = SWA_PAGE
+    if ratio == 4:
+        cbs, cbt = C4_PAGE, _table(seed + 1, reqs + 1, triton.cdiv(MAX_MODEL_LEN // 4, C4_PAGE))
+        dc, dvalid = _c4_topk(seed, positions), valid
+    elif ratio == 128:
+        cbs, cbt = 2, _table(seed + 2, reqs + 1, triton.cdiv(MAX_MODEL_LEN // 128, 2))
+        gd, lens, _ = c128_topk_metadata_reference(
+            positions, req, cbt, torch.where(valid, 1, -1), num_decode_tokens=T, max_compressed_tokens=128, block_size=2
+        )
+        dc = gd.squeeze(1)
+    kw: dict[str, Any] = dict(
+        num_tokens=T, num_decode_tokens=T, compress_ratio=ratio, top_k={1: 0, 4: C4_TOPK, 128: 128}[ratio],
+        swa_block_size=SWA_PAGE, compressed_block_size=cbs, swa_span=SWA_PAGE + 3, compressed_span=cbs * 2,
+    )  # fmt: skip
+    return (swa, dc, lens, dvalid, None, req, seqs, qsl, swa_table, cbt), kw
+
+
+@pytest.mark.parametrize(
+    ("ratio", "contexts", "qlen", "pads"),
+    [
+        (1, [0, 1, 15, 16, 17, 3000], 5, 0),  # the window starts at 0 for short contexts, full beyond 16
+        (1, [40, 2], 5, 3),  # graph-pad tokens of an empty request: causal pad rows
+        (1, [100, 5], 49, 0),  # 1 + N tokens with (window + N) % 64 == 0: L = 65 > W = 64
+        (4, [0, 7, 500], 5, 2),  # C4: the compressed region starts after the spilled block
+        (128, [300, 20], 5, 0),  # C128: lens from the C128A metadata
+    ],
+)
+def test_noncausal_draft_rows_match_reference(ratio: int, contexts: list[int], qlen: int, pads: int) -> None:
+    args, kw = _draft(len(contexts) + qlen + ratio, contexts, qlen, ratio, pads=pads)
+    got = FlashInferMixedSparseIndices(window_size=WINDOW)(*args, **kw)
+    want = flashinfer_mixed_sparse_indices_reference(*args, **kw, window_size=WINDOW)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if ratio == 1 and qlen <= 48:  # valid tokens: no -1 inside [0, wlen) or [W, lens), and only there live entries
+        for t in range(len(contexts) * qlen):
+            row, n = want[0][t], int(want[1][t])
+            if args[0][t, 0] >= 0:
+                wlen = int((row[:WINDOW] >= 0).sum())
+                assert (
+                    bool((row[:wlen] >= 0).all()) and bool((row[WINDOW:n] >= 0).all()) and bool((row[n:] == -1).all())
+                )
+
+
+def test_noncausal_rows_keep_the_causal_window_first() -> None:
+    """Token q of a block after ``ctx`` context tokens: min(ctx + q + 1, W) entries, then the rest of the block."""
+    args, kw = _draft(0, [30], 5, 1)
+    idx, lens = FlashInferMixedSparseIndices(window_size=WINDOW)(*args, **kw)
+    swa = (args[0].long() // SWA_PAGE) * (SWA_PAGE + 3) + args[0].long() % SWA_PAGE
+    for q in range(5):
+        assert lens[q] == 16 + 5 and torch.equal(idx[q, :16].long(), swa[q, :16])  # window: the first 16 of L = 21
+        assert torch.equal(idx[q, 16:21].long(), swa[q, 16:21]) and bool((idx[q, 21:] == -1).all())
 
 
 # -- registration, coverage, warm --------------------------------------------------------------------
@@ -205,6 +281,22 @@ def test_runtime_batches_hit_warmed_keys(example: str) -> None:
                 decode_compressed_topk=dct, top_k=layer_top_k if T > nd else 0,
             )  # fmt: skip
             assert key in kp.keys, key
+
+
+def test_dspark_adds_the_draft_layers_noncausal_key() -> None:
+    """Flash-0731 + DSpark under FlashInfer: one more key, the SWA-only draft layers' width-192 rows, no prefill."""
+    config = _config("deepseek_v4_flash_0731_dspark", attention_backend="FLASHINFER_MLA_SPARSE_DSV4")
+    kp = warmreg.plan(config, target="cuda:100", plugins=[_Plugin()], entry_points=False).kernel(
+        FlashInferMixedSparseIndices.name
+    )
+    widths = c128_widths(config["serving"]["max_model_len"])
+    assert len(kp.keys) == 1 + 2 + 2 * len(widths) + 1
+    (extra,) = [k for k in kp.keys if k.swa_index_width != 128]
+    assert (extra.swa_index_width, extra.compress_ratio, extra.top_k, extra.window_block_size) == (192, 1, 0, 256)
+    assert (
+        kp.kernel.dispatch(compress_ratio=1, swa_index_width=192, image_width=0, decode_compressed_topk=0, top_k=0)
+        == extra
+    )
 
 
 def test_registration_needs_flashinfer_on_sm100() -> None:

@@ -23,8 +23,20 @@ Prefill rows (``r = token_to_req[t]``, ``pos = seq_lens[r] - qlen[r] + t - query
     l = j < prefill_topk_width and j < topk_len ? prefill_topk[t - nd, j] : -1
     comp[j] = l >= 0 ? cbt[r, l // cbs] * cbs + l % cbs : -1;     lens[t] = SW_TOTAL + topk_len
 
-Only the causal case is implemented; DSpark's non-causal rows (``SWA_INDEX_WIDTH > WINDOW_SIZE``) are
-refused with a :class:`warmreg.LaunchError`. Every integer that is not a constexpr is
+DSpark's non-causal decode rows (``SWA_INDEX_WIDTH > WINDOW_SIZE``, the draft step's rows of
+:mod:`.dspark_swa_indices`: ``L = min(ctx, W) + qlen`` live entries of every token of a request, ``ctx`` its
+context before the draft block and ``q`` the token's place in the block)::
+
+    wlen = min(ctx + q + 1, W);   spill = min(ctx, W) + qlen - wlen;   cstart = W + spill   (pad token: 0, 0)
+    sparse[t, c] = c < wlen ? swa[c] : -1                                 for c < W
+    sparse[t, c] = c < cstart ? swa[c - W + wlen] : -1                    for W <= c < SW_TOTAL (and c < cstart)
+    sparse[t, cstart + j] = the compressed entries (as above);  -1 after them, to the row's end
+    lens[t] = cstart + clen
+
+so the causal window holds the first visible entries and no -1 sits inside either active range. A row entry
+past the row (``c - W + wlen >= SWA_INDEX_WIDTH``, only when a block is wider than ``N``) reads as -1, where
+vLLM's kernel would read the next row. Keys with a non-causal width are planned for the draft layers' ratios
+only, without prefill tokens (a draft batch is all decode). Every integer that is not a constexpr is
 ``do_not_specialize`` and every pointer ``do_not_specialize_on_alignment`` (rows are addressed through
 runtime strides), so the key is the vLLM one: the constexprs and ``num_warps``.
 """
@@ -43,6 +55,7 @@ import warmreg
 
 from ._serving import max_model_len
 from .backends import FLASHINFER_SPARSE, attention_backend, c128_widths
+from .dspark import DSparkDraft
 from .model import DSV4
 
 __all__ = [
@@ -98,7 +111,7 @@ def _flashinfer_mixed_sparse_indices_kernel(
     compressed_span,
     num_decode_tokens,
     WINDOW_SIZE: tl.constexpr,  # the sliding window (128)
-    SWA_INDEX_WIDTH: tl.constexpr,  # SWA columns of a decode row (== WINDOW_SIZE: causal)
+    SWA_INDEX_WIDTH: tl.constexpr,  # SWA columns of a decode row (WINDOW_SIZE: causal; wider: DSpark non-causal)
     IMAGE_WIDTH: tl.constexpr,  # extra SWA columns for image spans (0 for text; else left/right visibility)
     COMPRESS_RATIO: tl.constexpr,  # the layer's ratio (1 SWA-only, 4, 128): causal compressed count
     TOP_K: tl.constexpr,  # prefill compressed top-k (0 when the batch has no prefill or the layer is SWA-only)
@@ -116,10 +129,30 @@ def _flashinfer_mixed_sparse_indices_kernel(
     k = tl.arange(0, TOPK_BLOCK_SIZE)
     cbt_row = compressed_block_table_ptr + req * compressed_block_table_stride
     if t < num_decode_tokens:
+        # DSpark's non-causal rows (SWA_INDEX_WIDTH > WINDOW_SIZE): the first min(WINDOW_SIZE, causal count)
+        # entries of the row fill the causal window, the rest of the row follows from column WINDOW_SIZE on,
+        # and the compressed region starts right after it
+        NONCAUSAL: tl.constexpr = SWA_INDEX_WIDTH > WINDOW_SIZE
+        cstart = SW_TOTAL
+        if NONCAUSAL:
+            nq0 = tl.load(query_start_loc_ptr + req)
+            nqlen = tl.load(query_start_loc_ptr + req + 1) - nq0
+            ctx = tl.load(seq_lens_ptr + req) - nqlen
+            in_q = (t - nq0).to(tl.int32)
+            block_token = (in_q >= 0) & (in_q < nqlen)  # a graph pad token outside its request: a causal pad row
+            wlen = tl.where(block_token, tl.minimum(ctx + in_q + 1, WINDOW_SIZE), 0)
+            spill = tl.where(block_token, tl.minimum(ctx, WINDOW_SIZE) + nqlen - wlen, 0)
+            cstart = WINDOW_SIZE + spill
         for c0 in tl.static_range(0, SW_TOTAL, WINDOW_BLOCK_SIZE):
             c = c0 + tl.arange(0, WINDOW_BLOCK_SIZE)
-            v = tl.load(decode_swa_ptr + t * decode_swa_stride + c, mask=c < SWA_INDEX_WIDTH, other=-1)
-            tl.store(row + c, _remap(v, swa_block_size, swa_span), mask=c < SW_TOTAL)
+            if NONCAUSAL:
+                src = tl.where(c >= WINDOW_SIZE, c - WINDOW_SIZE + wlen, c)
+                ok = tl.where(c >= WINDOW_SIZE, c < cstart, c < wlen) & (src < SWA_INDEX_WIDTH)
+                v = tl.load(decode_swa_ptr + t * decode_swa_stride + src, mask=ok, other=-1)
+                tl.store(row + c, _remap(v, swa_block_size, swa_span), mask=(c < SW_TOTAL) & (c < cstart))
+            else:
+                v = tl.load(decode_swa_ptr + t * decode_swa_stride + c, mask=c < SWA_INDEX_WIDTH, other=-1)
+                tl.store(row + c, _remap(v, swa_block_size, swa_span), mask=c < SW_TOTAL)
         if DECODE_COMPRESSED_TOPK > 0:
             v = tl.load(
                 decode_compressed_ptr + t * decode_compressed_stride + k, mask=k < DECODE_COMPRESSED_TOPK, other=-1
@@ -136,8 +169,13 @@ def _flashinfer_mixed_sparse_indices_kernel(
             clen = tl.load(decode_compressed_lens_ptr + t)
         else:
             clen = tl.full((), DECODE_COMPRESSED_TOPK, tl.int32)
-        tl.store(row + SW_TOTAL + k, _remap(v, compressed_block_size, compressed_span), mask=k < PADDED_TOP_K)
-        tl.store(lens_ptr + t, SW_TOTAL + clen)
+        tl.store(row + cstart + k, _remap(v, compressed_block_size, compressed_span), mask=k < PADDED_TOP_K)
+        if NONCAUSAL:  # the columns the shifted compressed region leaves at the end of the row
+            for f0 in tl.static_range(0, SW_TOTAL - WINDOW_SIZE, WINDOW_BLOCK_SIZE):
+                f = f0 + tl.arange(0, WINDOW_BLOCK_SIZE)
+                pad = tl.full((WINDOW_BLOCK_SIZE,), -1, tl.int32)
+                tl.store(row + cstart + PADDED_TOP_K + f, pad, mask=f < SW_TOTAL - cstart)
+        tl.store(lens_ptr + t, cstart + clen)
     else:  # names differ from the decode branch: a name bound in both arms must keep one type
         q0 = tl.load(query_start_loc_ptr + req)
         qlen = tl.load(query_start_loc_ptr + req + 1) - q0
@@ -204,14 +242,15 @@ class FlashInferMixedSparseIndices(warmreg.TritonKernel[FlashInferMixedSparseInd
     and C128 (global decode indices with lens, one width ``W`` per step).
 
     :param window_size: the sliding window (``sliding_window``).
+    :param draft: the DSpark draft, if any: its non-causal width and draft-layer ratios widen the domains.
     """
 
     name = "deepseek_v4.flashinfer_mixed_sparse_indices"
     key_type = FlashInferMixedSparseIndicesKey
     jit = _flashinfer_mixed_sparse_indices_kernel
 
-    def __init__(self, *, window_size: int) -> None:
-        self.window_size = window_size
+    def __init__(self, *, window_size: int, draft: DSparkDraft | None = None) -> None:
+        self.window_size, self.draft = window_size, draft
 
     def dispatch(
         self, *, compress_ratio: int, swa_index_width: int, image_width: int, decode_compressed_topk: int, top_k: int
@@ -239,12 +278,13 @@ class FlashInferMixedSparseIndices(warmreg.TritonKernel[FlashInferMixedSparseInd
         compressed = sorted({0, model.index_topk, *widths})
         return {
             "compress_ratio": sorted(set(model.ratios)),
-            "swa_index_width": [self.window_size],  # causal only; DSpark's wider rows are left for later
+            "swa_index_width": sorted({self.window_size, *([self.draft.index_width] if self.draft else [])}),
             "image_width": sorted({0, model.vision_max_n_token}),
             "decode_compressed_topk": compressed,
             "top_k": compressed,
             "c4_top_k": [model.index_topk],  # the two below are read by when() only
             "c128_widths": [tuple(widths)],
+            "draft_ratios": [tuple(sorted(set(self.draft.ratios))) if self.draft else ()],
         }
 
     def when(
@@ -255,9 +295,14 @@ class FlashInferMixedSparseIndices(warmreg.TritonKernel[FlashInferMixedSparseInd
         top_k: int,
         c4_top_k: int,
         c128_widths: tuple[int, ...],
+        swa_index_width: int,
+        draft_ratios: tuple[int, ...],
         **_: Any,
     ) -> bool:
-        """The layer type fixes DCT; ``top_k`` is 0 (no prefill in the batch) or the layer's top-k."""
+        """The layer type fixes DCT; ``top_k`` is 0 (no prefill in the batch) or the layer's top-k; a non-causal
+        width only for a draft layer's ratio, with no prefill."""
+        if swa_index_width != self.window_size and (compress_ratio not in draft_ratios or top_k):
+            return False
         if compress_ratio == 4:
             return decode_compressed_topk == c4_top_k and top_k in (0, c4_top_k)
         if compress_ratio == 128:
@@ -321,8 +366,9 @@ class FlashInferMixedSparseIndices(warmreg.TritonKernel[FlashInferMixedSparseInd
     ) -> warmreg.LaunchSpec[FlashInferMixedSparseIndicesKey]:
         """Build ``(sparse_indices [T, SW_TOTAL + PADDED_TOP_K], sparse_topk_lens [T])`` int32.
 
-        :param decode_swa_indices: int32 ``[>= nd, SWA_INDEX_WIDTH]`` global SWA slots of decode tokens (:class:`~.swa_indices.DecodeSwaIndices`);
-            a 0-row view for a prefill-only batch keeps the width.
+        :param decode_swa_indices: int32 ``[>= nd, SWA_INDEX_WIDTH]`` global SWA slots of decode tokens: the window
+            wide (causal, :class:`~.swa_indices.DecodeSwaIndices`) or wider (a DSpark draft's non-causal rows,
+            :class:`~.dspark_swa_indices.DSparkSwaIndices`); a 0-row view for a prefill-only batch keeps the width.
         :param decode_compressed: int32 ``[>= nd, DCT]``: C4 local top-k (with ``decode_is_valid_token``
             bool ``[>= nd]``), C128 global slots (with ``decode_compressed_lens`` int32 ``[>= nd]``), or
             ``None`` for an SWA-only layer. Pass the same width for a batch without decode tokens.
@@ -339,15 +385,15 @@ class FlashInferMixedSparseIndices(warmreg.TritonKernel[FlashInferMixedSparseInd
             page size); likewise ``compressed_span``.
         :param image_width: extra SWA columns for image spans, with ``left_visible``/``right_visible`` int32 ``[T]``.
         :param out: optional persistent ``(indices [>= T, width], lens [>= T])`` buffers (rows past T untouched).
-        :raises warmreg.LaunchError: for a non-causal (DSpark) width, missing layer inputs, wrong dtypes or sizes.
+        :raises warmreg.LaunchError: for rows narrower than the window, missing layer inputs, wrong dtypes or sizes.
         """
         T, nd, name = num_tokens, num_decode_tokens, self.name
         swa_width = decode_swa_indices.shape[1] if decode_swa_indices.ndim == 2 else -1
-        if swa_width != self.window_size:
+        if swa_width < self.window_size:
             raise warmreg.LaunchError(
                 name,
-                f"decode_swa_indices width {swa_width} != window {self.window_size}",
-                fix="only causal rows are supported (DSpark non-causal is not)",
+                f"decode_swa_indices width {swa_width} < window {self.window_size}",
+                fix="pass causal rows (the window wide) or DSpark's non-causal rows (wider)",
             )
         if compress_ratio not in (1, 4, 128) or not 0 <= nd <= T:
             raise warmreg.LaunchError(
@@ -441,6 +487,37 @@ def _check_inputs(name: str, context: str, **inputs: tuple[torch.Tensor | None, 
             raise warmreg.LaunchError(name, f"{arg} must be {dtype} {ndim}-D with >= {rows} rows (contiguous rows)")
 
 
+def _noncausal_rows(
+    rows: torch.Tensor,
+    clen: torch.Tensor,
+    token_to_req: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    *,
+    window: int,
+    width: int,
+    sw_total: int,
+) -> torch.Tensor:
+    """Rewrite decode ``rows`` (remapped, in the causal layout) in place as DSpark's non-causal ones; returns lens."""
+    lens = torch.empty(rows.shape[0], dtype=torch.int64)
+    for t in range(rows.shape[0]):
+        r = int(token_to_req[t])
+        q0, qlen = int(query_start_loc[r]), int(query_start_loc[r + 1] - query_start_loc[r])
+        ctx, q = int(seq_lens[r]) - qlen, t - q0
+        wlen = min(ctx + q + 1, window) if 0 <= q < qlen else 0
+        spill = min(ctx, window) + qlen - wlen if 0 <= q < qlen else 0
+        cstart, swa, comp = window + spill, rows[t, :sw_total].clone(), rows[t, sw_total:].clone()
+        rows[t] = -1
+        rows[t, :wlen] = swa[:wlen]
+        for c in range(window, min(cstart, sw_total)):
+            src = c - window + wlen
+            rows[t, c] = swa[src] if src < width else -1  # an entry past the row reads as -1
+        n = max(0, min(comp.shape[0], rows.shape[1] - cstart))
+        rows[t, cstart : cstart + n] = comp[:n]
+        lens[t] = cstart + clen[t]
+    return lens
+
+
 def _remap_ref(v: torch.Tensor, block_size: int, span: int) -> torch.Tensor:
     return torch.where(v >= 0, (v // block_size) * span + v % block_size, -1)
 
@@ -468,20 +545,26 @@ def flashinfer_mixed_sparse_indices_reference(
     image_width: int = 0,
     left_visible: torch.Tensor | None = None,
     right_visible: torch.Tensor | None = None,
+    window_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference of :class:`FlashInferMixedSparseIndices` (causal rows)."""
-    T, nd, W = num_tokens, num_decode_tokens, decode_swa_indices.shape[1]
+    """PyTorch reference of :class:`FlashInferMixedSparseIndices`.
+
+    :param window_size: the sliding window (default: the decode rows' width, causal); decode rows wider than it
+        are DSpark's non-causal rows.
+    """
+    T, nd, sw = num_tokens, num_decode_tokens, decode_swa_indices.shape[1]
+    W = sw if window_size is None else window_size
     sbs, cbs = swa_block_size, compressed_block_size
     sspan, cspan = swa_span or sbs, compressed_span or cbs
     cbt = (swa_block_table if compressed_block_table is None else compressed_block_table).long()
     top_k = top_k if T > nd else 0
     dct = decode_compressed.shape[1] if decode_compressed is not None and compress_ratio != 1 else 0
-    sw_total, padded = W + image_width, triton.cdiv(max(top_k, dct), 4) * 4
+    sw_total, padded = sw + image_width, triton.cdiv(max(top_k, dct), 4) * 4
     req = token_to_req[:T].long()
     k = torch.arange(padded)
     # decode rows
     swa = torch.full((nd, sw_total), -1, dtype=torch.int64)
-    swa[:, :W] = decode_swa_indices[:nd].long()
+    swa[:, :sw] = decode_swa_indices[:nd].long()
     v = torch.full((nd, padded), -1, dtype=torch.int64)
     if dct:
         v[:, :dct] = decode_compressed[:nd].long()  # type: ignore[index]
@@ -495,6 +578,10 @@ def flashinfer_mixed_sparse_indices_reference(
         clen = torch.full((nd,), dct)
     decode_rows = torch.cat([_remap_ref(swa, sbs, sspan), _remap_ref(v, cbs, cspan)], dim=1)
     decode_lens = sw_total + clen
+    if sw > W:
+        decode_lens = _noncausal_rows(
+            decode_rows, clen, token_to_req[:nd], seq_lens, query_start_loc, window=W, width=sw, sw_total=sw_total
+        )
     # prefill rows
     preq = req[nd:]
     q0 = query_start_loc.long()[preq]
@@ -527,9 +614,10 @@ def flashinfer_mixed_sparse_indices_reference(
 
 
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
-    """Register the mixed-indices kernel for the FlashInfer DeepSeek-V4 sparse backend (SM100 and newer)."""
+    """Register the mixed-indices kernel for the FlashInfer DeepSeek-V4 sparse backend (SM100 and newer), with the
+    DSpark draft's non-causal rows when DSpark is on."""
     flashinfer = attention_backend(config) == FLASHINFER_SPARSE
     registry.add(
-        FlashInferMixedSparseIndices(window_size=model.sliding_window),
+        FlashInferMixedSparseIndices(window_size=model.sliding_window, draft=DSparkDraft.from_config(config, model)),
         when=warmreg.sm_at_least(100) if flashinfer else False,
     )

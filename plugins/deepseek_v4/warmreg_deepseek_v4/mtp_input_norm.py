@@ -24,6 +24,7 @@ import warmreg
 
 from ._checks import check_norm_weights
 from ._rmsnorm import rms_reference, rms_row
+from .dspark import mtp_drafts
 from .model import DSV4, PLUGIN
 
 __all__ = ["MTPInputNormKey", "MTPInputRMSNorm", "mtp_input_rmsnorm_reference", "register"]
@@ -198,6 +199,10 @@ def mtp_input_rmsnorm_reference(
 
 
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
-    """Register the MTP input norm when the model has MTP layers (every platform runs it)."""
-    if model.num_nextn_predict_layers > 0:
+    """Register the MTP input norm when the model has MTP layers and they draft (every platform runs it):
+    ``speculative_method`` ``mtp`` or unset. Any other method drafts without them (DSpark: its own draft layers).
+
+    :raises warmreg.ConfigError: for an unknown ``speculative_method``.
+    """
+    if model.num_nextn_predict_layers > 0 and mtp_drafts(config):
         registry.add(MTPInputRMSNorm(hidden=model.hidden_size, hc_mult=model.hc_mult, dtype=model.dtype))

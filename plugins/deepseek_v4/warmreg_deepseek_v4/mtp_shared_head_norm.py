@@ -19,6 +19,7 @@ import warmreg
 
 from ._checks import check_norm_weights
 from ._rmsnorm import rms_reference, rms_row
+from .dspark import mtp_drafts
 from .model import DSV4, PLUGIN
 
 __all__ = ["MTPSharedHeadNormKey", "MTPSharedHeadRMSNorm", "mtp_shared_head_rmsnorm_reference", "register"]
@@ -117,6 +118,10 @@ def mtp_shared_head_rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps
 
 
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
-    """Register the MTP shared-head norm when the model has MTP layers (every platform runs it)."""
-    if model.num_nextn_predict_layers > 0:
+    """Register the MTP shared-head norm when the model has MTP layers and they draft (every platform runs it):
+    ``speculative_method`` ``mtp`` or unset. Any other method drafts without them (DSpark: its own draft layers).
+
+    :raises warmreg.ConfigError: for an unknown ``speculative_method``.
+    """
+    if model.num_nextn_predict_layers > 0 and mtp_drafts(config):
         registry.add(MTPSharedHeadRMSNorm(hidden=model.hidden_size, dtype=model.dtype))

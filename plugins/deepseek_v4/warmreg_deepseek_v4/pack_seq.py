@@ -39,7 +39,7 @@ import triton.language as tl
 
 import warmreg
 
-from ._serving import serving_int
+from .dspark import num_speculative_tokens
 from .model import DSV4, PLUGIN
 
 __all__ = [
@@ -64,8 +64,9 @@ padded_decode_platforms = (warmreg.is_cuda & warmreg.sm_below(100)) | warmreg.is
 
 def padded_decode(model: DSV4, config: warmreg.WarmConfig) -> bool:
     """Whether a decode batch can have unequal decode lengths for the C4 indexer: C4 layers present and
-    ``serving.num_speculative_tokens >= 1`` (default 0: one-token decode rows are always uniform)."""
-    return model.has_c4 and serving_int(config, "num_speculative_tokens", 0) >= 1
+    ``serving.num_speculative_tokens >= 1`` (default 0: one-token decode rows are always uniform; with DSpark,
+    ``dspark_block_size``: :func:`~.dspark.num_speculative_tokens`)."""
+    return model.has_c4 and num_speculative_tokens(config) >= 1
 
 
 @triton.jit

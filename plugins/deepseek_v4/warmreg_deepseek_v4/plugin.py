@@ -17,6 +17,8 @@ from . import (
     cache_insert,
     combine_indices,
     compressed_slot_mapping,
+    dspark_inputs,
+    dspark_swa_indices,
     flashinfer_indices,
     global_topk,
     indexer_chunk_metadata,
@@ -52,6 +54,7 @@ OP_MODULES: tuple[ModuleType, ...] = (
     sparse_mla,
     global_topk,
     swa_indices,
+    dspark_swa_indices,
     combine_indices,
     flashinfer_indices,
     cache,
@@ -64,6 +67,7 @@ OP_MODULES: tuple[ModuleType, ...] = (
     inv_rope_quant,
     mtp_input_norm,
     mtp_shared_head_norm,
+    dspark_inputs,
 )
 
 

@@ -16,8 +16,9 @@ from warmreg.ops import block_table_width
 
 from ._checks import check_int32_table, check_int32_vector
 from ._metadata_common import TILE
-from ._serving import max_model_len, serving_int
+from ._serving import max_model_len
 from .backends import cache_block_size
+from .dspark import num_speculative_tokens
 from .model import DSV4, SPARSE_BLOCK_SIZE
 
 __all__ = [
@@ -106,7 +107,7 @@ class PrepareUniformDecode(warmreg.TritonKernel[UniformDecodeKey]):
         return {
             "block_table": [warmreg.meta((1, width), _I32)],
             "expanded_block_table": [warmreg.meta((1, width), _I32)],
-            "max_decode_len": range(1, serving_int(config, "num_speculative_tokens", 0) + 2),
+            "max_decode_len": range(1, num_speculative_tokens(config) + 2),
         }
 
     def warmup_inputs(self, key: UniformDecodeKey) -> Mapping[str, Any]:

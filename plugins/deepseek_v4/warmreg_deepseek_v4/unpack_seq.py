@@ -28,7 +28,7 @@ import triton.language as tl
 
 import warmreg
 
-from ._serving import serving_int
+from .dspark import num_speculative_tokens
 from .model import DSV4, PLUGIN
 from .pack_seq import TILE_D, TILE_T, padded_decode, padded_decode_platforms, ragged_tile
 
@@ -89,7 +89,7 @@ class UnpackSeq(warmreg.TritonKernel[UnpackSeqKey]):
         )
 
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
-        next_n = 1 + serving_int(config, "num_speculative_tokens", 0)
+        next_n = 1 + num_speculative_tokens(config)
         reqs = warmreg.token_counts(config, plugin=PLUGIN, field="max_num_seqs")
         # the top-k of the B * next_n packed rows, a fresh int32 [B * next_n, index_topk] seen as [B, next_n, topk]
         return {"packed": [warmreg.meta((b, next_n, self.topk), torch.int32) for b in reqs if b]}

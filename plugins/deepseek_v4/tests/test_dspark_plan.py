@@ -1,0 +1,81 @@
+"""A DeepSeek-V4 deployment with DSpark (examples/deepseek_v4_flash_0731_dspark.json) through the whole plugin:
+the switch, the default draft length, what the draft step adds to the plan on each target and what it drops (the
+MTP norms), and the config errors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from dsv4_support import example_config
+from warmreg_deepseek_v4 import plugin
+from warmreg_deepseek_v4.dspark import DSparkDraft, num_speculative_tokens
+from warmreg_deepseek_v4.model import DSV4
+
+import warmreg
+
+DSPARK = "deepseek_v4_flash_0731_dspark"
+SPARK = {"deepseek_v4.dspark_noncausal_swa_indices": 1, "deepseek_v4.prepare_dspark_inputs": 6}
+MTP = {"deepseek_v4.mtp_input_rmsnorm", "deepseek_v4.mtp_shared_head_rmsnorm"}
+
+
+def _keys(config: Any, target: str) -> dict[str, int]:
+    plan = warmreg.plan(config, target=target, plugins=[plugin], entry_points=False)
+    return {kp.name: len(kp.keys) for kp in plan.kernels}
+
+
+def test_the_example_reads_as_a_dspark_draft() -> None:
+    cfg = warmreg.WarmConfig.load(example_config(DSPARK))
+    draft = DSparkDraft.from_config(cfg, DSV4.from_config(cfg))
+    assert draft == DSparkDraft(
+        num_tokens=5, num_query_per_req=5, sample_from_anchor=True, noise_token_id=128799, ratios=(1, 1, 1),
+        window=128, index_width=192,
+    )  # fmt: skip
+    assert num_speculative_tokens(cfg) == 5  # unset in the example: dspark_block_size
+
+
+@pytest.mark.parametrize(
+    ("target", "total"), [("cuda:90", 78), ("cuda:100", 76), ("rocm:gfx942", 65), ("rocm:gfx950", 65), ("xpu:pvc", 66)]
+)
+def test_plan_on_each_target(target: str, total: int) -> None:
+    """The DSpark kernels on every target; no MTP norms (the MTP layers do not draft); the target step's 1 + 5
+    decode rows widen the uniform-decode flattening (D 1..6) exactly as num_speculative_tokens 5 would."""
+    got = _keys(example_config(DSPARK), target)
+    assert {n: got[n] for n in SPARK} == SPARK and not MTP & set(got)
+    assert sum(got.values()) == total
+    as_mtp = _keys(example_config(DSPARK, speculative_method="mtp", num_speculative_tokens=5), target)
+    assert {n: v for n, v in got.items() if n not in SPARK} == {n: v for n, v in as_mtp.items() if n not in MTP}
+
+
+def test_flashinfer_plans_the_draft_rows() -> None:
+    got = _keys(example_config(DSPARK, attention_backend="FLASHINFER_MLA_SPARSE_DSV4"), "cuda:100")
+    mtp = _keys(example_config("deepseek_v4_flash", attention_backend="FLASHINFER_MLA_SPARSE_DSV4"), "cuda:100")
+    assert got["deepseek_v4.flashinfer_mixed_sparse_indices"] == mtp["deepseek_v4.flashinfer_mixed_sparse_indices"] + 1
+
+
+@pytest.mark.parametrize(("method", "mtp"), [("mtp", True), (None, True), ("eagle", False), ("ngram", False)])
+def test_mtp_norms_only_when_the_mtp_layers_draft(method: str | None, mtp: bool) -> None:
+    config = example_config("deepseek_v4_flash")
+    config["serving"].pop("speculative_method")
+    if method:
+        config["serving"]["speculative_method"] = method
+    got = _keys(config, "cuda:90")
+    assert (MTP <= set(got)) == mtp and not set(SPARK) & set(got)
+
+
+def test_config_errors() -> None:
+    with pytest.raises(warmreg.ConfigError, match=r"speculative_method.*accepted: mtp, dspark"):
+        _keys(example_config(DSPARK, speculative_method="medusa"), "cuda:90")
+    config = example_config(DSPARK)
+    del config["model"]["dspark_block_size"]
+    with pytest.raises(warmreg.ConfigError, match="dspark_block_size"):
+        _keys(config, "cuda:90")
+    assert "deepseek_v4.prepare_dspark_inputs" in _keys(example_config(DSPARK, num_speculative_tokens=3), "cuda:90")
+    config = example_config(DSPARK)
+    config["model"]["compress_ratios"] = config["model"]["compress_ratios"][:44]
+    with pytest.raises(warmreg.ConfigError, match="num_hidden_layers \\+ n_mtp_layers = 46"):
+        _keys(config, "cuda:90")
+    config = example_config(DSPARK)
+    del config["model"]["dspark_noise_token_id"]
+    with pytest.raises(warmreg.ConfigError, match="dspark_noise_token_id"):
+        _keys(config, "cuda:90")
