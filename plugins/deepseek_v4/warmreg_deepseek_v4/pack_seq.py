@@ -24,7 +24,9 @@ batch is uniform): CUDA below SM100 (SM90 + DeepGEMM: the native ``next_n`` kern
 SM10x decodes through DeepGEMM's varlen metadata (one row per token), which never pads. The FP4 variants
 (``uint8`` values with pad 0, and ``int32`` scales with a float pad 0) pack an MXFP4 indexer cache, which
 DeepSeek-V4 rejects off SM10x on CUDA and serves through ``rocm_mxfp4_sparse_attn_indexer`` on ROCm: dead code
-for DeepSeek-V4, so they are not registered (the launcher still accepts ``uint8`` with ``pad_value=0``).
+for DeepSeek-V4, so they are not registered (the launcher still accepts ``uint8`` with ``pad_value=0``). With an
+MXFP4 indexer cache (``serving.indexer_kv_dtype``) nothing is registered: SM10x never pads, and the ROCm MXFP4
+indexer's metadata builder (``RocmMxfp4IndexerMetadataBuilder``) forces flattened one-token decode rows.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import triton.language as tl
 
 import warmreg
 
-from ._serving import serving_int
+from ._serving import mxfp4_indexer, serving_int
 from .model import DSV4, PLUGIN
 
 __all__ = [
@@ -62,10 +64,16 @@ TILE_T, TILE_D = 64, 64  # SparseAttnIndexer's BLOCK_T / BLOCK_D
 padded_decode_platforms = (warmreg.is_cuda & warmreg.sm_below(100)) | warmreg.is_rocm | warmreg.is_xpu
 
 
-def padded_decode(model: DSV4, config: warmreg.WarmConfig) -> bool:
-    """Whether a decode batch can have unequal decode lengths for the C4 indexer: C4 layers present and
-    ``serving.num_speculative_tokens >= 1`` (default 0: one-token decode rows are always uniform)."""
-    return model.has_c4 and serving_int(config, "num_speculative_tokens", 0) >= 1
+def padded_decode(model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> bool:
+    """Whether the C4 indexer can pad a decode batch of unequal decode lengths: C4 layers present,
+    ``serving.num_speculative_tokens >= 1`` (default 0: one-token decode rows are always uniform), and an FP8
+    indexer cache (an MXFP4 one decodes through DeepGEMM's varlen path on SM10x and through
+    ``rocm_mxfp4_sparse_attn_indexer``, flattened, on ROCm: neither pads).
+
+    :raises warmreg.ConfigError: for a ``serving.indexer_kv_dtype`` the platform cannot serve.
+    """
+    spec = model.has_c4 and serving_int(config, "num_speculative_tokens", 0) >= 1
+    return spec and not mxfp4_indexer(config, model, platform)
 
 
 @triton.jit
@@ -226,4 +234,4 @@ def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig
     """Register the pack of the C4 indexer's padded decode on :data:`padded_decode_platforms` (see the module
     docstring), when :func:`padded_decode` holds. The FP4 variants are not registered (dead code for DeepSeek-V4)."""
     kernel = PackSeq(width=model.index_n_heads * model.index_head_dim)
-    registry.add(kernel, when=padded_decode_platforms if padded_decode(model, config) else False)
+    registry.add(kernel, when=padded_decode_platforms if padded_decode(model, config, platform) else False)
