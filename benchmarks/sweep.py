@@ -83,7 +83,13 @@ from warmreg_deepseek_v4.dspark_inputs import DraftInputs, prepare_dspark_inputs
 from warmreg_deepseek_v4.dspark_swa_indices import dspark_swa_indices_reference
 from warmreg_deepseek_v4.fp8_ds_mla import FP8_MAX, HEAD_DIM, NOPE_DIM, ROPE_DIM, SCALE_BYTES, TOKEN_BYTES, page_bytes
 from warmreg_deepseek_v4.global_topk import global_topk_indices_reference
-from warmreg_deepseek_v4.indexer import indexer_page_stride
+from warmreg_deepseek_v4.indexer import (
+    compress_pool_reference,
+    indexer_page_stride,
+    indexer_q_rope_mxfp4_reference,
+    mxfp4_indexer,
+    token_bytes,
+)
 from warmreg_deepseek_v4.inv_rope_quant import fp8_checkpoint
 from warmreg_deepseek_v4.metadata import C4_STATE_BLOCK_SIZE, C128_STATE_BLOCK_SIZE
 from warmreg_deepseek_v4.model import SPARSE_BLOCK_SIZE, SWA_PAGE_SIZE
@@ -137,11 +143,13 @@ DRIVERS = frozenset(
         DSV4_PREFIX + n
         for n in (
             "c128a_topk_metadata",
+            "compress_pool",
             "decode_swa_indices",
             "dspark_noncausal_swa_indices",
             "global_topk_indices",
             "indexer_kv_compress_insert",
             "indexer_prefill_chunk_metadata",
+            "indexer_q_rope_mxfp4",
             "indexer_q_rope_quant",
             "inv_rope_fp8_quant",
             "mtp_input_rmsnorm",
@@ -522,7 +530,10 @@ class Sweep(abc.ABC):
         st.slots[bs] = out[:T]
 
     def qkv_norm(self, st: Step, layer: str, q: int, kv: int, width: int, eps: float) -> None:
-        """The Q/KV RMSNorm of one layer type: ``qr`` and ``kv`` are column views of one fused projection."""
+        """The Q/KV RMSNorm of one layer type: ``qr`` and ``kv`` are column views of one fused projection (not
+        planned on ROCm with aiter, whose fused op runs instead)."""
+        if NORM not in self.names:
+            return
         proj = self.randn(st.batch.tokens, width, scale=2.0)
         args = (proj[:, :q], proj[:, q : q + kv], self.randn(q).add_(1), self.randn(kv).add_(1), eps)
         self.launch(
@@ -620,8 +631,10 @@ class DSV4Sweep(Sweep):
         self.page = {r: compressed_block_size(self.cfg, r) for r in self.ratios}  # compressed tokens per page
         self.fp8 = {r: fp8_ds_mla_cache(pages, self.page[r], self.gen, self.dev) for r in self.ratios}
         self.fp8[1] = fp8_ds_mla_cache(pages, SWA, self.gen, self.dev)  # ratio 1: the SWA cache
-        per_page, row = compressed_block_size(self.cfg, 4), m.index_head_dim + 4  # FP8 K bytes + a 4-byte scale
-        stride = indexer_page_stride(self.cfg, per_page, m.index_head_dim)
+        # FP8: K bytes + a 4-byte scale; MXFP4 (serving.indexer_kv_dtype): packed E2M1 + a UE8M0 byte per 32 dims
+        self.fp4 = mxfp4_indexer(self.cfg, m, self.plan.platform)
+        per_page, row = compressed_block_size(self.cfg, 4), token_bytes(m.index_head_dim, self.fp4)
+        stride = indexer_page_stride(self.cfg, per_page, m.index_head_dim, fp4=self.fp4)
         backing = torch.zeros(pages * stride, dtype=U8, device=self.dev)
         self.index_cache = backing.as_strided((pages, per_page, row), (stride, row, 1))
         # compressor states: head (coff * head_dim; coff 2 for C4's overlapping windows), ratio, state page size
@@ -649,6 +662,7 @@ class DSV4Sweep(Sweep):
             "prefill_local": torch.empty(rows, wmax, dtype=I32, device=dev),
         }
         self.topk_buf = torch.full((rows, self.m.index_topk), -1, dtype=I32, device=dev)
+        self.pooled_k = torch.zeros(rows, self.m.index_head_dim, dtype=BF16, device=dev)  # ROCm MXFP4's workspace
         self.uniform_buf = {
             "decode_seq_lens": torch.empty(rows, dtype=I32, device=dev),
             "expanded_block_table": torch.empty(rows, self.ctables["indexer"].shape[1], dtype=I32, device=dev),
@@ -880,6 +894,8 @@ class DSV4Sweep(Sweep):
         b, T = st.batch, st.batch.tokens
         self.save_states(st, "index")
         self._index_insert(st)
+        self._compress_pool(st)
+        self._q_mxfp4(st)
         if self.has("indexer_q_rope_quant"):
             h, d = self.m.index_n_heads, self.m.index_head_dim
             args = (st.positions, self.randn(T, h, d, scale=2), self.rope[4], self.randn(T, h), d**-0.5, h**-0.5)
@@ -946,8 +962,40 @@ class DSV4Sweep(Sweep):
         )  # fmt: skip
         self.launch(
             DSV4_PREFIX + "indexer_kv_compress_insert",
+            "c4 indexer" + " (MXFP4)" * self.fp4,
+            lambda: self.k("indexer_kv_compress_insert")(*args, compress_ratio=4, use_fp4_cache=self.fp4),
+        )
+
+    def _compress_pool(self, st: Step) -> None:
+        """ROCm's MXFP4 indexer compressor: the pooling of closing windows into the persistent bf16 workspace."""
+        if not self.has("compress_pool") or STATE[4] not in st.slots or "indexer" not in st.cslots:
+            return
+        T = st.batch.tokens
+        args = (self.states["index"], st.token_to_req, st.positions, st.cslots["indexer"], self.tables[STATE[4]], STATE[4])
+        self.launch(
+            DSV4_PREFIX + "compress_pool",
+            "c4 indexer (ROCm MXFP4)",
+            lambda: self.k("compress_pool")(*args, self.pooled_k[:T]),
+            ref=lambda: compress_pool_reference(*args, self.pooled_k[:T].clone()),
+        )
+
+    def _q_mxfp4(self, st: Step) -> None:
+        """The C4 indexer's Q RoPE + MXFP4 quant (CUDA SM10x without CuTeDSL); SM10x never pads, so no pack."""
+        if not self.has("indexer_q_rope_mxfp4"):
+            return
+        T, h, d = st.batch.tokens, self.m.index_n_heads, self.m.index_head_dim
+        args = (st.positions, self.randn(T, h, d, scale=2), self.rope[4], self.randn(T, h), d**-0.5, h**-0.5)
+
+        def flat(out: Any) -> tuple[torch.Tensor, ...]:
+            (packed, scale), w = out
+            return packed, scale, w
+
+        self.launch(
+            DSV4_PREFIX + "indexer_q_rope_mxfp4",
             "c4 indexer",
-            lambda: self.k("indexer_kv_compress_insert")(*args, compress_ratio=4),
+            lambda: flat(self.k("indexer_q_rope_mxfp4")(*args)),
+            ref=lambda: flat(indexer_q_rope_mxfp4_reference(*args)),
+            tol=(0.0, 0.0),  # bit-exact: the same fp32 RoPE, exact E2M1 and UE8M0 on both sides
         )
 
     def local_topk(self, st: Step) -> torch.Tensor:
@@ -1347,11 +1395,14 @@ def run_config(
     pack: str | None = None,
     max_seq_len: int | None = None,
     max_seqs: int | None = None,
+    target: str = CPU_TARGET,
 ) -> dict[str, Any]:
     """Warm ``config`` (CUDA), arm the monitor in ``error`` mode and sweep ``steps`` engine steps.
 
     :param device: ``"cuda"`` (warm, then the local GPU) or ``"cpu"`` (no warm, Triton's interpreter, the plan for
-        ``cuda:90``).
+        ``target``).
+    :param target: the plan a CPU run drives (default ``cuda:90``, the H200's; e.g. ``cuda:100`` for a config whose
+        kernels only that target plans, such as an MXFP4 indexer). A CUDA run plans for its own GPU.
     :param max_tokens: cap on tokens per step (default: ``max_num_batched_tokens`` on CUDA, 4 on the CPU).
     :param pack: warm from this pack (CUDA).
     :param max_seq_len: cap on sequence lengths (default: ``max_model_len`` on CUDA, 256 on the CPU).
@@ -1363,7 +1414,7 @@ def run_config(
     cuda = dev.type == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SweepError("--device cuda needs a GPU; --device cpu runs the kernels through Triton's interpreter")
-    plan = warmreg.plan(config) if cuda else warmreg.plan(config, target=CPU_TARGET)
+    plan = warmreg.plan(config) if cuda else warmreg.plan(config, target=target)
     undriven = sorted({kp.name for kp in plan.kernels} - DRIVERS)
     if undriven:
         raise SweepError(f"{config}: the plan has kernels this sweep has no driver for: {', '.join(undriven)}")

@@ -72,3 +72,18 @@ def test_sweep_refuses_a_plan_kernel_without_a_driver(monkeypatch: pytest.Monkey
     monkeypatch.setattr(sweep, "DRIVERS", sweep.DRIVERS - {sweep.KDA})
     with pytest.raises(sweep.SweepError, match=r"kimi_k3\.kda_recurrent"):
         sweep.run_config(str(ROOT / "examples" / "kimi_k3.json"), steps=1, seed=0, device="cpu", max_tokens=2)
+
+
+def test_sweep_drives_the_rocm_mxfp4_indexer() -> None:
+    """Flash on gfx950 with aiter ("auto" indexer_kv_dtype: MXFP4): compress_pool is planned and driven, checked
+    against its reference; the FP8 indexer Q, K insert and pack are not planned, so not driven."""
+    sweep = _sweep_module()
+    run = sweep.run_config(
+        str(ROOT / "examples" / "deepseek_v4_flash.json"), steps=3, seed=36, device="cpu", max_tokens=3, max_seq_len=16, max_seqs=2, target="rocm:gfx950+aiter"
+    )
+    assert run["step_failures"] == []
+    pool = run["kernels"]["deepseek_v4.compress_pool"]
+    assert pool["launches"] >= 1 and pool["failures"] == pool["misses"] == 0 and pool["monitor_agrees"]
+    assert pool["checks"] and all(c.endswith("matches the PyTorch reference") for c in pool["checks"])
+    assert not {"deepseek_v4.indexer_q_rope_quant", "deepseek_v4.indexer_kv_compress_insert"} & set(run["kernels"])
+    assert all(k["failures"] == 0 and k["misses"] == 0 for k in run["kernels"].values())

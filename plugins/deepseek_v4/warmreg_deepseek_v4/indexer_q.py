@@ -1,5 +1,6 @@
 """Fused indexer Q RoPE + FP8 quant of the C4 indexer, with the q scale folded into the weights (vLLM
-0.33 ``models/common/ops/fused_indexer_q.py``, the FP8 kernel; the MXFP4 one is left for later).
+0.33 ``models/deepseek_v4/common/ops/fused_indexer_q.py``, the FP8 kernel; the MXFP4 one is
+:mod:`.indexer_q_mxfp4`).
 
 ``rope(x, p)`` below is GPT-J interleaved RoPE on the last ``R = cos_sin_cache.shape[1]`` dims: pairs
 ``(e, o) = (x[2i], x[2i+1])`` of that part, ``c, s = cos_sin_cache[p, i], cos_sin_cache[p, R/2 + i]``,
@@ -29,9 +30,10 @@ import triton.language as tl
 import warmreg
 
 from ._checks import check_rope_cache
-from ._indexer_common import SCALE_FLOOR, cos_sin_meta, rope_pairs
+from ._indexer_common import SCALE_FLOOR, IndexerQBase, rope_pairs
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
-from .model import DSV4, PLUGIN
+from ._serving import mxfp4_indexer
+from .model import DSV4
 
 __all__ = [
     "IndexerQKey",
@@ -112,24 +114,13 @@ class IndexerQKey(warmreg.CompileKey):
     enable_fp_fusion: bool
 
 
-class IndexerQRopeQuant(warmreg.TritonKernel[IndexerQKey]):
-    """Indexer Q RoPE + FP8 quant with the q scale folded into the weights (see the module docstring).
-
-    :param num_heads: ``index_n_heads`` (domains only: the launch reads the tensors).
-    :param head_dim: ``index_head_dim``.
-    :param rope_dim: ``qk_rope_head_dim``.
-    :param dtype: activation dtype name of ``index_q`` and ``index_weights``.
-    """
+class IndexerQRopeQuant(IndexerQBase[IndexerQKey]):
+    """Indexer Q RoPE + FP8 quant with the q scale folded into the weights (see the module docstring; the
+    parameters are :class:`~._indexer_common.IndexerQBase`'s)."""
 
     name = "deepseek_v4.indexer_q_rope_quant"
     key_type = IndexerQKey
     jit = _indexer_q_rope_quant_kernel
-
-    def __init__(
-        self, *, num_heads: int = 64, head_dim: int = 128, rope_dim: int = 64, dtype: str = "bfloat16"
-    ) -> None:
-        self.num_heads, self.head_dim, self.rope_dim = num_heads, head_dim, rope_dim
-        self.dtype = getattr(torch, dtype)
 
     def dispatch(
         self,
@@ -140,54 +131,19 @@ class IndexerQRopeQuant(warmreg.TritonKernel[IndexerQKey]):
         fp8_dtype: torch.dtype,
         explicit_fma: bool,
     ) -> IndexerQKey:
-        return IndexerQKey(
-            dtype=warmreg.dtype_name(index_q.dtype),
-            weights_dtype=warmreg.dtype_name(index_weights.dtype),
-            head_dim=index_q.shape[-1],
-            rope_dim=cos_sin_cache.shape[-1],
-            fp8_dtype=warmreg.dtype_name(fp8_dtype),
-            fp8_max=224.0 if fp8_dtype == torch.float8_e4m3fnuz else 448.0,
-            explicit_fma=explicit_fma,
-            q_stride_t=warmreg.int_class(index_q.stride(0)),
-            q_stride_h=warmreg.int_class(index_q.stride(1)),
-            weights_stride=warmreg.int_class(index_weights.stride(0)),
-            cos_sin_stride=warmreg.int_class(cos_sin_cache.stride(0)),
-            q_aligned=warmreg.is_aligned(index_q),
-            num_warps=1,
-            enable_fp_fusion=True,
-        )
+        fields = self.q_key_fields(index_q, index_weights, cos_sin_cache)
+        fp8_max = 224.0 if fp8_dtype == torch.float8_e4m3fnuz else 448.0
+        return IndexerQKey(**fields, fp8_dtype=warmreg.dtype_name(fp8_dtype), fp8_max=fp8_max, explicit_fma=explicit_fma)
 
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
-        tokens = warmreg.token_counts(config, plugin=PLUGIN)
         return {
-            "index_q": [warmreg.meta((t, self.num_heads, self.head_dim), self.dtype) for t in tokens],
-            "index_weights": [warmreg.meta((t, self.num_heads), self.dtype) for t in tokens],
-            "cos_sin_cache": [cos_sin_meta(config, self.rope_dim)],
+            **self.q_domains(config),
             "fp8_dtype": [torch.float8_e4m3fnuz if platform.fp8_fnuz else torch.float8_e4m3fn],
             "explicit_fma": [platform.is_rocm],
         }
 
-    def when(self, *, index_q: torch.Tensor, index_weights: torch.Tensor, **_: Any) -> bool:
-        return index_q.shape[0] == index_weights.shape[0]
-
     def warmup_inputs(self, key: IndexerQKey) -> Mapping[str, Any]:
-        return {
-            "positions": warmreg.meta((1,), torch.int64),
-            "index_q": warmreg.meta(
-                (1, 1, key.head_dim),
-                getattr(torch, key.dtype),
-                stride=(warmreg.int_class_rep(key.q_stride_t), warmreg.int_class_rep(key.q_stride_h), 1),
-                offset=0 if key.q_aligned else 1,
-            ),
-            "cos_sin_cache": warmreg.meta((2, key.rope_dim), torch.float32, stride=(warmreg.int_class_rep(key.cos_sin_stride), 1)),
-            "index_weights": warmreg.meta(
-                (1, 1), getattr(torch, key.weights_dtype), stride=(warmreg.int_class_rep(key.weights_stride), 1)
-            ),
-            "softmax_scale": 1.0,
-            "head_scale": 1.0,
-            "fp8_dtype": getattr(torch, key.fp8_dtype),
-            "explicit_fma": key.explicit_fma,
-        }
+        return {**self.q_warmup_inputs(key), "fp8_dtype": getattr(torch, key.fp8_dtype), "explicit_fma": key.explicit_fma}
 
     @warmreg.kernel_launcher
     def __call__(
@@ -214,18 +170,8 @@ class IndexerQRopeQuant(warmreg.TritonKernel[IndexerQKey]):
         :param explicit_fma: rotate with explicit fma (default: the local GPU is ROCm).
         :raises warmreg.LaunchError: for shapes, dtypes or layouts the kernel cannot serve.
         """
-        if index_q.ndim != 3 or index_q.stride(-1) != 1 or index_q.dtype != torch.bfloat16:
-            raise warmreg.LaunchError(
-                self.name,
-                f"index_q must be bfloat16 [T, H, D] with a contiguous last dim (got {index_q.dtype} {tuple(index_q.shape)})",
-            )
+        self.check_q_inputs(positions, index_q, index_weights)
         t, h, d = index_q.shape
-        if tuple(index_weights.shape) != (t, h) or index_weights.stride(-1) != 1:
-            raise warmreg.LaunchError(self.name, f"index_weights must be [T, H] = {(t, h)} with a contiguous last dim")
-        if positions.dtype != torch.int64 or tuple(positions.shape) != (t,):
-            raise warmreg.LaunchError(
-                self.name, f"positions must be int64 [{t}] (got {positions.dtype} {tuple(positions.shape)})"
-            )
         check_rope_cache(self.name, cos_sin_cache, d)
         local = warmreg.runtime_platform()
         if fp8_dtype is None:
@@ -282,10 +228,15 @@ def indexer_q_rope_quant_reference(
 
 
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
-    """Register indexer Q when the model has C4 layers: Triton runs it on ROCm and on CUDA without
-    CuTeDSL (CuTeDSL replaces it; XPU has its own op)."""
+    """Register indexer Q when the model has C4 layers on an FP8 indexer cache: Triton runs it on ROCm and on
+    CUDA without CuTeDSL (CuTeDSL replaces it; XPU has its own op). On an MXFP4 cache
+    (``serving.indexer_kv_dtype``) CUDA runs :mod:`.indexer_q_mxfp4` and ROCm aiter's MXFP4 Q instead.
+
+    :raises warmreg.ConfigError: for a ``serving.indexer_kv_dtype`` the platform cannot serve.
+    """
     kernel = IndexerQRopeQuant(
         num_heads=model.index_n_heads, head_dim=model.index_head_dim, rope_dim=model.qk_rope_head_dim, dtype=model.dtype
     )
     triton_q = warmreg.is_rocm | (warmreg.is_cuda & ~warmreg.has_feature("cutedsl"))
-    registry.add(kernel, when=triton_q if model.has_c4 else False)
+    fp8 = model.has_c4 and not mxfp4_indexer(config, model, platform)
+    registry.add(kernel, when=triton_q if fp8 else False)

@@ -24,7 +24,9 @@ batch is uniform): CUDA below SM100 (SM90 + DeepGEMM: the native ``next_n`` kern
 SM10x decodes through DeepGEMM's varlen metadata (one row per token), which never pads. The FP4 variants
 (``uint8`` values with pad 0, and ``int32`` scales with a float pad 0) pack an MXFP4 indexer cache, which
 DeepSeek-V4 rejects off SM10x on CUDA and serves through ``rocm_mxfp4_sparse_attn_indexer`` on ROCm: dead code
-for DeepSeek-V4, so they are not registered (the launcher still accepts ``uint8`` with ``pad_value=0``).
+for DeepSeek-V4, so they are not registered (the launcher still accepts ``uint8`` with ``pad_value=0``). With an
+MXFP4 indexer cache (``serving.indexer_kv_dtype``) nothing is registered: SM10x never pads, and the ROCm MXFP4
+indexer's metadata builder (``RocmMxfp4IndexerMetadataBuilder``) forces flattened one-token decode rows.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import triton.language as tl
 
 import warmreg
 
+from ._serving import mxfp4_indexer
 from .dspark import num_speculative_tokens
 from .model import DSV4, PLUGIN
 
@@ -62,11 +65,17 @@ TILE_T, TILE_D = 64, 64  # SparseAttnIndexer's BLOCK_T / BLOCK_D
 padded_decode_platforms = (warmreg.is_cuda & warmreg.sm_below(100)) | warmreg.is_rocm | warmreg.is_xpu
 
 
-def padded_decode(model: DSV4, config: warmreg.WarmConfig) -> bool:
-    """Whether a decode batch can have unequal decode lengths for the C4 indexer: C4 layers present and
+def padded_decode(model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> bool:
+    """Whether the C4 indexer can pad a decode batch of unequal decode lengths: C4 layers present,
     ``serving.num_speculative_tokens >= 1`` (default 0: one-token decode rows are always uniform; with DSpark,
-    ``dspark_block_size``: :func:`~.dspark.num_speculative_tokens`)."""
-    return model.has_c4 and num_speculative_tokens(config) >= 1
+    ``dspark_block_size``: :func:`~.dspark.num_speculative_tokens`), and an FP8 indexer cache (an MXFP4 one
+    decodes through DeepGEMM's varlen path on SM10x and through ``rocm_mxfp4_sparse_attn_indexer``, flattened,
+    on ROCm: neither pads).
+
+    :raises warmreg.ConfigError: for a ``serving.indexer_kv_dtype`` the platform cannot serve.
+    """
+    spec = model.has_c4 and num_speculative_tokens(config) >= 1
+    return spec and not mxfp4_indexer(config, model, platform)
 
 
 @triton.jit
@@ -227,4 +236,4 @@ def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig
     """Register the pack of the C4 indexer's padded decode on :data:`padded_decode_platforms` (see the module
     docstring), when :func:`padded_decode` holds. The FP4 variants are not registered (dead code for DeepSeek-V4)."""
     kernel = PackSeq(width=model.index_n_heads * model.index_head_dim)
-    registry.add(kernel, when=padded_decode_platforms if padded_decode(model, config) else False)
+    registry.add(kernel, when=padded_decode_platforms if padded_decode(model, config, platform) else False)

@@ -148,5 +148,5 @@ def unpack_seq_reference(packed: torch.Tensor, lengths: torch.Tensor) -> torch.T
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register the unpack of the C4 indexer's padded decode, where the pack is registered."""
     registry.add(
-        UnpackSeq(topk=model.index_topk), when=padded_decode_platforms if padded_decode(model, config) else False
+        UnpackSeq(topk=model.index_topk), when=padded_decode_platforms if padded_decode(model, config, platform) else False
     )
