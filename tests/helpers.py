@@ -130,3 +130,50 @@ class Plugin:
 
 
 CONFIG = {"model": {"model_type": "test"}, "serving": {"max_num_batched_tokens": 64}}
+
+
+@triton.jit
+def _tuned_double_kernel(x_ptr, out_ptr, block_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs, mask=mask) * 2, mask=mask)
+    if tl.program_id(0) == 0:
+        tl.store(block_ptr, BLOCK)  # which candidate ran
+
+
+@attrs.frozen(kw_only=True)
+class TunedKey(warmreg.CompileKey):
+    dtype: str
+    config: int | None = None
+
+
+class TunedDouble(warmreg.TritonKernel[TunedKey]):
+    """out = 2 * x with two autotune candidates (BLOCK 16 on 1 warp, BLOCK 64 on 2); ``block[0]``
+    tells which one ran."""
+
+    name = "tests.tuned_double"
+    key_type = TunedKey
+    jit = _tuned_double_kernel
+    tune_configs = (
+        warmreg.TuneConfig(constexprs={"BLOCK": 16}, num_warps=1),
+        warmreg.TuneConfig(constexprs={"BLOCK": 64}, num_warps=2),
+    )
+
+    def __init__(self, *, dtypes: Iterable[torch.dtype] = (torch.float32,)) -> None:
+        self.dtypes = tuple(dtypes)
+
+    def dispatch(self, *, x: torch.Tensor) -> TunedKey:
+        return TunedKey(dtype=warmreg.dtype_name(x.dtype))
+
+    def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
+        return {"x": [warmreg.meta((100,), d) for d in self.dtypes]}
+
+    def warmup_inputs(self, key: TunedKey) -> Mapping[str, Any]:
+        return {"x": warmreg.meta((100,), getattr(torch, key.dtype))}
+
+    @warmreg.kernel_launcher
+    def __call__(self, x: torch.Tensor) -> warmreg.LaunchSpec[TunedKey]:
+        out, block = torch.empty_like(x), torch.zeros(1, dtype=torch.int32, device=x.device)
+        n = x.numel()
+        kwargs = dict(x_ptr=x, out_ptr=out, block_ptr=block, n=n)
+        return warmreg.LaunchSpec(self.dispatch(x=x), lambda meta: (triton.cdiv(n, meta["BLOCK"]),), kwargs, (out, block))

@@ -40,7 +40,8 @@ from .platform import (
 from .report import KeyResult, WarmReport
 
 if TYPE_CHECKING:
-    from .kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
+    from .kernel import LaunchSpec, TritonKernel, TuneConfig, kernel_launcher, meta
+    from .launch import use_config
     from .monitoring import JitMissError, Miss, Monitor, arm, disarm, monitor
     from .planning import KernelPlan, Plan, plan
     from .registry import Registry
@@ -50,7 +51,8 @@ if TYPE_CHECKING:
 # Imported on first use: these modules import torch (about 2 s on a small machine), which the CLI's
 # refusals, pack checks and config checks do not need.
 _LAZY = {
-    **dict.fromkeys(("LaunchSpec", "TritonKernel", "kernel_launcher", "meta"), "kernel"),
+    **dict.fromkeys(("LaunchSpec", "TritonKernel", "TuneConfig", "kernel_launcher", "meta"), "kernel"),
+    "use_config": "launch",
     **dict.fromkeys(("JitMissError", "Miss", "Monitor", "arm", "disarm", "monitor"), "monitoring"),
     **dict.fromkeys(("KernelPlan", "Plan", "plan"), "planning"),
     "Registry": "registry",
@@ -95,6 +97,7 @@ __all__ = [
     "Registry",
     "TargetError",
     "TritonKernel",
+    "TuneConfig",
     "WarmConfig",
     "WarmReport",
     "WarmregError",
@@ -126,5 +129,6 @@ __all__ = [
     "sm_below",
     "supports_pdl",
     "token_counts",
+    "use_config",
     "warm",
 ]

@@ -39,12 +39,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("warmreg.compile")
 
 __all__ = [
-    "CompileRequest", "HookHandle", "SUPPORTED_TRITON", "UnsupportedTriton", "add_load_hook", "async_compile",
-    "cache_files", "check_version", "compile_listener", "cross_target", "current_device", "finish_load", "forget_compiled",
+    "CompileRequest", "HookHandle", "SUPPORTED_TRITON", "UnsupportedTriton", "add_load_hook", "async_compile", "benchmark",
+    "cache_files", "check_version", "compile_listener", "cross_target", "current_device", "device_name", "finish_load", "forget_compiled",
     "full_name", "get_jit_cache_hook", "gpu_target", "in_memory", "install_compile_hook", "is_future_kernel", "is_jit",
     "knob", "load_hooks", "param_names", "parse_specialization_key", "remove_compile_hook", "remove_load_hook",
     "retrying_ast_race", "run_kwargs", "set_device", "set_jit_cache_hook", "source_hash", "specialization_key",
-    "specialize", "unwrap_autotuner_bench", "warmup", "wrap_autotuner_bench",
+    "specialize", "torch_device", "unwrap_autotuner_bench", "warmup", "wrap_autotuner_bench",
 ]  # fmt: skip
 
 
@@ -129,6 +129,27 @@ def cross_target(platform: Platform) -> Iterator[None]:
 def current_device() -> int:
     """The device id Triton's ``JITFunction.run`` uses right now."""
     return int(_driver.active.get_current_device())
+
+
+def device_name() -> str:
+    """The name of the current GPU (e.g. ``NVIDIA H200``)."""
+    import torch
+
+    return str(torch.cuda.get_device_name(current_device()))
+
+
+def torch_device() -> torch.device:
+    """The current GPU as a torch device."""
+    import torch
+
+    return torch.device(_driver.active.get_active_torch_device().type, current_device())
+
+
+def benchmark(fn: Callable[[], Any], *, warmup_ms: float, rep_ms: float) -> float:
+    """The median time of ``fn`` in milliseconds, by Triton's own ``do_bench`` (as its autotuner)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
 def set_device(device: int) -> None:

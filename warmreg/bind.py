@@ -85,6 +85,8 @@ class _Binder:
 
     def capture(self, kernel: TritonKernel[Any], spec: LaunchSpec[Any]) -> Any:
         task = self.task
+        if kernel.tune_configs:  # each candidate of a tuning key is a key of its own (config=i)
+            spec = kernel.with_config(spec, getattr(task.key, "config", None) or 0)
         if task.jit_name is not None:  # a second launch from one key's launch code
             raise KernelContractError(kernel.name, f"launch code of {task.key} launched twice", fix="launch once per call")
         if spec.key != task.key:
@@ -96,11 +98,13 @@ class _Binder:
             )
         check_no_option_kwargs(kernel, spec)
         jit = kernel.jit_for(spec.key)
-        options = spec.key.launch_options()
+        options = kernel.launch_options(spec.key)
         task.jit_name = _triton.full_name(jit)
         task.triton_key, task.specialization_data = _triton.specialize(jit, spec.kwargs, options)
         # Status before the compile starts: async compiles report through the listener at any time.
         task.status = "memory" if _triton.in_memory(jit, task.triton_key) else "pending"
+        if callable(spec.grid):
+            raise KernelContractError(kernel.name, "returned a callable grid without tune_configs", fix="return a tuple")
         task.launch = task.captured = (jit, spec.grid or (1,), spec.kwargs, options)
         return spec.outputs
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .config import WarmConfig
     from .platform import Platform
 
-__all__ = ["K", "LaunchSpec", "TritonKernel", "check_no_option_kwargs", "kernel_launcher", "meta"]
+__all__ = ["K", "LaunchSpec", "TritonKernel", "TuneConfig", "check_no_option_kwargs", "kernel_launcher", "meta"]
 
 K = TypeVar("K", bound=CompileKey)
 
@@ -70,9 +70,36 @@ class LaunchSpec(Generic[K]):
     """
 
     key: K
-    grid: tuple[int, ...] | None
+    grid: tuple[int, ...] | Callable[[Mapping[str, Any]], tuple[int, ...]] | None
     kwargs: Mapping[str, Any]
     outputs: Any = None
+
+
+def _frozen_items(value: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted((str(k), v) for k, v in dict(value).items()))
+
+
+@attrs.frozen
+class TuneConfig:
+    """One autotune candidate of a tuned kernel (the counterpart of ``triton.Config``).
+
+    :param constexprs: the tuned ``tl.constexpr`` arguments and their values (``{"BT": 64}``),
+        merged into the launch's kwargs; the launch code leaves them out.
+    :param num_warps: Triton's ``num_warps`` for this candidate.
+    :param num_stages: Triton's ``num_stages`` for this candidate.
+    """
+
+    constexprs: tuple[tuple[str, Any], ...] = attrs.field(converter=_frozen_items, factory=dict)
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def options(self) -> dict[str, int]:
+        """The Triton launch options this candidate sets."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+    def __str__(self) -> str:
+        inner = ", ".join(f"{k}={v!r}" for k, v in self.constexprs)
+        return f"TuneConfig({inner}{', ' if inner else ''}num_warps={self.num_warps}, num_stages={self.num_stages})"
 
 
 def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
@@ -110,6 +137,12 @@ class TritonKernel(Generic[K]):
       :meth:`dispatch` and :meth:`warmup_inputs` functions of their arguments and the key: two
       instances under one name are one kernel.
     - ``__call__`` (or any method) decorated with :func:`kernel_launcher`: the launch code.
+    - ``tune_configs`` (optional): the autotune candidates of a tuned kernel. Its key type then has
+      a field ``config: int | None = None`` and no launch-option fields; ``dispatch`` returns the
+      key with ``config=None`` (the tuning key), the launch code leaves the tuned constexprs out of
+      the kwargs and may give ``grid`` as a callable of the kwargs merged with the candidate's
+      constexprs. Warm compiles every candidate of every key (``config=i``), benchmarks them on
+      the GPU on :meth:`tuning_inputs` and keeps the fastest (:mod:`warmreg.tuning`).
 
     :meth:`dispatch`, :meth:`domains` and :meth:`warmup_inputs` may raise
     :class:`~warmreg.ConfigError` for a config they cannot serve; anything else they raise is a bug
@@ -121,6 +154,8 @@ class TritonKernel(Generic[K]):
     jit: ClassVar[Any] = None
     #: Name of the launcher method that warm calls with :meth:`warmup_inputs`.
     launcher: ClassVar[str] = "__call__"
+    #: Autotune candidates (empty: not a tuned kernel); see the class docstring.
+    tune_configs: ClassVar[tuple[TuneConfig, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -173,12 +208,47 @@ class TritonKernel(Generic[K]):
             )
         return method(**self.warmup_inputs(key))
 
+    def tuning_inputs(self, key: K, device: torch.device) -> Mapping[str, Any]:
+        """Keyword arguments of the launcher, real tensors on ``device``, that warm benchmarks the
+        candidates of tuning key ``key`` (``config=None``) on: the shapes that key serves.
+
+        Default: :meth:`warmup_inputs` with each meta tensor made real (zeros, same strides). Tuned
+        kernels whose timing depends on the data or on sizes the key does not fix (a token count)
+        override it.
+        """
+        return {name: _real(value, device) for name, value in self.warmup_inputs(key).items()}
+
+    def with_config(self, spec: LaunchSpec[K], index: int) -> LaunchSpec[K]:
+        """The launch of candidate ``index`` of a tuned kernel: its constexprs merged into the kwargs,
+        its grid evaluated, ``config=index`` in the key. Warm binds every candidate through it; a
+        runtime launch goes through it with the candidate warm chose."""
+        if not 0 <= index < len(self.tune_configs):
+            raise KernelContractError(self.name, f"has no autotune candidate {index} ({len(self.tune_configs)} declared)")
+        kwargs = {**spec.kwargs, **dict(self.tune_configs[index].constexprs)}
+        grid = spec.grid(kwargs) if callable(spec.grid) else spec.grid
+        return LaunchSpec(attrs.evolve(spec.key, config=index), grid, kwargs, spec.outputs)  # type: ignore[call-arg]
+
+    def launch_options(self, key: K) -> dict[str, Any]:
+        """The Triton launch options of ``key``: its own fields, plus its candidate's for a tuned kernel."""
+        options = key.launch_options()
+        index = getattr(key, "config", None) if self.tune_configs else None
+        if index is not None:
+            options.update(self.tune_configs[index].options())
+        return options
+
     def dispatch_params(self) -> tuple[str, ...]:
         """Names of the runtime inputs :meth:`dispatch` takes."""
         return _dispatch_params(type(self))  # type: ignore[arg-type]
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
+
+
+def _real(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        storage = torch.zeros(value.untyped_storage().nbytes() // value.element_size() or 1, dtype=value.dtype, device=device)
+        return storage.as_strided(value.shape, value.stride(), value.storage_offset())
+    return value
 
 
 @functools.cache

@@ -9,13 +9,18 @@ The one home of what a launch consults at runtime:
   which the monitor reads in Triton's compile hook;
 - the **fast launches** warm prepares (:data:`FAST_TABLES`, built by :mod:`warmreg._triton_fast`):
   a warmed key launches its compiled kernel directly, guarded, and falls back to Triton's path;
-- :data:`IN_WARMUP`, the scope in which warmreg itself compiles (a monitor ignores those compiles).
+- :data:`IN_WARMUP`, the scope in which warmreg itself compiles (a monitor ignores those compiles);
+- the **tuned choices** of autotuned kernels (:data:`TUNED`, filled by :mod:`warmreg.tuning`): a
+  launch takes the candidate warm chose for its key; a key warm never tuned launches candidate 0
+  and tells the untuned listeners (a monitor counts it as an autotune miss). warmreg never
+  benchmarks while serving.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, Protocol
 
@@ -25,8 +30,9 @@ from . import _triton, _triton_fast
 from .key import CompileKey
 
 __all__ = [
-    "FAST_LAUNCH", "FAST_TABLES", "IN_WARMUP", "WARM_SESSION", "LaunchListener", "WarmSession", "add_launch_listener",
-    "current_launch", "remember_fast_launch", "remove_launch_listener", "run",
+    "FAST_LAUNCH", "FAST_TABLES", "FORCE_CONFIG", "IN_WARMUP", "TUNED", "WARM_SESSION", "LaunchListener", "WarmSession",
+    "add_launch_listener", "add_untuned_listener", "current_launch", "remember_fast_launch", "remove_launch_listener",
+    "remove_untuned_listener", "run", "use_config",
 ]  # fmt: skip
 
 #: Called with (kernel name, key) for every runtime launch of a warmreg kernel.
@@ -49,8 +55,14 @@ FAST_LAUNCH: bool = os.environ.get("WARMREG_FAST_LAUNCH", "1") != "0"
 #: Guarded fast launches by warmreg kernel name, then compile key (see :func:`remember_fast_launch`).
 FAST_TABLES: dict[str, dict[CompileKey, Any]] = {}
 
+#: The autotune candidate chosen for each tuning key (``config=None``), by kernel name.
+TUNED: dict[str, dict[CompileKey, int]] = {}
+#: Launch this candidate of every tuned kernel on this thread/context (benchmarks, tests).
+FORCE_CONFIG: ContextVar[int | None] = ContextVar("warmreg_force_config", default=None)
+
 _LAUNCH: ContextVar[tuple[str, CompileKey] | None] = ContextVar("warmreg_launch", default=None)
 _LISTENERS: list[LaunchListener] = []
+_UNTUNED: list[LaunchListener] = []
 
 
 def add_launch_listener(listener: LaunchListener) -> None:
@@ -63,6 +75,30 @@ def remove_launch_listener(listener: LaunchListener) -> None:
     """Stop calling ``listener`` (no-op if it is not registered)."""
     if listener in _LISTENERS:
         _LISTENERS.remove(listener)
+
+
+@contextmanager
+def use_config(index: int) -> Iterator[None]:
+    """``with warmreg.use_config(i):`` every tuned kernel launched in the block takes candidate ``i``
+    (tests of each candidate against a reference; warm's own benchmarks)."""
+    token = FORCE_CONFIG.set(index)
+    try:
+        yield
+    finally:
+        FORCE_CONFIG.reset(token)
+
+
+def add_untuned_listener(listener: LaunchListener) -> None:
+    """Call ``listener(kernel_name, tuning_key)`` whenever a tuned kernel launches on a GPU a key warm
+    did not tune (it takes candidate 0)."""
+    if listener not in _UNTUNED:
+        _UNTUNED.append(listener)
+
+
+def remove_untuned_listener(listener: LaunchListener) -> None:
+    """Stop calling ``listener`` (no-op if it is not registered)."""
+    if listener in _UNTUNED:
+        _UNTUNED.remove(listener)
 
 
 def current_launch() -> tuple[str, CompileKey] | None:
@@ -78,6 +114,8 @@ def run(kernel: Any, spec: Any) -> Any:
         return session.capture(kernel, spec)
     if spec.grid is None:
         return spec.outputs
+    if kernel.tune_configs:
+        spec = _tuned(kernel, spec)
     for listener in _LISTENERS:  # a monitor is armed: count the launch (a fast launch cannot compile or load)
         listener(kernel.name, spec.key)
     jit = kernel.jit_for(spec.key)
@@ -86,7 +124,7 @@ def run(kernel: Any, spec: Any) -> Any:
         entry = fast.get(spec.key)
         if entry is not None and entry.jit is jit and entry.launch(spec.grid, spec.kwargs):
             return spec.outputs
-    options = spec.key.launch_options()
+    options = kernel.launch_options(spec.key)
     if _on_cpu(spec.kwargs):
         from . import _triton_interp  # the interpreter (and numpy) only for a CPU launch
 
@@ -121,6 +159,19 @@ def remember_fast_launch(
         return False
     FAST_TABLES.setdefault(name, {})[key] = entry
     return True
+
+
+def _tuned(kernel: Any, spec: Any) -> Any:
+    """The launch of the candidate chosen for ``spec.key`` (forced, tuned, or else candidate 0)."""
+    index = FORCE_CONFIG.get()
+    if index is None:
+        index = TUNED.get(kernel.name, {}).get(spec.key)
+        if index is None:
+            index = 0
+            if _UNTUNED and not _on_cpu(spec.kwargs):  # the interpreter neither compiles nor tunes
+                for listener in _UNTUNED:
+                    listener(kernel.name, spec.key)
+    return kernel.with_config(spec, index)
 
 
 def _on_cpu(kwargs: Mapping[str, Any]) -> bool:

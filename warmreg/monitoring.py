@@ -26,7 +26,14 @@ import attrs
 from . import _triton
 from .errors import WarmregError
 from .key import CompileKey
-from .launch import IN_WARMUP, add_launch_listener, current_launch, remove_launch_listener
+from .launch import (
+    IN_WARMUP,
+    add_launch_listener,
+    add_untuned_listener,
+    current_launch,
+    remove_launch_listener,
+    remove_untuned_listener,
+)  # fmt: skip
 from .report import WarmReport
 
 __all__ = ["KNOWLEDGE", "MODES", "JitMissError", "Miss", "MissKind", "Mode", "Monitor", "arm", "current", "disarm", "monitor", "note_launch"]
@@ -80,7 +87,10 @@ class Miss:
             lines.append(f"  Triton specialization differs from the nearest warmed one in: {'; '.join(self.triton_diff)}")
         elif self.specialization.get("signature"):
             lines.append(f"  Triton specialization: {self.specialization}")
-        if self.kernel:
+        if self.kind == "autotune" and self.runtime_key is not None:
+            lines.append("  the key was launched with candidate 0: no warm on this GPU tuned it")
+            lines.append("  fix: warm on the serving GPU before serving (warm benchmarks every tuned key after loading)")
+        elif self.kernel:
             lines.append("  fix: add the missing value to the kernel's domains (or warm this config), then re-run warm")
         else:
             lines.append("  fix: register this kernel with a warmreg plugin so warm() compiles it")
@@ -330,6 +340,16 @@ def _autotune_hook(autotuner: Any) -> None:
     active._missed(Miss(kind="autotune", jit_name=name, kernel=_owner(name)))
 
 
+def _on_untuned(kernel: str, key: CompileKey) -> None:
+    """A tuned warmreg kernel launched a key warm did not tune (it takes candidate 0)."""
+    active = _STATE.top
+    if active is None or active.mode == "off" or IN_WARMUP.get():
+        return
+    nearest, diff = _nearest_key(kernel, attrs.evolve(key, config=0))  # type: ignore[call-arg]
+    jit_name = next((j for j, owner in KNOWLEDGE.owner.items() if owner == kernel), kernel)
+    active._missed(Miss(kind="autotune", jit_name=jit_name, kernel=kernel, runtime_key=key, nearest=nearest, diff=diff))
+
+
 def arm(mode: Mode = "error", *, record: str | Path | None = None) -> Monitor:
     """Arm a monitor (nested arms stack; the newest is in force) and return it.
 
@@ -343,6 +363,7 @@ def arm(mode: Mode = "error", *, record: str | Path | None = None) -> Monitor:
             _triton.add_load_hook(_on_load)
             _triton.wrap_autotuner_bench(_autotune_hook)
             add_launch_listener(note_launch)
+            add_untuned_listener(_on_untuned)
         _STATE.stack.append(mon)
     return mon
 
@@ -362,6 +383,7 @@ def disarm(mon: Monitor | None = None) -> None:
             _triton.unwrap_autotuner_bench()
             _STATE.hook = None
             remove_launch_listener(note_launch)
+            remove_untuned_listener(_on_untuned)
 
 
 def current() -> Monitor | None:

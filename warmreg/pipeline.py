@@ -61,6 +61,8 @@ def run(
         compile_tasks(tasks, platform=plan.platform, workers=workers, on_error=on_error, on_done=on_done)
         if plan.platform.local:
             prepare_fast_launches(tasks)
+        for stage in stages:
+            stage.after_load(plan, tasks)
     remove_failed(tasks, plan.platform)
     return [t.result() for t in tasks]
 

@@ -14,9 +14,9 @@ import attrs
 
 from . import _triton
 from .config import WarmConfig
-from .errors import ConfigError
+from .errors import ConfigError, KernelContractError
 from .kernel import TritonKernel
-from .key import CompileKey
+from .key import LAUNCH_OPTIONS, CompileKey
 from .platform import Platform, check_features, resolve_platform
 from .plugins import OnPluginError, PluginProblem, call_register_hooks, load_plugins
 from .registry import Registration, Registry, Skipped
@@ -146,11 +146,28 @@ def _kernel_plans(registrations: Iterable[Registration], config: WarmConfig, pla
         regs = by_name[name]
         owners: dict[CompileKey, TritonKernel[Any]] = {}
         for reg in regs:
-            for key in enumerate_keys(reg.kernel, reg.kernel.domains(config, platform)):
+            for key in _candidates(reg.kernel, enumerate_keys(reg.kernel, reg.kernel.domains(config, platform))):
                 owners.setdefault(key, reg.kernel)  # each key is warmed by an instance that produced it
         plugins = tuple(sorted({r.plugin for r in regs}))
         kernels.append(KernelPlan(name=name, kernel=regs[0].kernel, keys=tuple(sorted(owners)), plugins=plugins, owners=owners))
     return tuple(kernels)
+
+
+def _candidates(kernel: TritonKernel[Any], keys: Iterable[CompileKey]) -> Iterator[CompileKey]:
+    """The keys to compile: a tuned kernel's tuning keys, each once per autotune candidate."""
+    if not kernel.tune_configs:
+        yield from keys
+        return
+    for key in keys:
+        names = {f.name for f in attrs.fields(type(key))}
+        if "config" not in names or names & set(LAUNCH_OPTIONS) & {"num_warps", "num_stages"}:
+            raise KernelContractError(
+                kernel.name, f"declares tune_configs, but its key {type(key).__name__} has no field config or has num_warps/num_stages",
+                fix="give the key a field `config: int | None = None` and take num_warps/num_stages from the TuneConfigs",
+            )  # fmt: skip
+        if key.config is not None:  # type: ignore[attr-defined]
+            raise KernelContractError(kernel.name, f"dispatch returned {key} with config set", fix="return config=None")
+        yield from (attrs.evolve(key, config=i) for i in range(len(kernel.tune_configs)))  # type: ignore[call-arg]
 
 
 def _check_served(config: WarmConfig, served: set[str]) -> None:

@@ -64,6 +64,8 @@ class WarmReport:
     :param shard_compiled: in a distributed warm, keys this rank compiled for the job (its shard);
         ``shard_received`` the entries it installed from other ranks, ``shard_launchers_received`` the
         C launchers (local CUDA GPU) it installed from them.
+    :param tuning: on the local GPU, the candidate chosen for each tuning key of an autotuned
+        kernel (``warmreg.tuning.Choice.to_json()``: kernel, key, config, source, microseconds).
     """
 
     platform: str
@@ -82,6 +84,7 @@ class WarmReport:
     shard_compiled: int | None = None
     shard_received: int | None = None
     shard_launchers_received: int | None = None
+    tuning: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=_tuple)
 
     @property
     def declared(self) -> int:
@@ -132,7 +135,7 @@ class WarmReport:
     def to_json(self) -> dict[str, Any]:
         data = attrs.asdict(self, recurse=False)
         data["results"] = [r.to_json() for r in self.results]
-        for name in ("plugins", "skipped", "plugin_problems"):
+        for name in ("plugins", "skipped", "plugin_problems", "tuning"):
             data[name] = list(data[name])
         data["summary"] = {
             "declared": self.declared,

@@ -1,7 +1,8 @@
 """A stage of the warm pipeline: what steps in between binding every key and loading the binaries.
 
 Packs (:class:`warmreg.pack.PackInstall`) and the exchange between the ranks of a distributed warm
-(:class:`warmreg.distributed.Shard`) are stages; :func:`warmreg.pipeline.run` calls them.
+(:class:`warmreg.distributed.Shard`) are stages, and so is choosing each autotuned kernel's candidate
+(:class:`warmreg.tuning.Tune`); :func:`warmreg.pipeline.run` calls them.
 """
 
 from __future__ import annotations
@@ -29,3 +30,7 @@ class Stage:
     def after_first(self, plan: Plan, tasks: list[Task]) -> None:
         """After those compiled (e.g. the exchange between ranks, which may mark keys failed); every
         key not done yet is compiled next."""
+
+    def after_load(self, plan: Plan, tasks: list[Task]) -> None:
+        """Every key compiled and, on the local GPU, loaded with its fast launch (e.g. autotuning,
+        :class:`warmreg.tuning.Tune`), still inside the warm's compile scope."""

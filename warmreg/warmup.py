@@ -25,6 +25,7 @@ from .planning import Plan, plan
 from .platform import Platform
 from .plugins import OnPluginError
 from .report import KeyResult, WarmReport
+from .tuning import Tune
 
 __all__ = ["prefetch", "reset_state", "warm"]
 
@@ -42,15 +43,17 @@ def prefetch() -> None:
 
 def reset_state() -> None:
     """Forget what this process warmed: Triton's compiled kernels in memory (of every jit function
-    defined so far), warmreg's fast launches and what the JIT monitor learned from earlier warms.
+    defined so far), warmreg's fast launches and tuned choices, and what the JIT monitor learned from
+    earlier warms (the choices kept in the cache directory stay).
 
     For test suites (the pytest fixture ``warmreg_isolated`` calls it around each test) and before
     compiling into another cache directory. Armed monitors stay armed.
     """
-    from .launch import FAST_TABLES
+    from .launch import FAST_TABLES, TUNED
 
     _triton.forget_compiled()
     FAST_TABLES.clear()
+    TUNED.clear()
     KNOWLEDGE.clear()
 
 
@@ -88,9 +91,10 @@ def warm(
     _triton_cache.check_cache_writable()
     packs = PackInstall.for_plan(the_plan, pack)
     plan_seconds = time.perf_counter() - start
-    stages = [s for s in (packs, shard) if s is not None]
+    tune = Tune.for_plan(the_plan)
+    stages = [s for s in (packs, shard, tune) if s is not None]
     results = pipeline.run(the_plan, workers=workers, on_error=on_error, stages=stages, progress=progress)
-    report = _report(the_plan, results, workers, time.perf_counter() - start, plan_seconds, packs, shard)
+    report = _report(the_plan, results, workers, time.perf_counter() - start, plan_seconds, packs, shard, tune)
     return _finish(report, the_plan, on_error, monitor, record)
 
 
@@ -104,7 +108,7 @@ def _workers(workers: int | None) -> int:
 
 def _report(
     the_plan: Plan, results: list[KeyResult], workers: int, seconds: float, plan_seconds: float,
-    packs: PackInstall | None, shard: Shard | None,
+    packs: PackInstall | None, shard: Shard | None, tune: Tune | None,
 ) -> WarmReport:  # fmt: skip
     stats = shard.stats() if shard is not None else None
     return WarmReport(
@@ -124,6 +128,7 @@ def _report(
         shard_compiled=stats.compiled_here if stats else None,
         shard_received=stats.received if stats else None,
         shard_launchers_received=stats.launchers_received if stats else None,
+        tuning=tuple(c.to_json() for c in tune.choices) if tune is not None else (),
     )
 
 

@@ -1,0 +1,170 @@
+"""Autotuned kernels: candidates planned and compiled per key, launched by choice, chosen and kept."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+import warmreg
+from tests.helpers import CONFIG, Plugin, TunedDouble, TunedKey
+from warmreg import _triton, launch, tuning
+from warmreg.bind import Task
+
+
+def _plan(kernel: warmreg.TritonKernel[Any] | None = None, target: str = "cuda:90") -> warmreg.Plan:
+    return warmreg.plan(CONFIG, target=target, plugins=[Plugin(kernel or TunedDouble())], entry_points=False)
+
+
+def test_every_candidate_of_every_tuning_key_is_a_planned_key() -> None:
+    plan = _plan(TunedDouble(dtypes=(torch.float32, torch.float16)))
+    keys = plan.kernel("tests.tuned_double").keys
+    assert sorted(keys) == sorted(TunedKey(dtype=d, config=i) for d in ("float16", "float32") for i in (0, 1))
+
+
+def test_a_cross_warm_compiles_each_candidate_with_its_constexprs_and_options() -> None:
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(TunedDouble())], entry_points=False, workers=1)
+    assert report.ok and report.compiled == 2 and report.tuning == ()  # no GPU here: nothing benchmarked
+    specs = {r.key.config: json.loads(r.specialization_data or "{}") for r in report.results}  # type: ignore[attr-defined]
+    assert set(specs) == {0, 1}
+    assert specs[0]["constant_vals"] == [16] and specs[1]["constant_vals"] == [64]  # BLOCK, Triton's specialization
+    assert specs[0]["options"]["num_warps"] == 1 and specs[1]["options"]["num_warps"] == 2
+
+
+def test_a_cpu_launch_takes_candidate_zero_or_the_forced_or_the_tuned_one() -> None:
+    kernel = TunedDouble()
+    x = torch.arange(100, dtype=torch.float32)
+    out, block = kernel(x)
+    assert torch.equal(out, 2 * x) and block.item() == 16  # never tuned: candidate 0
+    with warmreg.use_config(1):
+        out, block = kernel(x)
+    assert torch.equal(out, 2 * x) and block.item() == 64
+    launch.TUNED[kernel.name] = {TunedKey(dtype="float32"): 1}
+    assert kernel(x)[1].item() == 64
+
+
+def test_an_untuned_gpu_launch_is_an_autotune_miss_of_the_monitor() -> None:
+    kernel = TunedDouble()
+    spec = warmreg.LaunchSpec(TunedKey(dtype="float32"), lambda meta: (1,), {"n": 4}, None)  # no CPU tensor: a GPU launch
+    with warmreg.monitor("record") as mon:
+        chosen = launch._tuned(kernel, spec)
+    assert chosen.key == TunedKey(dtype="float32", config=0) and chosen.kwargs["BLOCK"] == 16
+    (miss,) = mon.misses
+    assert miss.kind == "autotune" and miss.kernel == kernel.name and "no warm on this GPU tuned it" in miss.explain()
+    launch.TUNED[kernel.name] = {TunedKey(dtype="float32"): 1}
+    with warmreg.monitor("error"):
+        assert launch._tuned(kernel, spec).kwargs["BLOCK"] == 64  # tuned: no miss
+    del launch.TUNED[kernel.name]
+    with warmreg.monitor("error"), pytest.raises(warmreg.JitMissError, match="autotuner benchmark"):
+        launch._tuned(kernel, spec)
+
+
+class _Bench:
+    """Stands in for Triton's do_bench: candidate i takes ``times[i]`` ms; counts the benchmarks."""
+
+    def __init__(self, times: dict[int, float]) -> None:
+        self.times, self.calls = times, 0
+
+    def __call__(self, fn: Any, *, warmup_ms: float, rep_ms: float) -> float:
+        fn()  # launches on CPU tensors (the interpreter), under the forced candidate
+        self.calls += 1
+        return self.times[launch.FORCE_CONFIG.get() or 0]
+
+
+@pytest.fixture
+def gpu_standin(monkeypatch: pytest.MonkeyPatch) -> _Bench:
+    bench = _Bench({0: 0.030, 1: 0.010})
+    monkeypatch.setattr(_triton, "benchmark", bench)
+    monkeypatch.setattr(_triton, "device_name", lambda: "Test GPU 9000")
+    monkeypatch.setattr(_triton, "torch_device", lambda: torch.device("cpu"))
+    return bench
+
+
+def _tasks(plan: warmreg.Plan, failed: set[int] = frozenset()) -> list[Task]:  # type: ignore[assignment]
+    tasks = [Task(kp, key) for kp, key in plan.items()]
+    for t in tasks:
+        t.status = "failed" if t.key.config in failed else "compiled"  # type: ignore[attr-defined]
+    return tasks
+
+
+def test_tune_benchmarks_keeps_the_fastest_and_a_second_warm_reads_it(gpu_standin: _Bench) -> None:
+    plan = _plan()
+    stage = tuning.Tune()
+    stage.after_load(plan, _tasks(plan))
+    base = TunedKey(dtype="float32")
+    assert launch.TUNED["tests.tuned_double"] == {base: 1} and gpu_standin.calls == 2
+    (choice,) = stage.choices
+    assert choice.source == "benchmark" and choice.microseconds == {0: 30.0, 1: 10.0}
+    path = tuning.choices_path("Test GPU 9000")
+    assert path.parent.parent == Path(warmreg._triton_cache.cache_dir()) and path.name.startswith("Test_GPU_9000-triton-")
+    launch.TUNED.clear()
+    again = tuning.Tune()
+    again.after_load(plan, _tasks(plan))
+    assert gpu_standin.calls == 2 and again.choices[0].source == "kept" and launch.TUNED["tests.tuned_double"] == {base: 1}
+
+
+def test_a_failed_candidate_is_never_chosen(gpu_standin: _Bench) -> None:
+    plan = _plan()
+    stage = tuning.Tune()
+    stage.after_load(plan, _tasks(plan, failed={1}))
+    assert stage.choices[0].config == 0 and stage.choices[0].source == "only" and gpu_standin.calls == 0
+
+
+@pytest.mark.parametrize(
+    "corrupt",
+    ["{not json", json.dumps({"format": 99, "entries": {}}), "changed candidates", "choice out of range"],
+)
+def test_a_bad_or_stale_choice_file_is_ignored_and_the_key_tuned_again(gpu_standin: _Bench, corrupt: str) -> None:
+    plan = _plan()
+    tuning.Tune().after_load(plan, _tasks(plan))
+    path = tuning.choices_path("Test GPU 9000")
+    data = json.loads(path.read_text())
+    (entry,) = data["entries"].values()
+    if corrupt == "changed candidates":
+        entry["candidates"] = ["TuneConfig(BLOCK=32, num_warps=4, num_stages=2)"] * 2
+        path.write_text(json.dumps(data))
+    elif corrupt == "choice out of range":
+        entry["config"] = 7
+        path.write_text(json.dumps(data))
+    else:
+        path.write_text(corrupt)
+    launch.TUNED.clear()
+    stage = tuning.Tune()
+    stage.after_load(plan, _tasks(plan))
+    assert stage.choices[0].source == "benchmark" and launch.TUNED["tests.tuned_double"] == {TunedKey(dtype="float32"): 1}
+    assert json.loads(path.read_text())["format"] == 1  # rewritten whole
+
+
+def test_tuning_inputs_that_give_another_key_are_a_contract_error(gpu_standin: _Bench) -> None:
+    class Wrong(TunedDouble):
+        def tuning_inputs(self, key: TunedKey, device: torch.device) -> dict[str, Any]:
+            return {"x": torch.zeros(4, dtype=torch.float16)}
+
+    plan = _plan(Wrong())
+    with pytest.raises(warmreg.KernelContractError, match="tuning_inputs"):
+        tuning.Tune().after_load(plan, _tasks(plan))
+
+
+def test_default_tuning_inputs_are_the_warmup_inputs_made_real() -> None:
+    inputs = TunedDouble().tuning_inputs(TunedKey(dtype="float32"), torch.device("cpu"))
+    assert inputs["x"].device.type == "cpu" and inputs["x"].shape == (100,) and not inputs["x"].any()
+
+
+def test_a_tuned_kernel_whose_key_has_no_config_field_is_refused() -> None:
+    @attrs.frozen(kw_only=True)
+    class NoConfig(warmreg.CompileKey):
+        dtype: str
+        num_warps: int = 4
+
+    class Bad(TunedDouble):
+        key_type = NoConfig  # type: ignore[assignment]
+
+        def dispatch(self, *, x: torch.Tensor) -> NoConfig:  # type: ignore[override]
+            return NoConfig(dtype="float32")
+
+    with pytest.raises(warmreg.KernelContractError, match="field `config"):
+        _plan(Bad())
