@@ -48,7 +48,8 @@ import triton.language as tl
 
 import warmreg
 
-from .model import PLUGIN, KimiK3, positive, tensor_parallel_size
+from .backends import kda_layout
+from .model import PLUGIN, KimiK3
 
 __all__ = [
     "L2NORM_EPS",
@@ -564,76 +565,32 @@ def kda_recurrent_reference(
     return o.to(v.dtype), pool
 
 
-def _linear_attn(config: warmreg.WarmConfig, name: str, value: Any) -> int:
-    """A positive int of ``text.linear_attn_config``, or a ConfigError naming it."""
-    problem = positive(value) if value is not None else "is missing"
-    if problem:
-        raise warmreg.ConfigError(
-            f"text.linear_attn_config.{name}", problem, plugin=PLUGIN, fix=f"correct it in {config.source}"
-        )
-    return int(value)
-
-
-def _lower_bound(config: warmreg.WarmConfig, value: Any) -> float | None:
-    """``text.linear_attn_config.gate_lower_bound``: None (absent or null: the softplus gate) or a float < 0."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value < 0:
-        raise warmreg.ConfigError(
-            "text.linear_attn_config.gate_lower_bound",
-            f"must be a number < 0 or null (got {value!r})",
-            plugin=PLUGIN,
-            fix=f"correct it in {config.source}",
-        )
-    return float(value)
-
-
 def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register the KDA step when ``text.linear_attn_config.kda_layers`` is non-empty (every platform).
 
-    Reads ``linear_attn_config.{num_heads, head_dim, gate_lower_bound}``; the raw gate and beta are in the
+    Reads the layout with :func:`warmreg_kimi_k3.backends.kda_layout`; the raw gate and beta are in the
     model dtype and the layers have a ``dt_bias``, as vLLM's Kimi-K3 KDA layer (``vllm/models/kimi_k3/
     nvidia/kda.py``) passes them to ``fused_recurrent_kda``.
 
     :raises warmreg.ConfigError: for a malformed ``linear_attn_config`` or a tensor-parallel size that
         does not divide the KDA head count.
     """
-    linear = config.text.get("linear_attn_config")
-    if linear is None:
-        return  # a pure-MLA config
-    if not isinstance(linear, Mapping):
-        raise warmreg.ConfigError(
-            "text.linear_attn_config",
-            f"must be an object (got {linear!r})",
-            plugin=PLUGIN,
-            fix=f"correct it in {config.source}",
-        )
-    if not linear.get("kda_layers"):
-        return  # no KDA layers
-    heads = _linear_attn(config, "num_heads", linear.get("num_heads"))
-    head_dim = _linear_attn(config, "head_dim", linear.get("head_dim"))
-    lower_bound = _lower_bound(config, linear.get("gate_lower_bound"))
-    tp = tensor_parallel_size(config)
-    if heads % tp:
-        raise warmreg.ConfigError(
-            "text.linear_attn_config.num_heads",
-            f"({heads}) is not divisible by serving.tensor_parallel_size ({tp})",
-            plugin=PLUGIN,
-            fix="use a tensor-parallel size that divides the KDA head count",
-        )
+    layout = kda_layout(m, config)
+    if layout is None:
+        return  # a pure-MLA config, or no KDA layers
     registry.add(
         KDARecurrent(
-            num_heads=heads // tp,
-            head_k_dim=head_dim,
-            head_v_dim=head_dim,
+            num_heads=layout.num_heads,
+            head_k_dim=layout.head_dim,
+            head_v_dim=layout.head_dim,
             dtype=m.dtype,
             gate_dtype=m.dtype,  # raw projections, in the model dtype
             beta_dtype=m.dtype,
             use_qk_l2norm=True,  # Kimi-Linear normalises q and k inside the kernel
             has_dt_bias=True,  # an assumption: Kimi-Linear's KDA layer always has one (examples/kimi_k3.json)
-            lower_bound=lower_bound,
+            lower_bound=layout.lower_bound,
             max_num_seqs=config.get("serving.max_num_seqs", int, plugin=PLUGIN),
-            num_speculative_tokens=config.get("serving.num_speculative_tokens", int, plugin=PLUGIN, default=0),
+            num_speculative_tokens=layout.num_speculative_tokens,
             plugin=PLUGIN,
         )
     )
