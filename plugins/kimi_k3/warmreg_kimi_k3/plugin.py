@@ -10,14 +10,14 @@ from types import ModuleType
 
 import warmreg
 
-from . import attn_res, kda, qkv_rmsnorm, slot_mapping
+from . import attn_res, kda, kda_chunk, qkv_rmsnorm, slot_mapping
 from .model import KimiK3
 
 __all__ = ["MODEL_TYPES", "OP_MODULES", "warmreg_model_types", "warmreg_register_kernels"]
 
 MODEL_TYPES = ("kimi_k3", "kimi_linear")
 #: The op modules, in registration order: each exposes ``register(registry, model, config, platform)``.
-OP_MODULES: tuple[ModuleType, ...] = (qkv_rmsnorm, slot_mapping, kda, attn_res)
+OP_MODULES: tuple[ModuleType, ...] = (qkv_rmsnorm, slot_mapping, kda, kda_chunk, attn_res)
 
 
 @warmreg.hookimpl
@@ -31,7 +31,7 @@ def warmreg_register_kernels(
     registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform
 ) -> None:
     """Register the kernels of a Kimi-K3 deployment: the shared Q/KV RMSNorm and slot mapping of the
-    MLA layers, the KDA decode step, and the attention residuals of every decoder layer."""
+    MLA layers, the KDA decode step, the chunked KDA prefill (where vLLM runs it in Triton), and the attention residuals of every decoder layer."""
     if config.model_type not in MODEL_TYPES:
         return
     m = KimiK3.from_config(config)
