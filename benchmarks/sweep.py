@@ -41,7 +41,8 @@ launch the same keys):
   v, column slices of the packed projection, when the step has prefills; the conv update of the speculative decode
   rows, varlen with accepted counts; the plain-decode update on decode steps of one-token rows where the plan holds
   it), the initial-state gather of the prefill requests, the recurrent step over the decode requests (q, k, v as
-  separate tensors or views of one projection; prefill tokens take the chunked KDA kernel where the plan holds it)
+  separate tensors or views of one projection; prefill requests take the six stages of the chunked KDA prefill (initial states mixed) where vLLM's prefill
+  backend is Triton)
   and the gated RMSNorm of the output over every token (the gate a column view of the fused projection, at its
   usual width or the overlap path's).
 
@@ -113,6 +114,9 @@ from warmreg_kimi_k3.gather_initial_states import gather_initial_states_referenc
 from warmreg_kimi_k3.kda import kda_recurrent_reference
 from warmreg_kimi_k3.kda_spec_metadata import stage_spec_decode_metadata_reference
 from warmreg_kimi_k3.kda_state_indices import aligned_state_indices_reference
+from warmreg_kimi_k3.kda_chunk import STAGES as KDA_CHUNK_STAGES
+from warmreg_kimi_k3.kda_chunk_base import chunk_metadata
+from warmreg_kimi_k3.kda_chunk_l2norm import l2norm_reference
 
 import warmreg
 from warmreg.ops import block_table_slot_mapping_reference, block_table_width, fused_qkv_rmsnorm_reference
@@ -131,6 +135,8 @@ KDA, ATTN_RES = "kimi_k3.kda_recurrent", "kimi_k3.attn_res"
 CONV, CONV_UPDATE = "kimi_k3.causal_conv1d", "kimi_k3.causal_conv1d_update"
 KDA_NORM, KDA_GATHER = "kimi_k3.gated_rmsnorm", "kimi_k3.gather_initial_states"
 KDA_ALIGNED, KDA_STAGE = "kimi_k3.aligned_state_indices", "kimi_k3.stage_spec_decode_metadata"
+#: The chunked KDA prefill's stages, in launch order (l2norm, gate, intra, wu, h, o).
+KDA_CHUNK = tuple(stage.name for stage in KDA_CHUNK_STAGES)
 DSV4_PREFIX = "deepseek_v4."
 CSLOTS, GATHER, COMBINE, SAVE = (
     DSV4_PREFIX + n
@@ -138,7 +144,7 @@ CSLOTS, GATHER, COMBINE, SAVE = (
 )
 #: Every kernel the sweep can drive.
 DRIVERS = frozenset(
-    [SLOTS, NORM, KDA, ATTN_RES, CONV, CONV_UPDATE, KDA_NORM, KDA_GATHER, KDA_ALIGNED, KDA_STAGE, CSLOTS, GATHER, COMBINE, SAVE]
+    [SLOTS, NORM, KDA, ATTN_RES, CONV, CONV_UPDATE, KDA_NORM, KDA_GATHER, KDA_ALIGNED, KDA_STAGE, CSLOTS, GATHER, COMBINE, SAVE, *KDA_CHUNK]
     + [
         DSV4_PREFIX + n
         for n in (
@@ -1133,6 +1139,7 @@ class KimiSweep(Sweep):
             packed = self.randn(lim.max_seqs + 1, rows, 3 * lay.projection_size)
             self.conv_state = packed.transpose(1, 2)
             self.conv_weight = self.randn(3 * lay.projection_size, lay.conv_width, dtype=F32, scale=0.5)
+        self.layers += [("kda_chunk", 0)] * (KDA_CHUNK[0] in self.names)
         if KDA in self.names:
             kda = self.kernel(KDA)
             self.hkv = (kda.num_heads, kda.head_k_dim, kda.head_v_dim)
@@ -1144,6 +1151,17 @@ class KimiSweep(Sweep):
             self.gate = (a_log, dt_bias, kda.lower_bound)
             self.raw_dtypes = (kda.gate_dtype, kda.beta_dtype)
         self.kda_tables()
+        if KDA_CHUNK[0] in self.names:  # the chunked prefill shares the decode step's pool and parameters
+            stage = self.kernel(KDA_CHUNK[0])
+            self.chunk_hkv = (stage.num_heads, stage.head_dim, stage.head_dim)
+            if KDA not in self.names:
+                self.pool = self.randn(lim.max_seqs + 1, *self.chunk_hkv, dtype=F32, scale=0.1)
+                a_log = torch.rand(stage.num_heads, generator=self.gen, device=self.dev).mul_(1.5).add_(0.5).log_()
+                self.gate = (
+                    a_log,
+                    self.randn(stage.num_heads * stage.head_dim, dtype=F32, scale=0.5),
+                    stage.lower_bound,
+                )
         if ATTN_RES in self.names:
             self.layers.append(("attn_res", 0))
             ar = self.kernel(ATTN_RES)
@@ -1185,6 +1203,8 @@ class KimiSweep(Sweep):
                 self.kda(st)
             elif kind == "conv":
                 self.conv(st)
+            elif kind == "kda_chunk":
+                self.kda_chunk(st)
             else:
                 self.attn_res(st)
         self.gather_initial_states(st, state)
@@ -1383,6 +1403,46 @@ class KimiSweep(Sweep):
             tol=(1e-2, 1.6e-2),  # the plugin's tests: bf16 o, fp32 recurrences in different orders
         )
 
+    def kda_chunk(self, st: Step) -> None:
+        """The chunked KDA prefill over the step's prefill requests, stage by stage as
+        ``warmreg_kimi_k3.kda_chunk.chunk_kda_prefill`` chains them; initial states mixed. On the CPU only the
+        L2 norm is checked against its reference: Triton 3.8.0's interpreter multiplies bf16 ``tl.dot`` operands
+        as raw bits, so the bf16 chain is checked by the plugin's GPU test instead."""
+        b = st.batch
+        if not b.num_prefills:
+            return
+        (h, dk, dv), nd = self.chunk_hkv, b.num_decodes
+        t = b.tokens - b.decode_tokens
+        q, k, v = self.randn(t, h, dk), self.randn(t, h, dk), self.randn(t, h, dv)
+        raw_g, raw_beta = self.randn(t, h, dk), self.randn(t, h, scale=2.0)
+        cu = (st.qsl[nd:] - st.qsl[nd]).contiguous()
+        n = b.num_prefills
+        slots = torch.randperm(self.pool.shape[0] - 1, generator=self.gen, device=self.dev)[:n].add_(1).to(I32)
+        has_state = torch.rand(n, generator=self.gen, device=self.dev) < 0.5  # continuing chunked prefills
+        l2, gate, intra, wu, hs, out = (self.kernel(name) for name in KDA_CHUNK)
+        what = f"{n} prefill sequences, {t} tokens"
+        chunks, offsets = chunk_metadata(cu)
+        qn = self.launch(KDA_CHUNK[0], what, lambda: l2(q), ref=lambda: l2norm_reference(q), tol=(1e-2, 1.6e-2))
+        kn = self.launch(KDA_CHUNK[0], what, lambda: l2(k))
+        gb = self.launch(
+            KDA_CHUNK[1], what, lambda: gate(raw_g, raw_beta, self.gate[0], self.gate[1], self.gate[2], cu, chunks)
+        )
+        if qn is None or kn is None or gb is None:
+            return
+        g, beta = gb
+        aa = self.launch(KDA_CHUNK[2], what, lambda: intra(qn, kn, g, beta, cu, chunks))
+        wuk = self.launch(KDA_CHUNK[3], what, lambda: wu(kn, v, beta, aa[1], g, cu, chunks)) if aa is not None else None
+        if wuk is None:
+            return
+        hv = self.launch(
+            KDA_CHUNK[4],
+            what,
+            lambda: hs(wuk[2], wuk[0], wuk[1], g, cu, offsets, self.pool, slots, has_state, chunks.shape[0]),
+        )
+        if hv is None:
+            return
+        self.launch(KDA_CHUNK[5], what, lambda: out(qn, hv[1], g, hv[0], aa[0], cu, chunks))
+
 
 # -- one config, the CLI -------------------------------------------------------------------------------------------
 def run_config(
@@ -1493,7 +1553,9 @@ def main() -> None:
         except SweepError as exc:
             sys.exit(f"sweep: {exc}")
         except Exception as exc:  # recorded, and the other configs still run (a CUDA fault may stop them too)
-            crashed.append({"config": config, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]})
+            crashed.append(
+                {"config": config, "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-3000:]}
+            )
             print(f"{config}: crashed: {type(exc).__name__}: {exc}", flush=True)
             continue
         runs.append(run)

@@ -57,6 +57,7 @@ __all__ = [
     "SOFTPLUS_THRESHOLD",
     "KDARecurrent",
     "KDARecurrentKey",
+    "kda_gate",
     "kda_gate_reference",
     "kda_recurrent_reference",
     "register",
@@ -69,6 +70,18 @@ MAX_BLOCK_V = 32
 L2NORM_EPS = 1e-6
 #: softplus(x) = x above this (softplus beta 1), as vLLM's fused_recurrent_kda_fwd_kernel.
 SOFTPLUS_THRESHOLD = 20.0
+
+
+@triton.jit
+def kda_gate(x, a, lower_bound, USE_LOWER_BOUND: tl.constexpr):  # USE_LOWER_BOUND: picks the activation
+    """The KDA gate in fp32 (log-space decay, ``<= 0``) of ``x = raw_g + dt_bias`` with ``a = exp(A_log[h])``:
+    ``lower_bound * sigmoid(a * x)`` with a lower bound, else ``-a * softplus(x)`` (``x`` above
+    :data:`SOFTPLUS_THRESHOLD`). Shared by the recurrent step and the chunked prefill's gate stage."""
+    if USE_LOWER_BOUND:
+        g = lower_bound * tl.sigmoid(a * x)
+    else:
+        g = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # softplus, SOFTPLUS_THRESHOLD 20
+    return g
 
 
 # The token count T and the number of sequences N are not arguments at all (cu_seqlens and the grid
@@ -133,10 +146,7 @@ def _kda_recurrent_kernel(
         x = tl.load(g_ptr + (t * H + h) * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         if HAS_DT_BIAS:
             x = x + bias
-        if USE_LOWER_BOUND:
-            g = lower_bound * tl.sigmoid(a * x)
-        else:
-            g = -a * tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))  # softplus, SOFTPLUS_THRESHOLD 20
+        g = kda_gate(x, a, lower_bound, USE_LOWER_BOUND)
         beta = tl.sigmoid(tl.load(beta_ptr + t * H + h).to(tl.float32))
         if USE_L2NORM:
             q = q / tl.sqrt(tl.sum(q * q, axis=0) + 1e-6)

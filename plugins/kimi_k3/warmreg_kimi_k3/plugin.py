@@ -17,6 +17,7 @@ from . import (
     gated_rmsnorm,
     gather_initial_states,
     kda,
+    kda_chunk,
     kda_spec_metadata,
     kda_state_indices,
     qkv_rmsnorm,
@@ -32,6 +33,7 @@ OP_MODULES: tuple[ModuleType, ...] = (
     qkv_rmsnorm,
     slot_mapping,
     kda,
+    kda_chunk,
     causal_conv1d,
     causal_conv1d_update,
     gated_rmsnorm,
@@ -53,9 +55,9 @@ def warmreg_register_kernels(
     registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform
 ) -> None:
     """Register the kernels of a Kimi-K3 deployment: the shared Q/KV RMSNorm and slot mapping of the
-    MLA layers; the KDA layers' decode step, short convolutions, output gated RMSNorm, prefill initial-state
-    gather and metadata kernels (aligned state indices, speculative-decode staging); and the attention
-    residuals of every decoder layer."""
+    MLA layers; the KDA layers' decode step, chunked prefill (where vLLM runs it in Triton), short
+    convolutions, output gated RMSNorm, prefill initial-state gather and metadata kernels (aligned state
+    indices, speculative-decode staging); and the attention residuals of every decoder layer."""
     if config.model_type not in MODEL_TYPES:
         return
     m = KimiK3.from_config(config)

@@ -1,0 +1,134 @@
+"""What the six stages of the chunked KDA prefill share: the chunk sizes, the varlen chunk metadata, and the
+base class that holds one deployment's layout and builds the tuning batch.
+
+vLLM 0.33 runs the stages as ``chunk_kda_with_fused_gate`` (``vllm/models/kimi_k3/nvidia/ops/third_party/kda/
+chunk.py``) with ``FLA_CHUNK_SIZE`` 64 and 16-token sub-chunks (``chunk_intra.py: chunk_kda_fwd_intra``, ``BC``).
+Each stage is one warmreg op (``kda_chunk_l2norm`` ... ``kda_chunk_o``); ``kda_chunk.chunk_kda_prefill`` chains
+them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from itertools import pairwise
+from typing import Any, Generic, TypeVar
+
+import torch
+
+import warmreg
+
+from .model import PLUGIN
+
+__all__ = [
+    "CHUNK_SIZE",
+    "SUB_CHUNK",
+    "TUNING_SEQUENCES",
+    "TUNING_TOKENS",
+    "ChunkStage",
+    "chunk_metadata",
+    "chunk_rows",
+    "meta_chunks",
+    "tuning_lengths",
+]
+
+#: Tokens per chunk (``FLA_CHUNK_SIZE``); every stage's ``BT``.
+CHUNK_SIZE = 64
+#: Tokens per sub-chunk of the intra-chunk stage (``BC``): the decay products are taken within 16 tokens.
+SUB_CHUNK = 16
+#: The tuning batch: this many prefill sequences of ``TUNING_TOKENS`` tokens in all (fewer when the
+#: deployment batches fewer tokens), unequal so that some chunks are partial.
+TUNING_SEQUENCES = 4
+TUNING_TOKENS = 4096
+
+_K = TypeVar("_K", bound=warmreg.CompileKey)
+
+
+def chunk_metadata(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunks of a varlen batch, as vLLM's ``prepare_chunk_indices`` / ``prepare_chunk_offsets``
+    (``vllm/third_party/flash_linear_attention/ops/index.py``) compute them.
+
+    :param cu_seqlens: int32 ``[N + 1]`` token offsets.
+    :returns: ``(chunk_indices, chunk_offsets)``: int32 ``[NT, 2]`` rows ``(sequence, chunk within it)`` for the
+        ``NT`` chunks in order, and int32 ``[N + 1]``, the first chunk of each sequence. ``NT`` is read back
+        to the host (one synchronisation per prefill, as in vLLM).
+    """
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    counts = (lens + CHUNK_SIZE - 1) // CHUNK_SIZE
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    total = int(offsets[-1])
+    seq = torch.repeat_interleave(torch.arange(lens.shape[0], device=lens.device), counts, output_size=total)
+    within = torch.arange(total, device=lens.device) - offsets[:-1][seq]
+    return torch.stack([seq, within], 1).to(torch.int32), offsets.to(torch.int32)
+
+
+def chunk_rows(cu_seqlens: torch.Tensor) -> Iterator[slice]:
+    """The token rows of every chunk of a varlen batch, in order (for the PyTorch references)."""
+    for bos, eos in pairwise(cu_seqlens.tolist()):
+        for start in range(bos, eos, CHUNK_SIZE):
+            yield slice(start, min(start + CHUNK_SIZE, eos))
+
+
+def tuning_lengths(max_tokens: int) -> list[int]:
+    """Sequence lengths of the tuning batch: :data:`TUNING_SEQUENCES` unequal lengths summing to
+    ``min(max_tokens, TUNING_TOKENS)`` (one token at least each)."""
+    total = max(min(max_tokens, TUNING_TOKENS), TUNING_SEQUENCES)
+    weights = [1, 2, 3, 4]  # unequal, so that the sequences end mid-chunk
+    lens = [max(1, total * w // sum(weights)) for w in weights]
+    lens[-1] += total - sum(lens)
+    return lens
+
+
+class ChunkStage(warmreg.TritonKernel[_K], Generic[_K]):
+    """Base of the chunked-prefill stage kernels: one deployment's layout, for :meth:`domains` and
+    :meth:`tuning_inputs` only (``dispatch`` reads the tensors alone, so any instance serves any key).
+
+    :param num_heads: KDA heads on one rank.
+    :param head_dim: K = V (Kimi-Linear's ``linear_attn_config.head_dim``).
+    :param dtype: activation dtype name (q, k, v, the raw gate and beta, every intermediate but g and beta).
+    :param has_dt_bias: whether the layers add a ``dt_bias`` to the raw gate.
+    :param lower_bound: the gate's lower bound, or None (the softplus gate); only whether it is set is a key.
+    :param max_num_batched_tokens: the most tokens of one step (sizes the tuning batch).
+    :param max_num_seqs: the most sequences of one step (sizes the state pool of the tuning batch).
+    :param plugin: the registering plugin.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_heads: int = 1,
+        head_dim: int = 128,
+        dtype: str = "bfloat16",
+        has_dt_bias: bool = True,
+        lower_bound: float | None = None,
+        max_num_batched_tokens: int = TUNING_TOKENS,
+        max_num_seqs: int = TUNING_SEQUENCES,
+        plugin: str = PLUGIN,
+    ) -> None:
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.dtype = getattr(torch, dtype)
+        self.has_dt_bias, self.lower_bound = has_dt_bias, lower_bound
+        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.plugin = plugin
+
+    def token_counts(self) -> list[int]:
+        """Sample prefill sizes for the domains (no key depends on the token count: every kernel takes it from
+        ``cu_seqlens`` or as an unspecialized int): one token and a full step."""
+        return sorted({1, self.max_num_batched_tokens})
+
+    def fail(self, problem: str, fix: str | None = None) -> None:
+        """Raise the :class:`warmreg.LaunchError` of this stage."""
+        raise warmreg.LaunchError(self.name, problem, fix=fix)
+
+    def tuning_batch(self, device: torch.device) -> dict[str, Any]:
+        """``cu_seqlens``, ``chunk_indices``, ``chunk_offsets`` and the token count of the tuning batch."""
+        lens = tuning_lengths(self.max_num_batched_tokens)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        chunks, offsets = chunk_metadata(cu)
+        return {"cu_seqlens": cu, "chunk_indices": chunks, "chunk_offsets": offsets, "tokens": sum(lens)}
+
+
+def meta_chunks(tokens: int = 1) -> dict[str, torch.Tensor]:
+    """Meta ``cu_seqlens`` and ``chunk_indices`` of one sequence of ``tokens`` tokens, for ``warmup_inputs``
+    (their sizes never reach a key)."""
+    chunks = (tokens + CHUNK_SIZE - 1) // CHUNK_SIZE
+    return {"cu_seqlens": warmreg.meta((2,), torch.int32), "chunk_indices": warmreg.meta((chunks, 2), torch.int32)}
