@@ -45,6 +45,7 @@ CONFIGS = [
     "examples/deepseek_v4_flash.json",
     "examples/deepseek_v4_pro.json",
     "examples/kimi_k3.json",
+    "examples/kimi_k3_full.json",
     "examples/deepseek_v4_flash_0731_dspark.json",
 ]
 

@@ -112,11 +112,11 @@ from warmreg_kimi_k3.causal_conv1d_update import causal_conv1d_update_reference
 from warmreg_kimi_k3.gated_rmsnorm import gated_rmsnorm_reference, projection_width
 from warmreg_kimi_k3.gather_initial_states import gather_initial_states_reference
 from warmreg_kimi_k3.kda import kda_recurrent_reference
-from warmreg_kimi_k3.kda_spec_metadata import stage_spec_decode_metadata_reference
-from warmreg_kimi_k3.kda_state_indices import aligned_state_indices_reference
 from warmreg_kimi_k3.kda_chunk import STAGES as KDA_CHUNK_STAGES
 from warmreg_kimi_k3.kda_chunk_base import chunk_metadata
 from warmreg_kimi_k3.kda_chunk_l2norm import l2norm_reference
+from warmreg_kimi_k3.kda_spec_metadata import stage_spec_decode_metadata_reference
+from warmreg_kimi_k3.kda_state_indices import aligned_state_indices_reference
 
 import warmreg
 from warmreg.ops import block_table_slot_mapping_reference, block_table_width, fused_qkv_rmsnorm_reference
@@ -124,7 +124,7 @@ from warmreg.ops import block_table_slot_mapping_reference, block_table_width, f
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = tuple(
     str(ROOT / "examples" / f"{n}.json")
-    for n in ("deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3", "deepseek_v4_flash_0731_dspark")
+    for n in ("deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3", "kimi_k3_full", "deepseek_v4_flash_0731_dspark")
 )
 KINDS = ("decode", "prefill", "mixed")
 CPU_TARGET = "cuda:90"  # the plan a CPU run drives: the H200's

@@ -169,3 +169,18 @@ def test_warm_cross_compiles_the_kimi_plan_for_sm90(kimi_plan: warmreg.Plan) -> 
     assert report.ok, [r.error for r in report.failed]
     assert report.declared == kimi_plan.num_keys
     assert {r.kernel for r in report.results} == {KDA, RMSNORM, SLOTS, *KDA_EXTRAS, "kimi_k3.causal_conv1d", "kimi_k3.causal_conv1d_update"}
+
+
+def test_the_full_example_plans_attn_res_and_every_chunked_prefill_stage_with_its_candidates() -> None:
+    full = EXAMPLE.with_name("kimi_k3_full.json")
+    plan = warmreg.plan(full, target="cuda:90")
+    keys = {kp.name: kp.keys for kp in plan.kernels}
+    assert len(keys["kimi_k3.attn_res"]) == 31
+    stages = [f"kimi_k3.kda_chunk_{s}" for s in ("l2norm", "gate", "intra", "wu", "h", "o")]
+    for stage in stages:  # one tuning key a stage, once per autotune candidate
+        assert sorted(k.config for k in keys[stage]) == [0, 1, 2, 3], stage  # type: ignore[attr-defined]
+    assert plan.num_keys == 14 + 31 + 24
+    # the same deployment under vLLM's "auto" prefill backend takes FlashKDA (C++) on SM90: no stage planned
+    data = json.loads(full.read_text())
+    del data["serving"]["kda_prefill_backend"]
+    assert not set(stages) & {kp.name for kp in warmreg.plan(data, target="cuda:90").kernels}
