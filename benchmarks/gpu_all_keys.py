@@ -3,7 +3,8 @@
 For each example config: ``warm()`` (optionally from a pack), arm the monitor in ``record`` mode, then
 for every kernel and every key launch the kernel's own launch code with real device tensors shaped
 exactly like its ``warmup_inputs(key)`` (same shape, strides and storage offset, so the same
-alignment), zero-filled so every index stays in bounds. Records, per kernel: launches, misses,
+alignment), zero-filled so every index stays in bounds; an autotuned kernel's keys each as their candidate
+(``warmreg.use_config``). Records, per kernel: launches, misses,
 failures, the first launch's time, the median steady-state launch time, and how many launches went
 through Triton's ``JITFunction.run`` instead of warmup's guarded fast path (0 when every warmed key
 is served by its fast launch).
@@ -21,6 +22,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 from triton.runtime.jit import JITFunction
 
@@ -39,6 +41,8 @@ def materialize(value: Any, device: torch.device) -> Any:
         return base.as_strided(value.shape, value.stride(), value.storage_offset())
     if isinstance(value, (list, tuple)):
         return type(value)(materialize(v, device) for v in value)
+    if attrs.has(type(value)):  # a launcher argument that groups tensors (e.g. a chunk table)
+        return attrs.evolve(value, **{f.name: materialize(getattr(value, f.name), device) for f in attrs.fields(type(value)) if f.init})
     return value
 
 
@@ -57,6 +61,14 @@ _REAL_RUN = JITFunction.run
 def _counting_run(self: Any, *args: Any, **kwargs: Any) -> Any:
     _RUNS[0] += 1
     return _REAL_RUN(self, *args, **kwargs)
+
+
+def _launch(launcher: Any, inputs: dict[str, Any], index: int | None) -> Any:
+    """One launch; an autotune candidate key is launched as that candidate (every candidate is warmed)."""
+    if index is None:
+        return launcher(**inputs)
+    with warmreg.use_config(index):
+        return launcher(**inputs)
 
 
 def run_config(config: str, pack: str | None) -> dict[str, Any]:
@@ -79,7 +91,8 @@ def run_config(config: str, pack: str | None) -> dict[str, Any]:
         for key in kp.keys:
             try:
                 inputs = {k: materialize(v, device) for k, v in kp.kernel.warmup_inputs(key).items()}
-                launch = functools.partial(launcher, **inputs)
+                index = getattr(key, "config", None) if kp.kernel.tune_configs else None
+                launch = functools.partial(_launch, launcher, inputs, index)
                 row["first_ms"].append(_timed(launch))
                 row["steady_ms"].append(median([_timed(launch) for _ in range(20)]))
                 row["launched"] += 1

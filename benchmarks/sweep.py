@@ -1483,7 +1483,7 @@ def run_config(
         t = time.perf_counter()
         report = warmreg.warm(config, pack=pack, on_error="continue")
         failed = [(r.kernel, str(r.key), r.error) for r in report.failed]
-        warm = {"summary": report.summary(), "wall_s": time.perf_counter() - t, "failed": failed}
+        warm = {"summary": report.summary(), "wall_s": time.perf_counter() - t, "failed": failed, "tuning": list(report.tuning), "tuning_s": report.tuning_seconds}
     lim = Limits.of(plan.config, cuda, max_tokens, max_seq_len, max_seqs)
     sweep = (DSV4Sweep if plan.config.model_type == "deepseek_v4" else KimiSweep)(plan, dev, lim, seed)
     rng, batches = random.Random(seed), []

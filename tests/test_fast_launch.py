@@ -34,6 +34,12 @@ def _probe(x_ptr, y_ptr, loose_ptr, n, loose_n, scale, flag, BLOCK: tl.constexpr
 
 
 @triton.jit
+def _annotated(x_ptr, stride: tl.int64, n: tl.int32, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs * stride, offs, mask=offs < n)
+
+
+@triton.jit
 def _reads_global(x_ptr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     tl.store(x_ptr + offs, tl.load(x_ptr + offs) * _GLOBAL_SCALE)
@@ -101,6 +107,27 @@ def test_guards_accept_exactly_the_launches_triton_specializes_the_same_way() ->
             g0, g1, g2, stream, fn, packed, meta, enter, leave, *args = rec.calls[-1]
             assert (g0, g1, g2, stream) == (3, 1, 1, 0) and (fn, packed) == ("fn", (4, 1, 0)) and (meta, enter, leave) == (None, None, None)
             assert args == [base[p.name] for p in _probe.params]
+
+
+def test_annotated_int_parameters_are_guarded_as_triton_keys_them() -> None:
+    """``stride: tl.int64`` keeps its type whatever the value (so 16 is an i64, not an i32), and Triton keys
+    its value class from the annotation's own specialization (1 stays distinct)."""
+    values = [0, 1, 2, 16, 17, 32, 2**31, 2**31 + 1, 2**40, -16, -1]
+    with _triton.cross_target(H100):
+        device = _triton.current_device()
+        for base_stride, base_n in itertools.product([1, 16, 17, 2**33], [1, 16, 17]):
+            base = dict(x_ptr=_tensor(torch.float32, 0), stride=base_stride, n=base_n, BLOCK=64)
+            want = _specialization(_annotated, base)
+            entry = _triton_fast.build(_annotated, base, {"num_warps": 4}, _Recorder(), device)
+            assert entry is not None and entry.launch((1,), base) is True, (base, entry and entry.source)
+            for name, bits in (("stride", 64), ("n", 32)):
+                for value in values:
+                    kw = {**base, name: value}
+                    same = _specialization(_annotated, kw) == want
+                    if -(2 ** (bits - 1)) <= value < 2 ** (bits - 1):
+                        assert entry.launch((1,), kw) is same, (base, name, value, entry.source)
+                    else:  # Triton's key ignores that the annotation cannot hold it; the guard takes Triton's path
+                        assert entry.launch((1,), kw) is False, (base, name, value)
 
 
 def test_pairs_of_changes_never_slip_through() -> None:

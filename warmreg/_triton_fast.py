@@ -44,6 +44,8 @@ _WIDTH = {
     "i64": "-9223372036854775808 <= {v} < 9223372036854775808 and not -2147483648 <= {v} < 2147483648",
     "u64": "9223372036854775808 <= {v} < 18446744073709551616",
 }
+#: An int parameter annotated with its type (``stride: tl.int64``) keeps that type whatever its value.
+_ANNOTATED_WIDTH = {"i64": "-9223372036854775808 <= {v} < 9223372036854775808", "u64": "0 <= {v} < 18446744073709551616"}
 
 
 class FastLaunch:
@@ -184,9 +186,14 @@ def _guard(var: str, i: int, param: Any, ty: str, spec: Any, value: Any, env: di
             return cond
         return cond + f" and ({var}.data_ptr() & 15)"
     if ty in _WIDTH and cls is int:
-        cond = f"{var}.__class__ is int and " + _WIDTH[ty].format(v=var)
+        annotated = getattr(param, "annotation_type", None) == ty
+        width = _ANNOTATED_WIDTH.get(ty) if annotated else None
+        cond = f"{var}.__class__ is int and " + (width or _WIDTH[ty]).format(v=var)
         if param.do_not_specialize:
             return cond
+        if annotated and spec not in ("D", ""):  # an annotated int keeps its type; Triton keys 1 by its value
+            env[f"_c{i}"] = value
+            return cond + f" and {var} == _c{i}"
         cond += f" and {var} != 1"
         if spec == "D":
             return cond + f" and not ({var} & 15)"

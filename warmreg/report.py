@@ -65,7 +65,8 @@ class WarmReport:
         ``shard_received`` the entries it installed from other ranks, ``shard_launchers_received`` the
         C launchers (local CUDA GPU) it installed from them.
     :param tuning: on the local GPU, the candidate chosen for each tuning key of an autotuned
-        kernel (``warmreg.tuning.Choice.to_json()``: kernel, key, config, source, microseconds).
+        kernel (``warmreg.tuning.Choice.to_json()``: kernel, key, config, source, microseconds);
+        ``tuning_seconds`` the time that took (benchmarks included).
     """
 
     platform: str
@@ -85,6 +86,7 @@ class WarmReport:
     shard_received: int | None = None
     shard_launchers_received: int | None = None
     tuning: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=_tuple)
+    tuning_seconds: float = 0.0
 
     @property
     def declared(self) -> int:

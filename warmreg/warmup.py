@@ -129,6 +129,7 @@ def _report(
         shard_received=stats.received if stats else None,
         shard_launchers_received=stats.launchers_received if stats else None,
         tuning=tuple(c.to_json() for c in tune.choices) if tune is not None else (),
+        tuning_seconds=tune.seconds if tune is not None else 0.0,
     )
 
 
