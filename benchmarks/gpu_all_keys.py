@@ -40,7 +40,8 @@ def materialize(value: Any, device: torch.device) -> Any:
         base = torch.zeros(max(extent, 1), dtype=value.dtype, device=device)
         return base.as_strided(value.shape, value.stride(), value.storage_offset())
     if isinstance(value, (list, tuple)):
-        return type(value)(materialize(v, device) for v in value)
+        items = [materialize(v, device) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a NamedTuple takes fields
     if attrs.has(type(value)):  # a launcher argument that groups tensors (e.g. a chunk table)
         return attrs.evolve(value, **{f.name: materialize(getattr(value, f.name), device) for f in attrs.fields(type(value)) if f.init})
     return value

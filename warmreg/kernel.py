@@ -249,7 +249,8 @@ def _real(value: Any, device: torch.device) -> Any:
         storage = torch.zeros(value.untyped_storage().nbytes() // value.element_size() or 1, dtype=value.dtype, device=device)
         return storage.as_strided(value.shape, value.stride(), value.storage_offset())
     if isinstance(value, (list, tuple)):
-        return type(value)(_real(v, device) for v in value)
+        items = [_real(v, device) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a NamedTuple takes fields
     if attrs.has(type(value)):  # an argument that groups tensors
         return attrs.evolve(value, **{f.name: _real(getattr(value, f.name), device) for f in attrs.fields(type(value)) if f.init})
     return value
