@@ -33,16 +33,22 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import write
 from warmreg_deepseek_v4 import combine_indices as ci
+from warmreg_deepseek_v4 import dspark_swa_indices as ds
 from warmreg_deepseek_v4 import global_topk as gt
 from warmreg_deepseek_v4 import metadata as md
+from warmreg_deepseek_v4 import pack_seq as ps
 from warmreg_deepseek_v4 import sparse_mla as sm
 from warmreg_deepseek_v4 import swa_indices as si
+from warmreg_deepseek_v4 import unpack_seq as us
 
 import warmreg
 from warmreg.ops import slot_mapping as sl
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = "examples/deepseek_v4_flash.json"
+#: Also warmed: the DSpark draft step's kernels are planned by the Flash-0731 example only.
+DSPARK_CONFIG = "examples/deepseek_v4_flash_0731_dspark.json"
+DSPARK_N = 5  # its draft tokens a request (dspark_block_size)
 I32, I64 = torch.int32, torch.int64
 PAGES = 100_000  # page ids in block tables: any value is valid, the kernels never dereference pages
 LOOP = "not compiled: Python loop over requests/tokens with host syncs (int()/.tolist()), Dynamo would graph-break per iteration"
@@ -58,6 +64,7 @@ class Case:
     shape: dict
     rargs: tuple | None = None  # the reference's own arguments (else the kernel's, with rkw added)
     rkw: dict = field(default_factory=dict)
+    compare: Callable[[Any], Any] | None = None  # what of an output is compared (default: all of it)
 
 
 def _to(x: Any, dev: torch.device) -> Any:
@@ -227,6 +234,54 @@ def block_table_slots(S, rng, gen, T):
                 rkw=dict(block_size=64, max_num_tokens=pad))  # fmt: skip
 
 
+def _decode_lengths(rng: random.Random, T: int, next_n: int) -> list[int]:
+    """A decode batch of T tokens whose rows have unequal lengths in 1..next_n (the padded path)."""
+    lens: list[int] = []
+    while sum(lens) < T:
+        lens.append(min(rng.randint(1, next_n), T - sum(lens)))
+    if len(set(lens)) == 1 and T > 1:
+        lens = [1, T - 1] if T - 1 <= next_n else [1, *lens[1:], lens[0] - 1] if lens[0] > 1 else lens
+    return lens
+
+
+def pack_q(S, rng, gen, T):
+    lens = _decode_lengths(rng, T, S.spec)  # the C4 indexer's padded decode: its FP8 Q, [Td, 64 * 128]
+    x = torch.randint(0, 255, (T, 64 * 128), generator=gen, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    lengths = torch.tensor(lens, dtype=I32)
+    # reads x 8192 per packed token + lengths, writes out 8192 B Lmax (pads included)
+    nbytes = 8192 * T + 4 * len(lens) + 8192 * len(lens) * max(lens)
+    valid = torch.arange(max(lens))[None, :] < lengths[:, None]  # the -inf pad's FP8 bytes are the cast's (masked downstream)
+
+    def rows(out: torch.Tensor) -> torch.Tensor:
+        return out.view(torch.uint8).cpu()[valid]
+
+    return Case(ps.PackSeq(), ps.pack_seq_reference, (x, lengths), dict(lengths_host=lens), nbytes,
+                dict(T=T, rows=len(lens), Lmax=max(lens)), rargs=(x, lengths), compare=rows)  # fmt: skip
+
+
+def unpack_topk(S, rng, gen, T):
+    lens = _decode_lengths(rng, T, S.spec)  # the top-k of the padded rows back to one row a token
+    packed = torch.randint(-1, 1 << 20, (len(lens), S.spec, S.topk), generator=gen, dtype=I32)
+    nbytes = 8 * T * S.topk + 4 * len(lens)  # reads and writes 4 topk per token
+    return Case(us.UnpackSeq(topk=S.topk), us.unpack_seq_reference, (packed, torch.tensor(lens, dtype=I32)),
+                dict(lengths_host=lens), nbytes, dict(T=T, rows=len(lens)), rargs=(packed, torch.tensor(lens, dtype=I32)))  # fmt: skip
+
+
+def dspark_swa(S, rng, gen, T):
+    R = max(1, T // DSPARK_N)  # a draft step: N query tokens a request, one shared non-causal window row each
+    T = R * DSPARK_N
+    seqs = torch.tensor([rng.randint(DSPARK_N, S.mml) for _ in range(R)], dtype=I32)
+    qsl = torch.arange(0, T + 1, DSPARK_N, dtype=I32)
+    tok2req = torch.arange(R, dtype=I32).repeat_interleave(DSPARK_N)
+    valid = _slots(gen, T) >= 0
+    width = triton.cdiv(S.window + DSPARK_N, 64) * 64
+    # reads qsl/seq_lens 8R, token_to_req + is_valid 5T, the table pages of each row 4 each; writes 4 T W + 4T
+    nbytes = 8 * R + 9 * T + 4 * T * triton.cdiv(S.window + DSPARK_N, 64) + 4 * T * width
+    kw = dict(num_tokens=T, window_size=S.window, index_width=width, block_size=64)
+    args = (qsl, seqs, tok2req, valid, _pages(gen, (S.max_seqs, triton.cdiv(S.mml, 64))))
+    return Case(ds.DSparkSwaIndices(), ds.dspark_swa_indices_reference, args, kw, nbytes, dict(T=T, requests=R, W=width))
+
+
 # name: (builder, sizes, eager-reference cap (T, why) or None, torch.compile: True or why it is skipped)
 KERNELS = {
     "deepseek_v4.c128a_topk_metadata": (c128a, "tokens", None, True),
@@ -238,6 +293,9 @@ KERNELS = {
     "deepseek_v4.prepare_uniform_decode": (uniform_decode, "decode", None, True),
     "deepseek_v4.compressed_slot_mapping": (compressed_slots, "tokens", None, LOOP),
     "warmreg.ops.block_table_slot_mapping": (block_table_slots, "tokens", None, LOOP),
+    "deepseek_v4.pack_seq": (pack_q, "decode", None, LOOP),
+    "deepseek_v4.unpack_seq": (unpack_topk, "decode", None, LOOP),
+    "deepseek_v4.dspark_noncausal_swa_indices": (dspark_swa, "decode", None, LOOP),
 }  # fmt: skip
 
 
@@ -277,7 +335,8 @@ def run_size(spec: tuple, S: Any, T: int, row: dict) -> None:
     try:  # the reference first, on CPU: invalid inputs raise IndexError here instead of faulting on the GPU
         want = case.ref(*rargs, **rkw)
         got = case.kernel(*kargs, **kkw)
-        row["check"] = "passed" if _equal(got, want) else "failed: kernel output differs from the reference (torch.equal)"
+        seen = case.compare or (lambda out: out)
+        row["check"] = "passed" if _equal(seen(got), seen(want)) else "failed: kernel output differs from the reference (torch.equal)"
     except Exception as exc:
         row["check"], row["traceback"] = f"error: {_err(exc)}", traceback.format_exc()[-1500:]
         return
@@ -402,6 +461,7 @@ def main() -> None:
     mon = None
     if S.cuda:
         t = time.perf_counter()
+        warmreg.warm(str(ROOT / DSPARK_CONFIG), on_error="continue")
         report = warmreg.warm(CONFIG if Path(CONFIG).exists() else str(ROOT / CONFIG), monitor="record", on_error="continue")
         out["warm"] = {"wall_s": time.perf_counter() - t, "summary": report.summary(),
                        "failed": [(r.kernel, str(r.key), r.error) for r in report.failed]}  # fmt: skip
