@@ -5,6 +5,7 @@ If a Triton upgrade moves one of them, the failure shows up here, by name.
 
 from __future__ import annotations
 
+import ast
 import json
 from pathlib import Path
 
@@ -346,3 +347,29 @@ def test_nothing_outside_the_adapter_touches_a_private_triton_name() -> None:
                 if node.attr in internal or (node.attr.startswith("_") and node.attr != "__version__"):
                     found.append(f"{path.name}:{node.lineno}: triton.{node.attr}")
     assert found == []
+
+
+def test_the_ast_race_is_retried_also_when_triton_wraps_it_from_a_called_function() -> None:
+    """CPython's ast.parse thread race (gh-106905) in a called jit function reaches warm as Triton's
+    ``CompilationError(src, node, None) from SystemError``: compiled again, like the bare race."""
+    from triton.compiler.errors import CompilationError
+
+    from warmreg.bind import describe
+
+    def wrapped(calls: list[int], cause: BaseException) -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            try:
+                raise cause
+            except BaseException as inner:
+                src = "def f():\n    g()"
+                raise CompilationError(src, ast.parse(src).body[0].body[0], None) from inner  # type: ignore[attr-defined]
+        return "compiled"
+
+    calls: list[int] = []
+    race = SystemError("AST constructor recursion depth mismatch (before=10, after=12)")
+    assert _triton.retrying_ast_race(wrapped, calls, race) == "compiled" and len(calls) == 2
+    calls = []
+    with pytest.raises(CompilationError) as info:  # a real error in the callee is not retried
+        _triton.retrying_ast_race(wrapped, calls, NameError("name 'x' is not defined"))
+    assert len(calls) == 1 and "NameError: name 'x' is not defined" in describe(info.value)

@@ -276,11 +276,24 @@ def retrying_ast_race(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> A
     for attempt in range(1, _AST_RACE_ATTEMPTS + 1):
         try:
             return fn(*args, **kwargs)
-        except SystemError as exc:
-            if _AST_RACE not in str(exc) or attempt == _AST_RACE_ATTEMPTS:
+        except Exception as exc:
+            if not _is_ast_race(exc) or attempt == _AST_RACE_ATTEMPTS:
                 raise
             log.debug("CPython ast.parse thread race (attempt %d), compiling again: %s", attempt, exc)
     raise AssertionError("unreachable")
+
+
+def _is_ast_race(exc: BaseException) -> bool:
+    """The race itself, or an error Triton raised from it: its code generator parses a called jit
+    function's source while generating the caller and wraps what that raises in a CompilationError."""
+    seen: set[int] = set()
+    cur: BaseException | None = exc
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, SystemError) and _AST_RACE in str(cur):
+            return True
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def forget_compiled() -> None:

@@ -150,6 +150,8 @@ def describe(exc: BaseException) -> str:
         )
     text = str(exc).strip().splitlines()
     head = text[-1] if text else ""
+    if head.strip() == "^" and exc.__cause__ is not None:  # Triton's wrap of an error in a called jit function
+        return f"{type(exc).__name__} at {text[0] if text else '?'} from {describe(exc.__cause__)}"[:2000]
     return f"{type(exc).__name__}: {head}"[:2000]
 
 
