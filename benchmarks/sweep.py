@@ -40,7 +40,8 @@ launch the same keys):
   graph buffers padded past the step's requests; the KDA layers' short convolutions (the prefill conv1d of q, k and
   v, column slices of the packed projection, when the step has prefills; the conv update of the speculative decode
   rows, varlen with accepted counts; the plain-decode update on decode steps of one-token rows where the plan holds
-  it), the initial-state gather of the prefill requests, the recurrent step over the decode requests (q, k, v as
+  it, followed by the packed KDA decode step on its output), the initial-state gather of the prefill requests,
+  the recurrent step over the decode requests (q, k, v as
   separate tensors or views of one projection; prefill requests take the six stages of the chunked KDA prefill (initial states mixed) where vLLM's prefill
   backend is Triton)
   and the gated RMSNorm of the output over every token (the gate a column view of the fused projection, at its
@@ -115,6 +116,7 @@ from warmreg_kimi_k3.kda import kda_recurrent_reference
 from warmreg_kimi_k3.kda_chunk import STAGES as KDA_CHUNK_STAGES
 from warmreg_kimi_k3.kda_chunk_base import chunk_metadata
 from warmreg_kimi_k3.kda_chunk_l2norm import l2norm_reference
+from warmreg_kimi_k3.kda_packed_decode import kda_packed_decode_reference
 from warmreg_kimi_k3.kda_spec_metadata import stage_spec_decode_metadata_reference
 from warmreg_kimi_k3.kda_state_indices import aligned_state_indices_reference
 
@@ -135,6 +137,7 @@ KDA, ATTN_RES = "kimi_k3.kda_recurrent", "kimi_k3.attn_res"
 CONV, CONV_UPDATE = "kimi_k3.causal_conv1d", "kimi_k3.causal_conv1d_update"
 KDA_NORM, KDA_GATHER = "kimi_k3.gated_rmsnorm", "kimi_k3.gather_initial_states"
 KDA_ALIGNED, KDA_STAGE = "kimi_k3.aligned_state_indices", "kimi_k3.stage_spec_decode_metadata"
+KDA_PACKED = "kimi_k3.kda_packed_decode"
 #: The chunked KDA prefill's stages, in launch order (l2norm, gate, intra, wu, h, o).
 KDA_CHUNK = tuple(stage.name for stage in KDA_CHUNK_STAGES)
 DSV4_PREFIX = "deepseek_v4."
@@ -144,7 +147,7 @@ CSLOTS, GATHER, COMBINE, SAVE = (
 )
 #: Every kernel the sweep can drive.
 DRIVERS = frozenset(
-    [SLOTS, NORM, KDA, ATTN_RES, CONV, CONV_UPDATE, KDA_NORM, KDA_GATHER, KDA_ALIGNED, KDA_STAGE, CSLOTS, GATHER, COMBINE, SAVE, *KDA_CHUNK]
+    [SLOTS, NORM, KDA, ATTN_RES, CONV, CONV_UPDATE, KDA_NORM, KDA_GATHER, KDA_ALIGNED, KDA_STAGE, KDA_PACKED, CSLOTS, GATHER, COMBINE, SAVE, *KDA_CHUNK]
     + [
         DSV4_PREFIX + n
         for n in (
@@ -1319,12 +1322,14 @@ class KimiSweep(Sweep):
         lines = perm[: len(b.qlens)].add_(1).to(I32)
         one_token = b.num_prefills == 0 and all(q == 1 for q in b.qlens)
         upd = self.kernel(CONV_UPDATE) if CONV_UPDATE in self.names else None
-        if upd is not None and upd.plain_decode and one_token and (not spec or self.rng.random() < 0.5):
+        if upd is not None and upd.plain_decode and one_token and (not spec or self.rng.random() >= 0.5):
             width = self.rng.choice([self.conv_row, 4 * p] if upd.overlap_rows else [self.conv_row])
             x = self.randn(t, width)[:, : 3 * p]
             stride = self.rng.choice(sorted({1, 1 + spec}))
             indices = self._conv_lines(lines, stride)
-            self._conv_update(f"{t} plain decode rows", x, indices)
+            conv_out = self._conv_update(f"{t} plain decode rows", x, indices)
+            if KDA_PACKED in self.names and KDA in self.names:
+                self.kda_packed_decode(proj, width, None if conv_out is None else conv_out[0], indices)
         elif upd is not None and spec and b.num_decodes:
             n, d = b.num_decodes, b.decode_tokens
             x = proj[:d, : 3 * p] if self.rng.random() < 0.5 else proj[:d, : 3 * p].contiguous()  # slice or gathered
@@ -1363,19 +1368,50 @@ class KimiSweep(Sweep):
 
     def _conv_update(
         self, what: str, x: torch.Tensor, indices: torch.Tensor, max_len: int = -1, spec: dict[str, Any] | None = None
-    ) -> None:
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One conv update launch; returns ``(output, conv_state)``, or None on a miss or a failure."""
         kw = spec or {}
         args = (x, self.conv_state, self.conv_weight, None)
         def run() -> tuple[torch.Tensor, torch.Tensor]:
             out = self.kernel(CONV_UPDATE)(*args, conv_state_indices=indices, max_query_len=max_len, **kw)
             return out, self.conv_state
 
-        self.launch(
+        return self.launch(  # type: ignore[no-any-return]
             CONV_UPDATE,
             what,
             run,
             ref=lambda: causal_conv1d_update_reference(*args, indices, **kw),
             tol=(1e-6, 2**-7),
+        )
+
+    def kda_packed_decode(
+        self, proj: torch.Tensor, width: int, conv_out: torch.Tensor | None, indices: torch.Tensor
+    ) -> None:
+        """vLLM's plain-decode step after the conv update (``kda.py: _forward``, pure non-speculative decode): the
+        packed decode on the conv's output (its ``empty_like``: ``[B, 3P]`` rows, or for a batch of one the
+        projection's row stride, plain or the overlap path's ``4P``), the gate projection's rows, beta a column of
+        the projection, the state indices of the conv update (now and then a padded slot 0: zeros out)."""
+        lay, (h, dk, _) = self.conv_layout, self.hkv
+        p, t = lay.projection_size, indices.shape[0]
+        mixed = self.randn(t, 3 * p) if conv_out is None else conv_out
+        if t == 1:
+            row = self.randn(1, width)
+            row[:, : 3 * p] = mixed
+            mixed = row[:, : 3 * p]
+        raw_g = self.randn(1, t, h, dk, dtype=self.raw_dtypes[0])
+        raw_beta = proj[:t, 4 * p + dk : 4 * p + dk + h].unsqueeze(0)
+        slots = indices.clone()
+        if self.rng.random() < 0.1:
+            slots[-1] = 0  # CUDA-graph padding: the null slot
+        a_log, dt_bias, bound = self.gate
+        bias = dt_bias if dt_bias is not None else torch.zeros(h * dk, dtype=F32, device=self.dev)
+        args = (mixed, raw_g, raw_beta, a_log, bias, bound, self.pool, slots)
+        self.launch(
+            KDA_PACKED,
+            f"{t} plain decode rows",
+            lambda: self.kernel(KDA_PACKED)(*args),
+            ref=lambda: kda_packed_decode_reference(*args)[0],
+            tol=(1e-2, 1.6e-2),  # the plugin's tests: bf16 o, fp32 recurrences in different orders
         )
 
     def kda(self, st: Step) -> None:

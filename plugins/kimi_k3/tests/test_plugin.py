@@ -21,6 +21,7 @@ KDA_EXTRAS = (
     "kimi_k3.aligned_state_indices",
     "kimi_k3.gated_rmsnorm",
     "kimi_k3.gather_initial_states",
+    "kimi_k3.kda_packed_decode",
     "kimi_k3.stage_spec_decode_metadata",
 )
 
@@ -51,14 +52,14 @@ def test_plan_has_the_kda_and_rmsnorm_keys(kimi_plan: warmreg.Plan) -> None:
     assert len(kimi_plan.kernel(RMSNORM).keys) == 1
     (slots,) = kimi_plan.kernel(SLOTS).keys  # the MLA layers' paged cache
     assert slots.fields()["block_size"] == 64
-    # One key each for the KDA layers' gated RMSNorm, initial-state gather, aligned state indices and spec-decode
-    # staging (their own test files); the conv1d keys are in test_causal_conv1d.py (2) and
+    # One key each for the KDA layers' gated RMSNorm, initial-state gather, packed plain-decode step, aligned state
+    # indices and spec-decode staging (their own test files); the conv1d keys are in test_causal_conv1d.py (2) and
     # test_causal_conv1d_update.py (5); the example sets no attn_res_block_size: attn_res in test_attn_res.py.
     conv = {"kimi_k3.causal_conv1d": 2, "kimi_k3.causal_conv1d_update": 5}
     assert {kp.name: len(kp.keys) for kp in kimi_plan.kernels if kp.name not in (KDA, RMSNORM, SLOTS)} == {
         **dict.fromkeys(KDA_EXTRAS, 1), **conv
     }
-    assert kimi_plan.num_keys == 7 + 7
+    assert kimi_plan.num_keys == 8 + 7
 
 
 @pytest.mark.parametrize(
@@ -179,7 +180,7 @@ def test_the_full_example_plans_attn_res_and_every_chunked_prefill_stage_with_it
     stages = [f"kimi_k3.kda_chunk_{s}" for s in ("l2norm", "gate", "intra", "wu", "h", "o")]
     for stage in stages:  # one tuning key a stage, once per autotune candidate
         assert sorted(k.config for k in keys[stage]) == [0, 1, 2, 3], stage  # type: ignore[attr-defined]
-    assert plan.num_keys == 14 + 31 + 24
+    assert plan.num_keys == 15 + 31 + 24
     # the same deployment under vLLM's "auto" prefill backend takes FlashKDA (C++) on SM90: no stage planned
     data = json.loads(full.read_text())
     del data["serving"]["kda_prefill_backend"]

@@ -58,7 +58,7 @@ from .causal_conv1d import (
 )
 from .model import PLUGIN, KimiK3, positive_text_int
 
-__all__ = ["CausalConv1dUpdate", "CausalConv1dUpdateKey", "causal_conv1d_update_reference", "register"]
+__all__ = ["CausalConv1dUpdate", "CausalConv1dUpdateKey", "causal_conv1d_update_reference", "overlap_rows", "register"]
 
 #: The projection-overlap path's packed q/k/v/g row (``4 * P``) exists for this local layout only
 #: (``vllm/models/kimi_k3/nvidia/low_latency_gemm.py: _enable_kda_projection_overlap``): TP 8, hidden 7168, a
@@ -428,7 +428,7 @@ def causal_conv1d_update_reference(
     return y.to(x.dtype), state
 
 
-def _overlap_rows(layout: KDALayout, config: warmreg.WarmConfig, platform: warmreg.Platform) -> bool:
+def overlap_rows(layout: KDALayout, config: warmreg.WarmConfig, platform: warmreg.Platform) -> bool:
     """Whether vLLM's projection-overlap path can feed decode steps (``low_latency_gemm.py``): TP 8, bf16, hidden
     7168, the 6288-wide packed projection, SM 9.0 / 10.0 / 10.3 (unquantized weights assumed: no config here
     describes a quantization)."""
@@ -456,7 +456,7 @@ def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, 
     if not (plain or layout.num_speculative_tokens):
         return
     kernel = CausalConv1dUpdate(
-        layout=layout, plain_decode=plain, overlap_rows=plain and _overlap_rows(layout, config, platform),
+        layout=layout, plain_decode=plain, overlap_rows=plain and overlap_rows(layout, config, platform),
         max_num_seqs=config.get("serving.max_num_seqs", int, plugin=PLUGIN),
     )  # fmt: skip
     registry.add(kernel, when=warmreg.is_cuda)
