@@ -70,7 +70,9 @@ def _gather_initial_states_kernel(
         tl_cuda.gdc_launch_dependents()
     has = tl.load(flags_ptr + n * flags_stride).to(tl.int1)
     slot = tl.where(has, tl.load(indices_ptr + n * indices_stride).to(tl.int64), 0)
-    values = tl.load(state_ptr + slot * state_stride + offs, mask=mask & has, other=0.0)
+    # the flag as a full-width mask: a scalar int1 ANDed into a block mask is refused by Triton 3.9's interpreter
+    load = mask & ((offs * 0 + has.to(tl.int32)) != 0)
+    values = tl.load(state_ptr + slot * state_stride + offs, mask=load, other=0.0)
     tl.store(out_ptr + n * ROW + offs, values, mask=mask)
 
 
