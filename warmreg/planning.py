@@ -16,7 +16,7 @@ from . import _triton
 from .config import WarmConfig
 from .errors import ConfigError, KernelContractError
 from .kernel import TritonKernel
-from .key import LAUNCH_OPTIONS, CompileKey
+from .key import CompileKey
 from .platform import Platform, check_features, resolve_platform
 from .plugins import OnPluginError, PluginProblem, call_register_hooks, load_plugins
 from .registry import Registration, Registry, Skipped
@@ -160,7 +160,7 @@ def _candidates(kernel: TritonKernel[Any], keys: Iterable[CompileKey]) -> Iterat
         return
     for key in keys:
         names = {f.name for f in attrs.fields(type(key))}
-        if "config" not in names or names & set(LAUNCH_OPTIONS) & {"num_warps", "num_stages"}:
+        if "config" not in names or names & {"num_warps", "num_stages"}:
             raise KernelContractError(
                 kernel.name, f"declares tune_configs, but its key {type(key).__name__} has no field config or has num_warps/num_stages",
                 fix="give the key a field `config: int | None = None` and take num_warps/num_stages from the TuneConfigs",

@@ -17,6 +17,7 @@ __all__ = [
     "check_norm_weights",
     "check_rope_cache",
     "is_pow2",
+    "unspecialized_int32_problem",
 ]
 
 
@@ -93,3 +94,11 @@ def check_norm_weights(kernel: str, hidden: int, *weights: torch.Tensor) -> None
 def is_pow2(n: int) -> bool:
     """Whether ``n`` is a positive power of two."""
     return n > 0 and n & (n - 1) == 0
+
+
+def unspecialized_int32_problem(*strides: int) -> str | None:
+    """The problem with strides a binary takes as unspecialized ``i32`` arguments, if one does not fit
+    (``None`` when all do); callers collect it with their other problems into one ``LaunchError``."""
+    if any(not -(2**31) <= v < 2**31 for v in strides):
+        return f"strides {strides} must fit in int32 (the binary takes them as i32)"
+    return None

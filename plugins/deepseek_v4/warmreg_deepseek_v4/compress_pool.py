@@ -37,7 +37,7 @@ import triton.language as tl
 
 import warmreg
 
-from ._checks import is_pow2
+from ._checks import is_pow2, unspecialized_int32_problem
 from ._serving import mxfp4_indexer
 from .model import DSV4, PLUGIN
 
@@ -224,9 +224,8 @@ class CompressPool(warmreg.TritonKernel[CompressPoolKey]):
             )
         if not is_pow2(compress_ratio) or (width == 2 * head and compress_ratio != 4):
             problems.append(f"compress_ratio {compress_ratio} must be a power of two, and 4 with overlapping states")
-        unspecialized = (state_cache.stride(0), state_cache.stride(1), block_table.stride(0), pooled_k.stride(0))
-        if any(not -(2**31) <= v < 2**31 for v in unspecialized):
-            problems.append(f"strides {unspecialized} must fit in int32 (the binary takes them as i32)")
+        if (problem := unspecialized_int32_problem(*(state_cache.stride(0), state_cache.stride(1), block_table.stride(0), pooled_k.stride(0)))) is not None:
+            problems.append(problem)
         if problems:
             raise warmreg.LaunchError(self.name, "; ".join(problems))
 

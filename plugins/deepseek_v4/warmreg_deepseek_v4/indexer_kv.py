@@ -41,7 +41,7 @@ import triton.language as tl
 
 import warmreg
 
-from ._checks import check_rope_cache, is_pow2
+from ._checks import check_rope_cache, is_pow2, unspecialized_int32_problem
 from ._indexer_common import K_FP8_MAX, SCALE_BYTES, SCALE_FLOOR, cos_sin_meta, rope_pairs
 from ._mxfp4 import MXFP4_BLOCK, mxfp4_quant, mxfp4_quant_reference, mxfp4_row_bytes
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
@@ -401,9 +401,8 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
             problems.append(f"an MXFP4 cache needs head_dim a multiple of {MXFP4_BLOCK} (got {head})")
         if not use_fp4_cache and (kv_cache.data_ptr() % 4 or kv_cache.stride(0) % 4):
             problems.append("kv_cache pages must start 4-byte aligned (the scales are 4-byte words)")
-        unspecialized = (state_cache.stride(0), state_cache.stride(1), state_block_table.stride(0))
-        if any(not -(2**31) <= v < 2**31 for v in unspecialized):
-            problems.append(f"strides {unspecialized} must fit in int32 (the binary takes them as i32)")
+        if (problem := unspecialized_int32_problem(*(state_cache.stride(0), state_cache.stride(1), state_block_table.stride(0)))) is not None:
+            problems.append(problem)
         if problems:
             raise warmreg.LaunchError(self.name, "; ".join(problems))
 
