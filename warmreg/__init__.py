@@ -40,7 +40,7 @@ from .platform import (
 from .report import KeyResult, WarmReport
 
 if TYPE_CHECKING:
-    from .kernel import LaunchSpec, TritonKernel, TuneConfig, kernel_launcher, meta
+    from .kernel import LaunchSpec, TritonKernel, TuneConfig, kernel_launcher, meta, output
     from .launch import use_config
     from .monitoring import JitMissError, Miss, Monitor, arm, disarm, monitor
     from .planning import KernelPlan, Plan, plan
@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 # Imported on first use: these modules import torch (about 2 s on a small machine), which the CLI's
 # refusals, pack checks and config checks do not need.
 _LAZY = {
-    **dict.fromkeys(("LaunchSpec", "TritonKernel", "TuneConfig", "kernel_launcher", "meta"), "kernel"),
+    **dict.fromkeys(("LaunchSpec", "TritonKernel", "TuneConfig", "kernel_launcher", "meta", "output"), "kernel"),
     "use_config": "launch",
     **dict.fromkeys(("JitMissError", "Miss", "Monitor", "arm", "disarm", "monitor"), "monitoring"),
     **dict.fromkeys(("KernelPlan", "Plan", "plan"), "planning"),
@@ -119,6 +119,7 @@ __all__ = [
     "meta",
     "monitor",
     "next_pow2",
+    "output",
     "plan",
     "prefetch",
     "reset_state",
