@@ -71,7 +71,8 @@ def output(
 
     Ops take ``out=`` so that engines and CUDA-graph capture can hand them persistent buffers and a
     launch allocates nothing. A caller's buffer must be exactly what the op would allocate: that
-    shape, dtype and device, contiguous. Checked in that order, cheapest first (about 1 us in all).
+    shape, dtype and device, contiguous and 16-byte aligned as ``torch.empty`` returns it (an op's
+    keys assume its fresh outputs are aligned: an unaligned buffer would be another binary).
 
     :param kernel: the kernel's name, for the error.
     :param name: the parameter's name (``"out"``, ``"q_out"``), for the error.
@@ -81,11 +82,15 @@ def output(
         return torch.empty(shape, dtype=dtype, device=device)
     if not isinstance(out, torch.Tensor):
         raise LaunchError(kernel, f"{name} is a {type(out).__name__}, not a tensor", fix=f"pass a tensor or leave {name} out")
-    if out.shape != shape or out.dtype is not dtype or out.device != device or not out.is_contiguous():
+    if (
+        out.shape != shape or out.dtype is not dtype or out.device != device
+        or not out.is_contiguous() or out.data_ptr() & 15
+    ):  # fmt: skip
         got = f"{out.dtype} {tuple(out.shape)} on {out.device}" + ("" if out.is_contiguous() else ", not contiguous")
+        got += ", not 16-byte aligned" if out.data_ptr() & 15 else ""
         raise LaunchError(
             kernel,
-            f"{name} is {got}; this launch writes a contiguous {dtype} {tuple(shape)} on {device}",
+            f"{name} is {got}; this launch writes a contiguous, 16-byte aligned {dtype} {tuple(shape)} on {device}",
             fix=f"allocate {name} as torch.empty({tuple(shape)}, dtype={dtype}, device={str(device)!r}) or leave it out",
         )
     return out
