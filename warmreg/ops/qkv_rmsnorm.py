@@ -23,7 +23,7 @@ from triton.language.extra import cuda as tl_cuda
 from ..config import WarmConfig
 from ..domains import next_pow2, runtime_platform, token_counts
 from ..errors import LaunchError
-from ..kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
+from ..kernel import LaunchSpec, TritonKernel, kernel_launcher, meta, output
 from ..key import CompileKey, IntClass, dtype_name, int_class, int_class_rep, is_aligned
 from ..platform import Platform
 
@@ -193,10 +193,15 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
         kv_weight: torch.Tensor,
         eps: float,
         launch_pdl: bool | None = None,
+        *,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> LaunchSpec[QKVRMSNormKey]:
-        """Normalize ``qr`` and ``kv``; returns fresh ``(q_out, kv_out)``.
+        """Normalize ``qr`` and ``kv``; returns ``(q_out, kv_out)``, fresh or ``out``.
 
         :param launch_pdl: use programmatic dependent launch (default: the local GPU supports it).
+        :param out: preallocated ``(q_out [T, q_size], kv_out [T, kv_size])``, contiguous, of the inputs'
+            dtype and device (engines' persistent buffers, CUDA-graph capture); the launch then allocates
+            nothing.
         :raises LaunchError: for inputs that are not 2-D with a contiguous last dim, mismatched token
             counts or weight lengths.
         """
@@ -212,7 +217,11 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
             local = runtime_platform()
             launch_pdl = bool(local and local.supports_pdl)
         key = self.dispatch(qr=qr, kv=kv, q_weight=q_weight, kv_weight=kv_weight, launch_pdl=launch_pdl)
-        q_out, kv_out = qr.new_empty(q_shape), kv.new_empty(kv_shape)
+        if out is None:
+            q_out, kv_out = qr.new_empty(q_shape), kv.new_empty(kv_shape)
+        else:
+            q_out = output(self.name, "out[0]", out[0], q_shape, qr.dtype, qr.device)
+            kv_out = output(self.name, "out[1]", out[1], kv_shape, kv.dtype, kv.device)
         kwargs = dict(
             q_in_ptr=qr, kv_in_ptr=kv, q_w_ptr=q_weight, kv_w_ptr=kv_weight, q_out_ptr=q_out, kv_out_ptr=kv_out,
             q_in_stride=qr.stride(0), kv_in_stride=kv.stride(0), eps=eps,

@@ -1,0 +1,185 @@
+"""Host cost of one launch, every path side by side in one process, on the local GPU.
+
+After warming the config (the monitor off), for warmreg's fused Q/KV RMSNorm at T = 1 (the decode
+hot path, where host cost is all there is), interleaved over ``--rounds`` rounds so drift of the host
+affects every path alike; each figure is microseconds per call over batches of ``--calls`` launches
+(fewer than the driver's launch queue holds, so the GPU never throttles the host):
+
+- ``floor``: the compiled kernel's own launcher (``CompiledKernel.run``) called with prepared
+  arguments: grid, stream and every argument computed once. Triton's launcher cannot go lower.
+- ``fast``: warmreg's guarded launch with the same kwargs: the C entry (``warmreg._cdispatch``).
+- ``fast_python``: the same guards in the generated Python function (the path without a C compiler).
+- ``triton_prealloc``: ``kernel[grid](...)`` with preallocated outputs.
+- ``triton_same_alloc``: the same, allocating the two outputs with the op's own allocation calls.
+- ``op``: the whole warmreg op (checks, dispatch, two allocations, fast launch).
+- ``op_out``: the op with ``out=`` (preallocated outputs: nothing allocated).
+- ``op_python``: the op on the Python fast path; ``op_out_python`` likewise with ``out=``.
+
+Then the first launch after warm against the steady state: a fresh process's first call of the op
+(launch + synchronize) against the median of the next ``--steady`` identical calls.
+
+    python benchmarks/launch_floor.py [examples/deepseek_v4_flash.json] [--tag NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median, write
+
+import warmreg
+import warmreg.launch
+from warmreg.ops import FusedQKVRMSNorm, fused_qkv_rmsnorm_reference
+from warmreg.ops.qkv_rmsnorm import _fused_qkv_rmsnorm_kernel
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _host_us(fn: Callable[[], object], calls: int) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def _synced_ms(fn: Callable[[], object]) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config", nargs="?", default=str(ROOT / "examples" / "deepseek_v4_flash.json"))
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--calls", type=int, default=500)
+    ap.add_argument("--steady", type=int, default=50)
+    ap.add_argument("--tag", default="h200")
+    args = ap.parse_args()
+
+    dev = torch.device("cuda")
+    torch.empty(1, device=dev)  # an engine has CUDA up before it warms
+    t = time.perf_counter()
+    report = warmreg.warm(args.config, on_error="continue", progress=False)
+    warm_s = time.perf_counter() - t
+    op = warmreg.plan(args.config).kernel(FusedQKVRMSNorm.name).kernel
+    q, kv, width = op.q_size, op.kv_size, op.proj_width
+    proj = torch.randn(1, width, device=dev).to(torch.bfloat16)
+    a, b = proj[:, :q], proj[:, q : q + kv]
+    qw = (1 + 0.1 * torch.randn(q, device=dev)).to(torch.bfloat16)
+    kvw = (1 + 0.1 * torch.randn(kv, device=dev)).to(torch.bfloat16)
+    q_out, kv_out = torch.empty_like(a), torch.empty_like(b)
+    torch.cuda.synchronize()
+
+    # 1. the first launch after warm, then the same launch steady
+    first_ms = _synced_ms(lambda: op(a, b, qw, kvw, 1e-6))
+    steady = [_synced_ms(lambda: op(a, b, qw, kvw, 1e-6)) for _ in range(args.steady)]
+    got = op(a, b, qw, kvw, 1e-6)
+    ref = fused_qkv_rmsnorm_reference(a, b, qw, kvw, 1e-6)
+    for x, y in zip(got, ref):
+        torch.testing.assert_close(x, y, atol=0, rtol=2**-7)
+
+    # 2. the paths, side by side
+    spec = type(op).__call__.__wrapped__(op, a, b, qw, kvw, 1e-6, out=(q_out, kv_out))
+    key, grid, kwargs = spec.key, spec.grid, dict(spec.kwargs)
+    options = op.launch_options(key)
+    entry = warmreg.launch.FAST_TABLES[op.name][key]
+    compiled = entry.compiled
+    jit = _fused_qkv_rmsnorm_kernel
+    bound = jit.device_caches[torch.cuda.current_device()][4](**kwargs, **options)[0]
+    prepared = [bound[p.name] for p in jit.params]
+    stream = torch.cuda.current_stream().cuda_stream
+    run, fn, packed = compiled.run, compiled.function, compiled.packed_metadata
+    g = (*grid, 1, 1)[:3]
+
+    def floor() -> None:
+        run(g[0], g[1], g[2], stream, fn, packed, None, None, None, *prepared)
+
+    def triton_prealloc() -> None:
+        jit[grid](**kwargs, **options)
+
+    def triton_same_alloc() -> None:
+        new_q, new_kv = a.new_empty(a.shape), b.new_empty(b.shape)
+        jit[grid](**{**kwargs, "q_out_ptr": new_q, "kv_out_ptr": new_kv}, **options)
+
+    native = entry.launch
+    python = entry.python
+
+    def on_python(fn: Callable[[], object]) -> Callable[[], object]:
+        def call() -> object:
+            entry.launch = python
+            try:
+                return fn()
+            finally:
+                entry.launch = native
+
+        return call
+
+    paths: dict[str, Callable[[], object]] = {
+        "floor": floor,
+        "fast": lambda: native(grid, kwargs),
+        "fast_python": lambda: python(grid, kwargs),
+        "triton_prealloc": triton_prealloc,
+        "triton_same_alloc": triton_same_alloc,
+        "op": lambda: op(a, b, qw, kvw, 1e-6),
+        "op_out": lambda: op(a, b, qw, kvw, 1e-6, out=(q_out, kv_out)),
+        "op_python": on_python(lambda: op(a, b, qw, kvw, 1e-6)),
+        "op_out_python": on_python(lambda: op(a, b, qw, kvw, 1e-6, out=(q_out, kv_out))),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    for _ in range(args.rounds):
+        for name, path in paths.items():
+            samples[name].append(_host_us(path, args.calls))
+    med = {name: median(values) for name, values in samples.items()}
+    # the ratio within each round, where both ran back to back
+    paired = {
+        "triton_prealloc_over_fast": median([t / f for t, f in zip(samples["triton_prealloc"], samples["fast"])]),
+        "op_over_triton_same_alloc": median([o / t for o, t in zip(samples["op"], samples["triton_same_alloc"])]),
+        "op_out_over_triton_prealloc": median([o / t for o, t in zip(samples["op_out"], samples["triton_prealloc"])]),
+        "fast_over_floor": median([f / fl for f, fl in zip(samples["fast"], samples["floor"])]),
+    }
+    body = type(op).__call__.__wrapped__
+    parts = {
+        "launch code (checks, dispatch, 2 allocations, LaunchSpec)": lambda: body(op, a, b, qw, kvw, 1e-6),
+        "launch code with out=": lambda: body(op, a, b, qw, kvw, 1e-6, out=(q_out, kv_out)),
+        "dispatch (the key)": lambda: op.dispatch(qr=a, kv=b, q_weight=qw, kv_weight=kvw, launch_pdl=key.launch_pdl),
+        "2 allocations": lambda: (a.new_empty(a.shape), b.new_empty(b.shape)),
+        "warmreg.launch.run (the fast launch and its lookups)": lambda: warmreg.launch.run(op, spec),
+    }
+    breakdown = {name: median([_host_us(p, args.calls) for _ in range(3)]) for name, p in parts.items()}
+    out = {
+        "config": args.config,
+        "warm": {"wall_s": warm_s, "summary": report.summary()},
+        "kernel": f"{op.name} T=1 {key}",
+        "native_built": entry.native is not None,
+        "calls_per_sample": args.calls,
+        "samples_us": samples,
+        "median_us": med,
+        "paired_ratios": paired,
+        "breakdown_us": breakdown,
+        "first_launch_ms": first_ms,
+        "steady_launch_ms": steady,
+        "first_over_steady": first_ms / median(steady),
+    }
+    path = write(f"launch_floor_{args.tag}", out)
+    print({k: round(v, 2) for k, v in med.items()}, {k: round(v, 3) for k, v in paired.items()})
+    print("first/steady:", round(out["first_over_steady"], 3), round(first_ms, 4), round(median(steady), 4))
+    print("->", path)
+
+
+if __name__ == "__main__":
+    main()

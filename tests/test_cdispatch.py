@@ -1,0 +1,237 @@
+"""The C launch path (``warmreg/_cdispatch.c``) against the Python fast launch and Triton.
+
+On the CPU: the C guards accept exactly the launches the Python guards accept (which
+``tests/test_fast_launch.py`` checks against Triton's own binder), the kernel parameters it packs
+are the ones Triton's launcher would pass, a refused launch goes to the fallback, and its CUDA
+declarations match Triton's ``cuda.h``. On a GPU: the ops launch through it, correctly.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import triton
+
+from tests.test_fast_launch import H100, _kwargs, _probe, _specialization, _tensor
+from warmreg import _triton, _triton_fast
+
+cdispatch = pytest.importorskip("warmreg._cdispatch", reason="warmreg._cdispatch was not built")
+
+
+class _Compiled:
+    """Stands in for a CompiledKernel of the C path: metadata, no real function (``pack`` only)."""
+
+    function, packed_metadata = 0, (4, 1, 0)
+
+    class metadata:
+        global_scratch_size = profile_scratch_size = 0
+        tensordesc_meta = None
+        instrumentation_mode = ""
+        launch_pdl = launch_cooperative_grid = False
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def run(self, *args: Any) -> None:
+        self.calls.append(args)
+
+
+_FORMAT = {"i32": "<i4x", "i64": "<q", "u64": "<Q", "fp32": "<f4x", "u1": "<B7x"}
+
+
+def _expected(kwargs: dict[str, Any]) -> bytes:
+    """What Triton's launcher passes for these arguments: each non-constexpr parameter in order,
+    as its specialized C type (a pointer is its ``data_ptr()``), one 8-byte slot each."""
+    out = b""
+    for param, (ty, _) in zip(_probe.params, _specialization(_probe, kwargs)):
+        value = kwargs[param.name]
+        if ty == "constexpr" or param.is_constexpr:
+            continue
+        if ty.startswith("*"):
+            out += struct.pack("<Q", value.data_ptr())
+        else:
+            out += struct.pack(_FORMAT[ty], value)
+    return out
+
+
+def _entry(kwargs: dict[str, Any], compiled: Any = None, *, require_cuda: bool = False) -> Any:
+    entry = _triton_fast.build(
+        _probe, kwargs, {"num_warps": 4}, compiled or _Compiled(), _triton.current_device(), require_cuda=require_cuda
+    )
+    assert entry is not None and entry.native is not None
+    return entry
+
+
+@pytest.mark.parametrize(("base_n", "base_loose"), [(32, 32), (17, 1), (2**31 + 16, 5)])
+def test_c_guards_accept_exactly_what_the_python_guards_accept(base_n: int, base_loose: int) -> None:
+    variants: dict[str, list[Any]] = {
+        "x_ptr": [_tensor(torch.float32, 0), _tensor(torch.float32, 1), _tensor(torch.float32, 4), _tensor(torch.float16, 0)],
+        "loose_ptr": [_tensor(torch.float32, 0), _tensor(torch.float32, 3), _tensor(torch.int32, 0)],
+        "n": [0, 1, 16, 17, 32, -16, -1, 2**31 - 16, 2**31, 2**31 + 1, 2**63, 2**63 + 16, 2**64, -(2**40), True, 16.0],
+        "loose_n": [0, 1, 16, 17, 2**31],
+        "scale": [0.5, 2.0, 3, True],
+        "flag": [True, False, 1],
+        "BLOCK": [64, 128, 64.0],
+    }  # fmt: skip
+    with _triton.cross_target(H100):
+        base = _kwargs(n=base_n, loose_n=base_loose)
+        entry = _entry(base)
+        assert entry.launch == entry.native.launch
+        assert entry.native.pack((3,), base) == _expected(base)
+        accepted = 0
+        for name, values in variants.items():
+            for value in values:
+                kw = {**base, name: value}
+                python = entry.python((3,), kw)
+                packed = entry.native.pack((3,), kw)
+                assert (packed is not None) is python, (name, value, entry.source)
+                if packed is not None:
+                    assert packed == _expected(kw), (name, value)
+                    accepted += 1
+        assert 0 < accepted
+
+
+def test_a_refused_launch_goes_to_the_python_path_then_triton() -> None:
+    with _triton.cross_target(H100):
+        base = _kwargs()
+        compiled = _Compiled()
+        entry = _entry(base, compiled, require_cuda=True)  # CPU tensors: the C guard refuses them
+        assert entry.native.pack((2,), base) is None
+        assert entry.launch((2,), base) is True  # the Python fast path took it
+        assert compiled.calls[-1][:3] == (2, 1, 1)
+        assert entry.launch((2,), {**base, "n": 1}) is False  # refused by both: Triton's path
+        assert entry.launch([2], base) is True and len(compiled.calls) == 2  # a list grid: Python's path
+        assert entry.native.pack((1, 2, 3, 4), base) is None and entry.native.pack((-1,), base) is None
+
+
+def test_call_shape_knobs_and_hooks_are_guarded() -> None:
+    with _triton.cross_target(H100):
+        base = _kwargs()
+        entry = _entry(base)
+        assert entry.native.pack((1,), base) is not None
+        assert entry.native.pack((1,), {k: v for k, v in base.items() if k != "flag"}) is None
+        assert entry.native.pack((1,), {**base, "extra": 1}) is None
+        saved = triton.knobs.runtime.debug
+        triton.knobs.runtime.debug = True
+        try:
+            assert entry.native.pack((1,), base) is None
+        finally:
+            triton.knobs.runtime.debug = saved
+        hook = lambda metadata: None  # noqa: E731
+        triton.knobs.runtime.launch_exit_hook.add(hook)
+        try:
+            assert entry.native.pack((1,), base) is None
+        finally:
+            triton.knobs.runtime.launch_exit_hook.remove(hook)
+        assert entry.native.pack((1,), base) is not None
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "reason"),
+    [("global_scratch_size", 256, "scratch"), ("profile_scratch_size", 64, "scratch"),
+     ("tensordesc_meta", [{}], "tensor descriptors"), ("instrumentation_mode", "gsan", "sanitizer")],
+)  # fmt: skip
+def test_kernels_that_need_tritons_launcher_keep_the_python_path(field: str, value: Any, reason: str) -> None:
+    compiled = _Compiled()
+    compiled.metadata = type("metadata", (_Compiled.metadata,), {field: value})  # type: ignore[misc]
+    refusal = _triton_fast.native_refusal(compiled)
+    assert refusal is not None and reason in refusal
+    with _triton.cross_target(H100):
+        entry = _triton_fast.build(_probe, _kwargs(), {"num_warps": 4}, compiled, _triton.current_device())
+        assert entry is not None and entry.native is None and entry.launch == entry.python
+
+
+def test_the_cuda_declarations_match_tritons_cuda_h(tmp_path: Path) -> None:
+    """Every size, offset and constant ``_cdispatch_abi.h`` declares, against the cuda.h Triton ships."""
+    cc = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    cuda_include = Path(triton.__file__).parent / "backends" / "nvidia" / "include"
+    source = tmp_path / "abi.c"
+    source.write_text(
+        '#include "cuda.h"\n#include "_cdispatch_abi.h"\n#include <stddef.h>\n'
+        "#define SAME(a, b) _Static_assert((a) == (b), #a)\n"
+        "SAME(sizeof(wr_launch_config), sizeof(CUlaunchConfig));\n"
+        "SAME(sizeof(wr_launch_attr), sizeof(CUlaunchAttribute));\n"
+        "SAME(sizeof(wr_attr_value), sizeof(CUlaunchAttributeValue));\n"
+        "SAME(offsetof(wr_launch_attr, value), offsetof(CUlaunchAttribute, value));\n"
+        + "".join(
+            f"SAME(offsetof(wr_launch_config, {f}), offsetof(CUlaunchConfig, {f}));\n"
+            for f in ("gridDimX", "blockDimX", "sharedMemBytes", "hStream", "attrs", "numAttrs")
+        )
+        + "SAME(offsetof(wr_attr_value, clusterDim.z), offsetof(CUlaunchAttributeValue, clusterDim.z));\n"
+        "SAME(WR_ATTR_COOPERATIVE, CU_LAUNCH_ATTRIBUTE_COOPERATIVE);\n"
+        "SAME(WR_ATTR_CLUSTER_DIMENSION, CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION);\n"
+        "SAME(WR_ATTR_CLUSTER_SCHEDULING_POLICY_PREFERENCE, CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE);\n"
+        "SAME(WR_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION);\n"
+        "SAME(WR_CLUSTER_SCHEDULING_POLICY_SPREAD, CU_CLUSTER_SCHEDULING_POLICY_SPREAD);\n"
+        "SAME(WR_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED);\n"
+        "SAME(WR_ERROR_INVALID_CONTEXT, CUDA_ERROR_INVALID_CONTEXT);\n"
+        "SAME(sizeof(wr_result), sizeof(CUresult)); SAME(sizeof(wr_device), sizeof(CUdevice));\n"
+        "SAME(sizeof(wr_function), sizeof(CUfunction)); SAME(sizeof(wr_stream), sizeof(CUstream));\n"
+    )
+    here = Path(_triton_fast.__file__).parent
+    out = subprocess.run(
+        [cc, "-fsyntax-only", "-std=c11", "-Werror", f"-I{cuda_include}", f"-I{here}", str(source)],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert sysconfig.get_config_var("SIZEOF_VOID_P") == 8
+
+
+class _Counting:
+    """A real CompiledKernel whose Triton launcher calls are counted (the Python fast path's and
+    Triton's own launches go through it; the C path does not)."""
+
+    def __init__(self, compiled: Any) -> None:
+        self.compiled, self.calls = compiled, 0
+        self.function, self.packed_metadata, self.metadata = compiled.function, compiled.packed_metadata, compiled.metadata
+
+    def run(self, *args: Any) -> Any:
+        self.calls += 1
+        return self.compiled.run(*args)
+
+
+@pytest.mark.gpu
+def test_gpu_ops_launch_through_the_c_path() -> None:
+    import warmreg
+    from warmreg.launch import FAST_TABLES, remember_fast_launch
+    from warmreg.ops import FusedQKVRMSNorm, fused_qkv_rmsnorm_reference
+
+    op = FusedQKVRMSNorm(q_size=96, kv_size=64, proj_width=160)
+    dev = torch.device("cuda")
+    qw = torch.nn.Parameter(torch.rand(96, device=dev, dtype=torch.bfloat16) + 0.5, requires_grad=False)
+    kvw = torch.rand(64, device=dev, dtype=torch.bfloat16) + 0.5
+    proj = torch.randn(5, 160, device=dev, dtype=torch.bfloat16)
+    a, b = proj[:, :96], proj[:, 96:]
+    op(a, b, qw, kvw, 1e-6)  # the first launch: Triton's path, then an entry
+    spec = type(op).__call__.__wrapped__(op, a, b, qw, kvw, 1e-6)
+    counting = _Counting(FAST_TABLES[op.name][spec.key].compiled)
+    jit, options = op.jit_for(spec.key), op.launch_options(spec.key)
+    assert remember_fast_launch(op.name, spec.key, jit, spec.kwargs, options, counting, torch.cuda.current_device())
+    entry = FAST_TABLES[op.name][spec.key]
+    assert entry.native is not None and entry.launch == entry.native.launch
+    with warmreg.monitor("error") as mon:
+        for step in range(4):
+            x = proj * (step + 1)
+            q, kv = op(x[:, :96], x[:, 96:], qw, kvw, 1e-6)
+            q_ref, kv_ref = fused_qkv_rmsnorm_reference(x[:, :96], x[:, 96:], qw, kvw, 1e-6)
+            torch.testing.assert_close(q, q_ref, atol=0, rtol=2**-7)
+            torch.testing.assert_close(kv, kv_ref, atol=0, rtol=2**-7)
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):  # the current stream is read per launch
+            x = proj * 7
+            q, _ = op(x[:, :96], x[:, 96:], qw, kvw, 1e-6)
+        stream.synchronize()
+    torch.testing.assert_close(q, fused_qkv_rmsnorm_reference(x[:, :96], x[:, 96:], qw, kvw, 1e-6)[0], atol=0, rtol=2**-7)
+    assert counting.calls == 0 and not mon.misses  # every launch went through the C path
+    q, _ = op(a.to(torch.float16), b.to(torch.float16), qw.to(torch.float16), kvw.to(torch.float16), 1e-6)
+    assert counting.calls == 0  # another key: not this entry's launch at all
