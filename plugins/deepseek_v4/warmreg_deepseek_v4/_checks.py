@@ -6,6 +6,8 @@ messages are part of the behaviour (tests match them), so a rule changes only wi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 import warmreg
@@ -17,6 +19,8 @@ __all__ = [
     "check_norm_weights",
     "check_rope_cache",
     "is_pow2",
+    "out_parts",
+    "out_for_buffers",
     "unspecialized_int32_problem",
 ]
 
@@ -89,6 +93,36 @@ def check_norm_weights(kernel: str, hidden: int, *weights: torch.Tensor) -> None
             )
     if len({w.dtype for w in weights}) != 1:
         raise warmreg.LaunchError(kernel, "the weights must share one dtype")
+
+
+def out_parts(kernel: str, out: tuple[Any, ...] | None, n: int, name: str = "out") -> tuple[Any, ...]:
+    """The ``n`` buffers of an op's tuple ``out=`` (``n`` times ``None`` without one), each for
+    :func:`warmreg.output` or the op's own buffer check; ``name`` is the tuple's (``"out[0]"`` when nested).
+
+    :raises warmreg.LaunchError: ``<name> must be a tuple of <n> buffers (got ...)``.
+    """
+    if out is None:
+        return (None,) * n
+    if not isinstance(out, tuple) or len(out) != n:
+        got = f"a tuple of {len(out)}" if isinstance(out, tuple) else f"a {type(out).__name__}"
+        raise warmreg.LaunchError(
+            kernel, f"{name} must be a tuple of {n} buffers (got {got})", fix="pass them in the order the op returns them"
+        )
+    return out
+
+
+def out_for_buffers(kernel: str, out: tuple[Any, ...], **buffers: torch.Tensor | None) -> tuple[Any, ...]:
+    """An op's persistent-buffer keywords given as one ``out=`` tuple, in the order of ``buffers`` (the
+    op's return order); the op checks them as it checks the keywords. Call it only with an ``out``.
+
+    :raises warmreg.LaunchError: if a keyword is given too, or ``out`` is not a tuple of that many.
+    """
+    given = [name for name, buf in buffers.items() if buf is not None]
+    if given:
+        raise warmreg.LaunchError(
+            kernel, f"out and {', '.join(given)} are both given", fix="pass out or the per-buffer keywords, not both"
+        )
+    return out_parts(kernel, out, len(buffers))
 
 
 def is_pow2(n: int) -> bool:

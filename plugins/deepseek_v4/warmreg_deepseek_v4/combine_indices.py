@@ -36,6 +36,7 @@ import triton.language as tl
 
 import warmreg
 
+from ._checks import out_parts
 from ._serving import max_model_len
 from .backends import FLASHMLA_SPARSE, attention_backend, c128_widths
 from .model import DSV4
@@ -182,9 +183,11 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
         M: int,
         N: int,
         image_width: int = 0,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> warmreg.LaunchSpec[CombineTopkSwaIndicesKey]:
-        """Indices of a prefill chunk into the gathered workspace; returns fresh
-        ``(indices [num_tokens, round_up(top_k + window + image_width, 128)], lens [num_tokens])`` int32.
+        """Indices of a prefill chunk into the gathered workspace; returns
+        ``(indices [num_tokens, round_up(top_k + window + image_width, 128)], lens [num_tokens])`` int32 (fresh,
+        or ``out``).
 
         :param topk_indices: int32 ``[>= num_tokens, top_k]`` local compressed indices of the chunk's tokens
             (C4: the indexer's top-k; C128: the C128A ``prefill_local``), or ``None`` for an SWA-only layer.
@@ -194,7 +197,9 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
         :param compress_ratio: the layer's ratio (1 for SWA-only).
         :param M: workspace rows per request; ``N``: rows holding compressed entries before the SWA rows.
         :param image_width: extra row columns for image spans (0 for text).
-        :raises warmreg.LaunchError: for wrong dtypes, ranks or lengths.
+        :param out: the two outputs to write instead of fresh ones: exactly int32 ``[num_tokens, width]`` (the
+            width above) and ``[num_tokens]``, contiguous, 16-byte aligned.
+        :raises warmreg.LaunchError: for wrong dtypes, ranks or lengths, or an ``out`` unlike the fresh outputs.
         """
         for name, t in (("query_start_loc", query_start_loc), ("seq_lens", seq_lens), ("gather_lens", gather_lens)):
             if t.dtype != torch.int32 or t.ndim != 1:
@@ -215,17 +220,18 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
             raise warmreg.LaunchError(self.name, "compress_ratio must be >= 1, num_tokens and image_width >= 0")
         key = self.dispatch(top_k=top_k, compress_ratio=compress_ratio, image_width=image_width)
         device = query_start_loc.device
-        out = torch.empty((num_tokens, key.width), dtype=torch.int32, device=device)
-        lens = torch.empty((num_tokens,), dtype=torch.int32, device=device)
+        out_rows, out_lens = out_parts(self.name, out, 2)
+        indices = warmreg.output(self.name, "out[0]", out_rows, (num_tokens, key.width), torch.int32, device)
+        lens = warmreg.output(self.name, "out[1]", out_lens, (num_tokens,), torch.int32, device)
         topk = topk_indices if top_k else None  # constexpr None for SWA-only layers (TOP_K == 0)
         kwargs = dict(
             topk_ptr=topk, query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens, gather_lens_ptr=gather_lens,
-            out_ptr=out, lens_ptr=lens, topk_stride=topk.stride(0) if topk is not None else 0,
-            out_stride=out.stride(0), M=M, N=N, TOP_K=key.top_k, COMPRESS_RATIO=key.compress_ratio,
+            out_ptr=indices, lens_ptr=lens, topk_stride=topk.stride(0) if topk is not None else 0,
+            out_stride=indices.stride(0), M=M, N=N, TOP_K=key.top_k, COMPRESS_RATIO=key.compress_ratio,
             WINDOW_SIZE=key.window_size, IMAGE_WIDTH=key.image_width, WIDTH=key.width, PADDED_TOP_K=key.padded_top_k,
         )  # fmt: skip
         grid = (n, self.workers) if n and num_tokens else None
-        return warmreg.LaunchSpec(key, grid, kwargs, (out, lens))
+        return warmreg.LaunchSpec(key, grid, kwargs, (indices, lens))
 
 
 def combine_topk_swa_indices_reference(

@@ -24,7 +24,7 @@ import triton.language as tl
 
 import warmreg
 
-from ._checks import check_int32
+from ._checks import check_int32, out_parts
 from ._metadata_common import TILE
 from ._serving import max_model_len
 from .backends import SPARSE_BACKENDS, attention_backend, compressed_block_size
@@ -77,8 +77,8 @@ class GlobalTopkIndicesKey(warmreg.CompileKey):
 class GlobalTopkIndices(warmreg.TritonKernel[GlobalTopkIndicesKey]):
     """C4 local top-k indices to global compressed-cache slots, plus per-token lens (see the module docstring).
 
-    The output is a fresh contiguous ``[T, topk]`` (row stride ``topk``), so only the input's stride
-    is a key field.
+    The output is a contiguous ``[T, topk]`` (row stride ``topk``), fresh or the caller's ``out=``, so
+    only the input's stride is a key field.
     """
 
     name = "deepseek_v4.global_topk_indices"
@@ -132,15 +132,19 @@ class GlobalTopkIndices(warmreg.TritonKernel[GlobalTopkIndicesKey]):
         is_valid_token: torch.Tensor,
         *,
         block_size: int,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> warmreg.LaunchSpec[GlobalTopkIndicesKey]:
-        """Map local top-k indices to global slots; returns fresh ``(global_topk [T, topk], lens [T])`` int32.
+        """Map local top-k indices to global slots; returns ``(global_topk [T, topk], lens [T])`` int32 (fresh, or
+        ``out``).
 
         :param topk_indices: int32 ``[T, topk]`` local compressed indices (``-1`` = none), contiguous rows.
         :param token_to_req: int32 ``[>= T]``.
         :param block_table: int32 ``[reqs, max_blocks]`` of the compressed cache, contiguous rows.
         :param is_valid_token: bool ``[>= T]``; an invalid token gets ``lens = 0``.
         :param block_size: compressed tokens per page (64 for C4).
-        :raises warmreg.LaunchError: for wrong dtypes, ranks or lengths.
+        :param out: the two outputs to write instead of fresh ones: exactly int32 ``[T, topk]`` and ``[T]``,
+            contiguous, 16-byte aligned.
+        :raises warmreg.LaunchError: for wrong dtypes, ranks or lengths, or an ``out`` unlike the fresh outputs.
         """
         check_int32(self.name, topk_indices=topk_indices, token_to_req=token_to_req, block_table=block_table)
         if topk_indices.ndim != 2 or topk_indices.stride(1) != 1 or block_table.ndim != 2 or block_table.stride(1) != 1:
@@ -153,14 +157,16 @@ class GlobalTopkIndices(warmreg.TritonKernel[GlobalTopkIndicesKey]):
         if block_size < 1:
             raise warmreg.LaunchError(self.name, f"block_size={block_size} must be >= 1")
         key = self.dispatch(topk_indices=topk_indices, block_table=block_table, block_size=block_size)
-        out = torch.empty(topk_indices.shape, dtype=torch.int32, device=topk_indices.device)
-        lens = torch.empty((T,), dtype=torch.int32, device=topk_indices.device)
+        out_rows, out_lens = out_parts(self.name, out, 2)
+        device = topk_indices.device
+        indices = warmreg.output(self.name, "out[0]", out_rows, tuple(topk_indices.shape), torch.int32, device)
+        lens = warmreg.output(self.name, "out[1]", out_lens, (T,), torch.int32, device)
         kwargs = dict(
             topk_ptr=topk_indices, token_to_req_ptr=token_to_req, block_table_ptr=block_table,
-            is_valid_token_ptr=is_valid_token, out_ptr=out, lens_ptr=lens, TOPK=key.topk, TOPK_STRIDE=key.topk_stride,
+            is_valid_token_ptr=is_valid_token, out_ptr=indices, lens_ptr=lens, TOPK=key.topk, TOPK_STRIDE=key.topk_stride,
             BLOCK_TABLE_STRIDE=key.block_table_stride, BLOCK_SIZE=key.block_size, TRITON_BLOCK_SIZE=key.triton_block_size,
         )  # fmt: skip
-        return warmreg.LaunchSpec(key, (T,) if T else None, kwargs, (out, lens))
+        return warmreg.LaunchSpec(key, (T,) if T else None, kwargs, (indices, lens))
 
 
 def global_topk_indices_reference(

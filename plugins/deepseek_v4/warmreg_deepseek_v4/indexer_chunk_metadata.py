@@ -13,7 +13,7 @@ import triton.language as tl
 
 import warmreg
 
-from ._checks import check_int32_vector
+from ._checks import check_int32_vector, out_parts
 from ._metadata_common import HIGH_REPS, LOW_REPS, TILE, int_rep
 from ._serving import serving_int
 from .model import DSV4
@@ -181,9 +181,10 @@ class IndexerPrefillChunkMetadata(warmreg.TritonKernel[PrefillChunkMetadataKey])
         dcp_rank: int = 0,
         dcp_world: int = 1,
         dcp_interleave: int = 1,
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> warmreg.LaunchSpec[PrefillChunkMetadataKey]:
-        """Returns fresh int32 ``(token_to_seq [num_compressed_rows], cu_seqlen_ks, cu_seqlen_ke
-        [query_slice_stop - query_slice_start])``.
+        """Returns int32 ``(token_to_seq [num_compressed_rows], cu_seqlen_ks, cu_seqlen_ke
+        [query_slice_stop - query_slice_start])`` (fresh, or ``out``).
 
         :param query_start_loc: int32 ``[n + 1]``, the chunk's offsets rebased to 0.
         :param uncompressed_seq_lens: int32 ``[n]`` (context plus this step's tokens).
@@ -191,7 +192,10 @@ class IndexerPrefillChunkMetadata(warmreg.TritonKernel[PrefillChunkMetadataKey])
         :param row_start_cu: int32 ``[n]`` base of ``ks``/``ke``; ``None``: ``cu_compressed_seq_lens``.
         :param num_compressed_rows: ``cu_compressed_seq_lens[n]``, known on the host.
         :param dcp_interleave: in compressed rows.
-        :raises LaunchError: for wrong dtypes or lengths, an empty or negative slice, or bad DCP values.
+        :param out: the three outputs to write instead of fresh ones: exactly int32 ``[num_compressed_rows]`` and
+            twice ``[query_slice_stop - query_slice_start]``, contiguous, 16-byte aligned.
+        :raises LaunchError: for wrong dtypes or lengths, an empty or negative slice, bad DCP values, or an
+            ``out`` unlike the fresh outputs.
         """
         if row_start_cu is None:
             row_start_cu = cu_compressed_seq_lens
@@ -211,9 +215,11 @@ class IndexerPrefillChunkMetadata(warmreg.TritonKernel[PrefillChunkMetadataKey])
             query_slice_start=query_slice_start, query_slice_stop=query_slice_stop, compress_ratio=compress_ratio,
             dcp_rank=dcp_rank, dcp_world=dcp_world, dcp_interleave=dcp_interleave,
         )  # fmt: skip
-        token_to_seq = query_start_loc.new_empty(num_compressed_rows)
-        ks = query_start_loc.new_empty(max(query_slice_stop - query_slice_start, 0))
-        ke = ks.new_empty(ks.shape)  # not empty_like: on meta tensors it imports sympy
+        out_seq, out_ks, out_ke = out_parts(self.name, out, 3)
+        rows, device = (max(query_slice_stop - query_slice_start, 0),), query_start_loc.device
+        token_to_seq = warmreg.output(self.name, "out[0]", out_seq, (num_compressed_rows,), _I32, device)
+        ks = warmreg.output(self.name, "out[1]", out_ks, rows, _I32, device)
+        ke = warmreg.output(self.name, "out[2]", out_ke, rows, _I32, device)
         kwargs = dict(
             query_start_loc_ptr=query_start_loc, seq_lens_ptr=uncompressed_seq_lens,
             cu_compressed_ptr=cu_compressed_seq_lens, row_start_cu_ptr=row_start_cu, token_to_seq_ptr=token_to_seq,

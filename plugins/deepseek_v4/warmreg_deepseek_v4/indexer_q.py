@@ -29,7 +29,7 @@ import triton.language as tl
 
 import warmreg
 
-from ._checks import check_rope_cache
+from ._checks import check_rope_cache, out_parts
 from ._indexer_common import SCALE_FLOOR, IndexerQBase, rope_pairs
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
 from ._serving import mxfp4_indexer
@@ -157,8 +157,10 @@ class IndexerQRopeQuant(IndexerQBase[IndexerQKey]):
         *,
         fp8_dtype: torch.dtype | None = None,
         explicit_fma: bool | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> warmreg.LaunchSpec[IndexerQKey]:
-        """RoPE and quantize ``index_q [T, H, D]``; returns fresh ``(q_fp8 [T, H, D], w_out [T, H] float32)``.
+        """RoPE and quantize ``index_q [T, H, D]``; returns ``(q_fp8 [T, H, D], w_out [T, H] float32)`` (fresh, or
+        ``out``).
 
         :param positions: int64 ``[T]``.
         :param index_q: ``[T, H, D]`` with a contiguous last dim (token and head strides are passed).
@@ -168,7 +170,10 @@ class IndexerQRopeQuant(IndexerQBase[IndexerQKey]):
         :param head_scale: ``H**-0.5``, folded into ``w_out``.
         :param fp8_dtype: ``float8_e4m3fn`` or ``float8_e4m3fnuz`` (default: the local GPU's; e4m3fn on CPU).
         :param explicit_fma: rotate with explicit fma (default: the local GPU is ROCm).
-        :raises warmreg.LaunchError: for shapes, dtypes or layouts the kernel cannot serve.
+        :param out: the two outputs to write instead of fresh ones: exactly ``fp8_dtype`` ``[T, H, D]`` and
+            float32 ``[T, H]``, contiguous, 16-byte aligned.
+        :raises warmreg.LaunchError: for shapes, dtypes or layouts the kernel cannot serve, or an ``out`` unlike
+            the fresh outputs.
         """
         self.check_q_inputs(positions, index_q, index_weights)
         t, h, d = index_q.shape
@@ -189,8 +194,10 @@ class IndexerQRopeQuant(IndexerQBase[IndexerQKey]):
             fp8_dtype=fp8_dtype,
             explicit_fma=explicit_fma,
         )
-        q_out = torch.empty((t, h, d), dtype=torch.uint8, device=index_q.device)  # fp8 bytes, viewed on return
-        w_out = torch.empty((t, h), dtype=torch.float32, device=index_q.device)
+        out_q, out_w = out_parts(self.name, out, 2)
+        q_fp8 = warmreg.output(self.name, "out[0]", out_q, (t, h, d), fp8_dtype, index_q.device)
+        w_out = warmreg.output(self.name, "out[1]", out_w, (t, h), torch.float32, index_q.device)
+        q_out = q_fp8.view(torch.uint8)  # the kernel stores the fp8 bytes
         kwargs = dict(
             q_ptr=index_q, positions_ptr=positions, cos_sin_ptr=cos_sin_cache, weights_ptr=index_weights,
             q_out_ptr=q_out, w_out_ptr=w_out, q_stride_t=index_q.stride(0), q_stride_h=index_q.stride(1),
@@ -199,7 +206,7 @@ class IndexerQRopeQuant(IndexerQBase[IndexerQKey]):
             FP8_MAX=key.fp8_max, FNUZ=key.fp8_dtype == "float8_e4m3fnuz", EXPLICIT_FMA=key.explicit_fma,
         )  # fmt: skip
         grid = (t, h) if t and h else None
-        return warmreg.LaunchSpec(key, grid, kwargs, (q_out.view(fp8_dtype), w_out))
+        return warmreg.LaunchSpec(key, grid, kwargs, (q_fp8, w_out))
 
 
 def indexer_q_rope_quant_reference(

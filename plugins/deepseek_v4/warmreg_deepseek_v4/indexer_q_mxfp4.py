@@ -37,7 +37,7 @@ import triton.language as tl
 
 import warmreg
 
-from ._checks import check_rope_cache, is_pow2
+from ._checks import check_rope_cache, is_pow2, out_parts
 from ._indexer_common import IndexerQBase, rope_pairs
 from ._mxfp4 import MXFP4_BLOCK, mxfp4_quant, mxfp4_quant_reference
 from ._quant import bf16_round
@@ -71,7 +71,7 @@ def _indexer_q_rope_mxfp4_kernel(
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     row = q_ptr + t * q_stride_t + h * q_stride_h
-    out = (t * tl.num_programs(1) + h) * HEAD_DIM  # fresh outputs: [T, H, D/2] bytes and [T, H, D/32] scales
+    out = (t * tl.num_programs(1) + h) * HEAD_DIM  # contiguous outputs: [T, H, D/2] bytes, [T, H, D/32] scales
     # NoPE blocks, quantized as they are
     nope_even, nope_odd = tl.split(tl.reshape(tl.load(row + tl.arange(0, NOPE)).to(tl.float32), (NOPE // 2, 2)))
     packed, scale = mxfp4_quant(tl.reshape(nope_even, (NOPE // BLOCK, HALF)), tl.reshape(nope_odd, (NOPE // BLOCK, HALF)))
@@ -139,6 +139,10 @@ class IndexerQRopeMxfp4(IndexerQBase[IndexerQMxfp4Key]):
                 f"the NoPE ({nope}) and RoPE ({rope}) dims must be powers of two and multiples of {MXFP4_BLOCK} "
                 "(whole MXFP4 blocks on each side)",
             )
+        if head_dim % (4 * MXFP4_BLOCK):
+            raise warmreg.LaunchError(
+                self.name, f"head_dim {head_dim} must be a multiple of {4 * MXFP4_BLOCK} (4 scale bytes per int32 word)"
+            )
 
     @warmreg.kernel_launcher
     def __call__(
@@ -149,8 +153,10 @@ class IndexerQRopeMxfp4(IndexerQBase[IndexerQMxfp4Key]):
         index_weights: torch.Tensor,
         softmax_scale: float,
         head_scale: float,
+        *,
+        out: tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> warmreg.LaunchSpec[IndexerQMxfp4Key]:
-        """RoPE and MXFP4-quantize ``index_q [T, H, D]``; returns fresh ``((packed, scale), w_out)``.
+        """RoPE and MXFP4-quantize ``index_q [T, H, D]``; returns ``((packed, scale), w_out)`` (fresh, or ``out``).
 
         :param positions: int64 ``[T]``.
         :param index_q: bfloat16 ``[T, H, D]`` with a contiguous last dim (token and head strides are passed).
@@ -158,9 +164,12 @@ class IndexerQRopeMxfp4(IndexerQBase[IndexerQMxfp4Key]):
         :param index_weights: ``[T, H]`` with a contiguous last dim.
         :param softmax_scale: ``D**-0.5``, folded into ``w_out``.
         :param head_scale: ``H**-0.5``, folded into ``w_out``.
+        :param out: the outputs to write instead of fresh ones, nested as returned: exactly ``packed``, ``scale``
+            (int32, as returned) and ``w_out`` below, contiguous, 16-byte aligned.
         :returns: ``packed`` uint8 ``[T, H, D/2]``, ``scale`` the UE8M0 bytes ``[T, H, D/32]`` viewed as int32
-            (``[T, H]`` for ``D = 128``), ``w_out`` float32 ``[T, H]``.
-        :raises warmreg.LaunchError: for shapes, dtypes or layouts the kernel cannot serve.
+            ``[T, H, D/128]`` (``[T, H]`` for ``D = 128``), ``w_out`` float32 ``[T, H]``.
+        :raises warmreg.LaunchError: for shapes, dtypes or layouts the kernel cannot serve, or an ``out`` unlike
+            the fresh outputs.
         """
         self.check_q_inputs(positions, index_q, index_weights)
         check_rope_cache(self.name, cos_sin_cache, index_q.shape[-1])
@@ -168,18 +177,21 @@ class IndexerQRopeMxfp4(IndexerQBase[IndexerQMxfp4Key]):
         key = self.dispatch(index_q=index_q, index_weights=index_weights, cos_sin_cache=cos_sin_cache)
         t, h, d = index_q.shape
         dev = index_q.device
-        packed = torch.empty((t, h, d // 2), dtype=torch.uint8, device=dev)
-        scale = torch.empty((t, h, d // MXFP4_BLOCK), dtype=torch.uint8, device=dev)
-        w_out = torch.empty((t, h), dtype=torch.float32, device=dev)
+        out_pair, out_w = out_parts(self.name, out, 2)
+        out_p, out_s = out_parts(self.name, out_pair, 2, "out[0]")
+        words = d // (4 * MXFP4_BLOCK)  # int32 words of 4 scale bytes per head
+        packed = warmreg.output(self.name, "out[0][0]", out_p, (t, h, d // 2), torch.uint8, dev)
+        scale = warmreg.output(self.name, "out[0][1]", out_s, (t, h) if words == 1 else (t, h, words), torch.int32, dev)
+        w_out = warmreg.output(self.name, "out[1]", out_w, (t, h), torch.float32, dev)
         kwargs = dict(
             q_ptr=index_q, positions_ptr=positions, cos_sin_ptr=cos_sin_cache, weights_ptr=index_weights,
-            packed_ptr=packed, scale_ptr=scale, w_out_ptr=w_out, q_stride_t=index_q.stride(0),
+            packed_ptr=packed, scale_ptr=scale.view(torch.uint8), w_out_ptr=w_out, q_stride_t=index_q.stride(0),
             q_stride_h=index_q.stride(1), weights_stride=index_weights.stride(0), cos_sin_stride=cos_sin_cache.stride(0),
             softmax_scale=float(softmax_scale), head_scale=float(head_scale), HEAD_DIM=key.head_dim,
             HALF_ROT=key.rope_dim // 2, BLOCK=key.block,
         )  # fmt: skip
         grid = (t, h) if t and h else None
-        return warmreg.LaunchSpec(key, grid, kwargs, ((packed, scale.view(torch.int32).squeeze(-1)), w_out))
+        return warmreg.LaunchSpec(key, grid, kwargs, ((packed, scale), w_out))
 
 
 def indexer_q_rope_mxfp4_reference(

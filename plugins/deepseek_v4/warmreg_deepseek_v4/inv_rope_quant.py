@@ -35,6 +35,7 @@ from triton.language.extra import cuda as tl_cuda
 
 import warmreg
 
+from ._checks import out_parts
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
 from .backends import SPARSE_BACKENDS, attention_backend
 from .model import DSV4, PLUGIN, fp8_checkpoint
@@ -227,8 +228,10 @@ class InvRopeFP8Quant(warmreg.TritonKernel[InvRopeQuantKey]):
         quantize: bool = True,
         tma_aligned_scales: bool | None = None,
         launch_pdl: bool | None = None,
+        out: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     ) -> warmreg.LaunchSpec[InvRopeQuantKey]:
-        """Rotate back and quantize ``o``; returns ``(out [T, G, hpg * D], scale [T, G, K] or None)``.
+        """Rotate back and quantize ``o``; returns ``(out [T, G, hpg * D], scale [T, G, K] or None)``: transposed
+        views of fresh buffers, or of the ``out`` buffers.
 
         :param o: ``[T, H, D]`` attention output with a contiguous last dim.
         :param positions: int64 ``[T]``.
@@ -237,7 +240,12 @@ class InvRopeFP8Quant(warmreg.TritonKernel[InvRopeQuantKey]):
         :param quantize: FP8 ``wo_a`` (else bf16 out and no scales).
         :param tma_aligned_scales: packed UE8M0 scales (default: the local GPU is sm100 or newer).
         :param launch_pdl: programmatic dependent launch (default: the local GPU supports it).
-        :raises warmreg.LaunchError: for shapes, dtypes or layouts the kernel cannot serve.
+        :param out: the two buffers to write instead of fresh ones, in the kernel's group-major layout (the
+            returned tensors are their views): exactly ``[G, T, hpg * D]`` (float8_e4m3fn, or ``o``'s dtype
+            without ``quantize``) and the scale storage ``[G, K, round_up(T, 4)]`` (int32 packed, float32
+            otherwise; ``None`` without ``quantize``), contiguous, 16-byte aligned.
+        :raises warmreg.LaunchError: for shapes, dtypes or layouts the kernel cannot serve, or an ``out`` unlike
+            the fresh buffers.
         """
         if o.ndim != 3 or o.stride(-1) != 1 or o.dtype != torch.bfloat16:
             raise warmreg.LaunchError(
@@ -266,25 +274,29 @@ class InvRopeFP8Quant(warmreg.TritonKernel[InvRopeQuantKey]):
             tma_aligned_scales=tma_aligned_scales, launch_pdl=launch_pdl,
         )  # fmt: skip
         hpg, padded = key.heads_per_group, triton.cdiv(t, 4) * 4
-        out = torch.empty((n_groups, t, hpg * d), dtype=torch.uint8 if quantize else o.dtype, device=o.device)
+        out_values, out_scales = out_parts(self.name, out, 2)
+        values = warmreg.output(
+            self.name, "out[0]", out_values, (n_groups, t, hpg * d), torch.float8_e4m3fn if quantize else o.dtype, o.device
+        )
         scale: torch.Tensor | None = None
         if quantize:
             k = hpg if key.tma_aligned_scales else hpg * d // _QUANT_GROUP
-            storage = torch.empty(
-                n_groups * k * padded, dtype=torch.int32 if key.tma_aligned_scales else torch.float32, device=o.device
-            )
-            scale = storage.as_strided((n_groups, t, k), (k * padded, 1, padded))
+            sdtype = torch.int32 if key.tma_aligned_scales else torch.float32
+            storage = warmreg.output(self.name, "out[1]", out_scales, (n_groups, k, padded), sdtype, o.device)
+            scale = storage[:, :, :t].transpose(1, 2)  # (G, T, K), strides (K * T_al, 1, T_al): MN-major
+        elif out_scales is not None:
+            raise warmreg.LaunchError(self.name, "out[1] must be None without quantize (no scales)")
         kwargs = dict(
-            o_ptr=o, positions_ptr=positions, cos_sin_ptr=cos_sin_cache, out_ptr=out,
+            o_ptr=o, positions_ptr=positions, cos_sin_ptr=cos_sin_cache,
+            out_ptr=values.view(torch.uint8) if quantize else values,
             scale_ptr=scale, o_stride_t=o.stride(0), o_stride_h=o.stride(1),
             cos_sin_stride=cos_sin_cache.stride(0), num_tokens=t, num_tokens_padded=padded,
             HEADS_PER_GROUP=hpg, HEAD_DIM=d, HALF_ROT=key.rope_dim // 2, QUANT_GROUP=_QUANT_GROUP,
             QUANTIZE=key.quantize, TMA_ALIGNED_SCALES=key.tma_aligned_scales, USE_PDL=key.launch_pdl,
         )  # fmt: skip
-        result = out.view(torch.float8_e4m3fn) if quantize else out
         grid = (padded, h) if padded and h else None
         return warmreg.LaunchSpec(
-            key, grid, kwargs, (result.transpose(0, 1), scale.transpose(0, 1) if scale is not None else None)
+            key, grid, kwargs, (values.transpose(0, 1), scale.transpose(0, 1) if scale is not None else None)
         )
 
 

@@ -5,8 +5,9 @@ task 0 then tasks ``k = 1..hc_mult``::
     enorm_out[t]         = rms(positions[t] == 0 ? 0 : inputs_embeds[t]; enorm_w)   (a masked row is 0)
     hnorm_out[t, k - 1]  = rms(prev_hidden[t, k - 1]; hnorm_w)      prev_hidden viewed [T, hc_mult, H]
 
-All tensors are contiguous (row offsets ``t * H`` in int64); outputs are fresh. Activations may start
-anywhere (their 16-byte alignment is a key field); weights must be aligned.
+All tensors are contiguous (row offsets ``t * H`` in int64); outputs are fresh or the caller's ``out=``
+(contiguous and aligned alike). Activations may start anywhere (their 16-byte alignment is a key field);
+weights must be aligned.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import triton.language as tl
 
 import warmreg
 
-from ._checks import check_norm_weights
+from ._checks import check_norm_weights, out_parts
 from ._rmsnorm import rms_reference, rms_row
 from .dspark import mtp_drafts
 from .model import DSV4, PLUGIN
@@ -144,14 +145,18 @@ class MTPInputRMSNorm(warmreg.TritonKernel[MTPInputNormKey]):
         enorm_weight: torch.Tensor,
         hnorm_weight: torch.Tensor,
         eps: float,
+        *,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> warmreg.LaunchSpec[MTPInputNormKey]:
-        """Normalize; returns fresh ``(enorm_out [T, H], hnorm_out shaped like prev_hidden)``.
+        """Normalize; returns ``(enorm_out [T, H], hnorm_out shaped like prev_hidden)`` (fresh, or ``out``).
 
         :param inputs_embeds: ``[T, H]`` contiguous.
         :param positions: int64 ``[T]``; rows at position 0 of ``enorm_out`` are 0.
         :param prev_hidden: the target's residual ``[T, hc_mult * H]`` (or ``[T, hc_mult, H]``), contiguous.
         :param enorm_weight: ``[H]``; ``hnorm_weight``: ``[H]`` (same dtype, 16-byte aligned).
-        :raises warmreg.LaunchError: for wrong shapes, dtypes or layouts.
+        :param out: the two outputs to write instead of fresh ones: exactly ``inputs_embeds``' and
+            ``prev_hidden``'s shapes, of their dtype, contiguous, 16-byte aligned.
+        :raises warmreg.LaunchError: for wrong shapes, dtypes or layouts, or an ``out`` unlike the fresh outputs.
         """
         if inputs_embeds.ndim != 2 or inputs_embeds.shape[1] == 0 or prev_hidden.ndim < 2:
             raise warmreg.LaunchError(self.name, f"inputs_embeds must be [T, H] (got {tuple(inputs_embeds.shape)})")
@@ -171,9 +176,12 @@ class MTPInputRMSNorm(warmreg.TritonKernel[MTPInputNormKey]):
             )
         check_norm_weights(self.name, hidden, enorm_weight, hnorm_weight)
         key = self.dispatch(inputs_embeds=inputs_embeds, prev_hidden=prev_hidden, enorm_weight=enorm_weight)
-        # new_empty, not empty_like: on warm's meta tensors empty_like runs PyTorch's Python reference,
+        # torch.empty, not empty_like: on warm's meta tensors empty_like runs PyTorch's Python reference,
         # which imports sympy (seconds in a fresh process); the inputs are contiguous, so this is the same
-        enorm_out, hnorm_out = inputs_embeds.new_empty(inputs_embeds.shape), prev_hidden.new_empty(prev_hidden.shape)
+        out_e, out_h = out_parts(self.name, out, 2)
+        dtype, device = inputs_embeds.dtype, inputs_embeds.device
+        enorm_out = warmreg.output(self.name, "out[0]", out_e, inputs_embeds.shape, dtype, device)
+        hnorm_out = warmreg.output(self.name, "out[1]", out_h, prev_hidden.shape, dtype, device)
         kwargs = dict(
             embeds_ptr=inputs_embeds, positions_ptr=positions, hidden_ptr=prev_hidden, enorm_w_ptr=enorm_weight,
             hnorm_w_ptr=hnorm_weight, enorm_out_ptr=enorm_out, hnorm_out_ptr=hnorm_out, eps=eps,

@@ -1,8 +1,8 @@
 """The MTP draft module's shared-head RMSNorm (vLLM 0.33 ``models/common/ops/fused_mtp_input_rmsnorm.py``),
 with the fp32 recipe of :mod:`._rmsnorm`. Grid ``(T,)``: ``out[t] = rms(x[t]; shared_head.norm.weight)``.
 
-``x`` is contiguous (row offsets ``t * H`` in int64); the output is fresh. ``x`` may start anywhere
-(its 16-byte alignment is a key field); the weight must be aligned.
+``x`` is contiguous (row offsets ``t * H`` in int64); the output is fresh or the caller's ``out=`` (contiguous
+and aligned alike). ``x`` may start anywhere (its 16-byte alignment is a key field); the weight must be aligned.
 """
 
 from __future__ import annotations
@@ -96,10 +96,15 @@ class MTPSharedHeadRMSNorm(warmreg.TritonKernel[MTPSharedHeadNormKey]):
         }
 
     @warmreg.kernel_launcher
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> warmreg.LaunchSpec[MTPSharedHeadNormKey]:
-        """Normalize ``x [T, H]`` (contiguous); returns a fresh ``[T, H]``.
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+    ) -> warmreg.LaunchSpec[MTPSharedHeadNormKey]:
+        """Normalize ``x [T, H]`` (contiguous); returns ``[T, H]`` of ``x``'s dtype (fresh, or ``out``).
 
-        :raises warmreg.LaunchError: for a non-contiguous or non-2-D ``x`` or a wrong weight.
+        :param out: the output to write instead of a fresh one: exactly ``[T, H]`` of ``x``'s dtype, contiguous,
+            16-byte aligned.
+        :raises warmreg.LaunchError: for a non-contiguous or non-2-D ``x``, a wrong weight, or an ``out`` unlike
+            the fresh output.
         """
         if x.ndim != 2 or not x.is_contiguous():
             raise warmreg.LaunchError(
@@ -107,7 +112,7 @@ class MTPSharedHeadRMSNorm(warmreg.TritonKernel[MTPSharedHeadNormKey]):
             )
         check_norm_weights(self.name, x.shape[1], weight)
         key = self.dispatch(x=x, weight=weight)
-        out = x.new_empty(x.shape)  # contiguous x; see mtp_input_norm.MTPInputRMSNorm on empty_like
+        out = warmreg.output(self.name, "out", out, x.shape, x.dtype, x.device)  # torch.empty: x is contiguous
         kwargs = dict(x_ptr=x, w_ptr=weight, out_ptr=out, eps=eps, HIDDEN=key.hidden, BLOCK_SIZE=key.block_size)
         return warmreg.LaunchSpec(key, (x.shape[0],) if x.shape[0] else None, kwargs, out)
 

@@ -178,16 +178,19 @@ class PackSeq(warmreg.TritonKernel[PackSeqKey]):
         *,
         pad_value: float = FP8_PAD,
         lengths_host: list[int] | None = None,
+        out: torch.Tensor | None = None,
     ) -> warmreg.LaunchSpec[PackSeqKey]:
-        """Pack ``x`` by ``lengths``; returns a fresh ``[B, Lmax, *x.shape[1:]]`` of ``x``'s dtype.
+        """Pack ``x`` by ``lengths``; returns ``[B, Lmax, *x.shape[1:]]`` of ``x``'s dtype (fresh, or ``out``).
 
         :param x: ``[N, ...]``, contiguous (trailing dims flattened into ``D``).
         :param lengths: int32 ``[B]`` rows per batch entry, contiguous, ``sum(lengths) <= N``.
         :param pad_value: the pad (``-inf`` for FP8; ``0`` for uint8).
         :param lengths_host: ``lengths`` as host ints if the caller has them (else read from the device:
             ``Lmax`` is a host value, as in the engine's wrapper).
-        :raises warmreg.LaunchError: for a non-contiguous ``x``, bad ``lengths``, or a uint8 pad that is not an
-            integer in ``[0, 255]``.
+        :param out: the output to write instead of a fresh one: exactly ``[B, Lmax, *x.shape[1:]]`` of ``x``'s
+            dtype, contiguous, 16-byte aligned; every slot is written (pad included).
+        :raises warmreg.LaunchError: for a non-contiguous ``x``, bad ``lengths``, a uint8 pad that is not an
+            integer in ``[0, 255]``, or an ``out`` unlike the fresh output.
         """
         if x.ndim < 1 or not x.is_contiguous():
             raise warmreg.LaunchError(self.name, f"x must be a contiguous [N, ...] tensor (got {tuple(x.shape)})")
@@ -204,7 +207,7 @@ class PackSeq(warmreg.TritonKernel[PackSeqKey]):
             raise warmreg.LaunchError(self.name, f"a uint8 pad must be an integer in [0, 255] (got {pad_value})")
         key = self.dispatch(x=x, pad_value=pad_value)
         b, lmax, d = len(host), max(host, default=0), x.shape[1:].numel()
-        out = torch.empty((b, lmax, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        out = warmreg.output(self.name, "out", out, (b, lmax, *x.shape[1:]), x.dtype, x.device)
         kwargs = dict(
             x_ptr=x, out_ptr=out, lengths_ptr=lengths, N=x.shape[0], D=d, Lmax=lmax,
             PAD_VALUE=float(key.pad_value), PAD_IS_UINT8=key.pad_is_uint8, BLOCK_T=key.block_t, BLOCK_D=key.block_d,

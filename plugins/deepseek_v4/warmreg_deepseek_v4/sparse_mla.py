@@ -32,7 +32,7 @@ import triton.language as tl
 
 import warmreg
 
-from ._checks import check_int32
+from ._checks import check_int32, out_for_buffers
 from ._metadata_common import TILE
 from ._serving import max_model_len
 
@@ -161,6 +161,7 @@ class C128ATopkMetadata(warmreg.TritonKernel[C128ATopkMetadataKey]):
         global_decode: torch.Tensor | None = None,
         decode_lens: torch.Tensor | None = None,
         prefill_local: torch.Tensor | None = None,
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> warmreg.LaunchSpec[C128ATopkMetadataKey]:
         """Build the step's C128 metadata; returns ``(global_decode [nd, 1, W], decode_lens [nd], prefill_local [np, W])``.
 
@@ -174,8 +175,15 @@ class C128ATopkMetadata(warmreg.TritonKernel[C128ATopkMetadataKey]):
         :param global_decode: optional persistent ``[>= nd, >= W]`` int32 buffer (stable address for
             CUDA graphs); likewise ``decode_lens`` ``[>= nd]`` and ``prefill_local`` ``[>= np, >= W]``.
             Fresh tensors are allocated when omitted. Returned views keep the buffers' row stride.
-        :raises warmreg.LaunchError: for wrong dtypes, ranks, counts or buffers too small.
+        :param out: the three persistent buffers as one tuple ``(global_decode, decode_lens, prefill_local)``
+            (the order returned), instead of the keywords.
+        :raises warmreg.LaunchError: for wrong dtypes, ranks, counts or buffers too small, or ``out`` given with a
+            keyword.
         """
+        if out is not None:
+            global_decode, decode_lens, prefill_local = out_for_buffers(
+                self.name, out, global_decode=global_decode, decode_lens=decode_lens, prefill_local=prefill_local
+            )
         if positions.ndim != 1 or positions.dtype != torch.int64 or slot_mapping.dtype != torch.int64:
             raise warmreg.LaunchError(self.name, "positions and slot_mapping must be 1-D int64")
         T, nd, W = positions.shape[0], num_decode_tokens, max_compressed_tokens

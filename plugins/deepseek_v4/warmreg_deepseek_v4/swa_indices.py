@@ -27,6 +27,7 @@ import triton.language as tl
 
 import warmreg
 
+from ._checks import out_parts
 from ._metadata_common import TILE
 from .backends import SPARSE_BACKENDS, attention_backend
 from .model import DSV4, SWA_PAGE_SIZE
@@ -156,9 +157,10 @@ class DecodeSwaIndices(warmreg.TritonKernel[DecodeSwaIndicesKey]):
         token_offset: int = 0,
         left_visible: torch.Tensor | None = None,
         right_visible: torch.Tensor | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> warmreg.LaunchSpec[DecodeSwaIndicesKey]:
-        """SWA slots of tokens ``[token_offset, token_offset + num_tokens)``; returns fresh
-        ``(swa_indices [num_tokens, index_width], swa_lens [num_tokens])`` int32.
+        """SWA slots of tokens ``[token_offset, token_offset + num_tokens)``; returns
+        ``(swa_indices [num_tokens, index_width], swa_lens [num_tokens])`` int32 (fresh, or ``out``).
 
         :param positions: int64 ``[T]``; ``token_to_req`` int32 ``[T]``; ``is_valid_token`` bool ``[T]``.
         :param block_table: int32 ``[reqs, max_blocks]`` SWA-cache block table, contiguous rows.
@@ -166,7 +168,9 @@ class DecodeSwaIndices(warmreg.TritonKernel[DecodeSwaIndicesKey]):
         :param window_size: the sliding window (128); ``index_width`` the row width (``window_size`` when causal).
         :param block_size: SWA page size (64).
         :param left_visible: int32 ``[T]`` image visibility to the left, with ``right_visible``; both or neither.
-        :raises warmreg.LaunchError: for wrong dtypes, ranks or lengths.
+        :param out: the two outputs to write instead of fresh ones: exactly int32 ``[num_tokens, index_width]``
+            and ``[num_tokens]``, contiguous, 16-byte aligned.
+        :raises warmreg.LaunchError: for wrong dtypes, ranks or lengths, or an ``out`` unlike the fresh outputs.
         """
         if positions.dtype != torch.int64 or is_valid_token.dtype != torch.bool:
             raise warmreg.LaunchError(self.name, "positions must be int64 and is_valid_token bool")
@@ -191,16 +195,18 @@ class DecodeSwaIndices(warmreg.TritonKernel[DecodeSwaIndicesKey]):
         key = self.dispatch(
             window_size=window_size, index_width=index_width, block_size=block_size, has_image=has_image
         )
-        out = torch.empty((num_tokens, index_width), dtype=torch.int32, device=positions.device)
-        lens = torch.empty((num_tokens,), dtype=torch.int32, device=positions.device)
+        out_rows, out_lens = out_parts(self.name, out, 2)
+        device = positions.device
+        indices = warmreg.output(self.name, "out[0]", out_rows, (num_tokens, index_width), torch.int32, device)
+        lens = warmreg.output(self.name, "out[1]", out_lens, (num_tokens,), torch.int32, device)
         kwargs = dict(
             positions_ptr=positions, token_to_req_ptr=token_to_req, is_valid_token_ptr=is_valid_token,
             block_table_ptr=block_table, replay_start_ptr=replay_start, left_visible_ptr=left_visible,
-            right_visible_ptr=right_visible, swa_indices_ptr=out, swa_lens_ptr=lens, swa_indices_stride=out.stride(0),
+            right_visible_ptr=right_visible, swa_indices_ptr=indices, swa_lens_ptr=lens, swa_indices_stride=indices.stride(0),
             block_table_stride=block_table.stride(0), token_offset=token_offset, window_size=window_size,
             index_width=index_width, block_size=block_size, HAS_IMAGE=key.has_image, TRITON_BLOCK_SIZE=key.triton_block_size,
         )  # fmt: skip
-        return warmreg.LaunchSpec(key, (num_tokens,) if num_tokens else None, kwargs, (out, lens))
+        return warmreg.LaunchSpec(key, (num_tokens,) if num_tokens else None, kwargs, (indices, lens))
 
 
 def decode_swa_indices_reference(

@@ -99,13 +99,18 @@ class SparseSWAPrefillMetadata(warmreg.TritonKernel[SWAPrefillMetadataKey]):
         num_decodes: int,
         num_prefills: int,
         window_size: int,
+        out: torch.Tensor | None = None,
     ) -> warmreg.LaunchSpec[SWAPrefillMetadataKey]:
-        """Returns ``gather_lens``, int32 ``[num_prefills]``.
+        """Returns ``gather_lens``, int32 ``[num_prefills]`` (fresh, or ``out``).
 
         :param seq_lens: int32 ``[>= num_reqs]``, context plus this step's tokens.
         :param query_start_loc: int32 ``[>= num_reqs + 1]``.
-        :param replay_start: int32 ``[>= num_reqs]`` first position SWA may replay, or ``None`` (zeros).
-        :raises LaunchError: for wrong dtypes or tensors shorter than ``num_decodes + num_prefills``.
+        :param replay_start: int32 ``[>= num_reqs]`` first position SWA may replay, or ``None`` (zeros, a fresh
+            tensor: pass it to allocate nothing).
+        :param out: ``gather_lens`` to write instead of a fresh one: exactly int32 ``[num_prefills]`` on
+            ``seq_lens``' device, contiguous, 16-byte aligned.
+        :raises LaunchError: for wrong dtypes, tensors shorter than ``num_decodes + num_prefills``, or an ``out``
+            unlike the fresh output.
         """
         num_reqs = num_decodes + num_prefills
         if replay_start is None:
@@ -118,7 +123,7 @@ class SparseSWAPrefillMetadata(warmreg.TritonKernel[SWAPrefillMetadataKey]):
                 self.name, f"seq_lens, replay_start or query_start_loc hold fewer than {num_reqs} requests"
             )
         key = self.dispatch(num_prefills=num_prefills)
-        gather_lens = seq_lens.new_empty(num_prefills)
+        gather_lens = warmreg.output(self.name, "out", out, (num_prefills,), _I32, seq_lens.device)
         kwargs = dict(
             seq_lens_ptr=seq_lens, query_start_loc_ptr=query_start_loc, replay_start_ptr=replay_start,
             gather_lens_ptr=gather_lens, num_decodes=num_decodes, num_prefills=num_prefills,

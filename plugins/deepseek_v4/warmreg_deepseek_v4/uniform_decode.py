@@ -14,7 +14,7 @@ import triton.language as tl
 import warmreg
 from warmreg.ops import block_table_width
 
-from ._checks import check_int32_table, check_int32_vector
+from ._checks import check_int32_table, check_int32_vector, out_for_buffers
 from ._metadata_common import TILE
 from ._serving import max_model_len
 from .backends import cache_block_size
@@ -129,6 +129,7 @@ class PrepareUniformDecode(warmreg.TritonKernel[UniformDecodeKey]):
         decode_seq_lens: torch.Tensor | None = None,
         expanded_block_table: torch.Tensor | None = None,
         decode_lens: torch.Tensor | None = None,
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> warmreg.LaunchSpec[UniformDecodeKey]:
         """Fill rows ``[0, num_decodes * D)`` of the outputs; returns ``(decode_seq_lens,
         expanded_block_table, decode_lens)`` (the given persistent buffers, or fresh ones of that many rows).
@@ -136,8 +137,18 @@ class PrepareUniformDecode(warmreg.TritonKernel[UniformDecodeKey]):
         :param seq_lens: int32 ``[num_decodes]``.
         :param block_table: int32 ``[>= num_decodes, >= EW]`` with contiguous rows.
         :param max_decode_len: ``D``, the tokens of every decode request.
-        :raises LaunchError: for wrong dtypes, short buffers, or an expanded table narrower rows than its stride.
+        :param decode_seq_lens: optional persistent int32 ``[>= num_decodes * D]`` buffer, likewise
+            ``decode_lens``; ``expanded_block_table`` int32 ``[>= num_decodes * D, EW]``, row-contiguous, ``EW`` at
+            most the table's width. Rows past ``num_decodes * D`` are untouched; fresh ones when omitted.
+        :param out: the three persistent buffers as one tuple in the order returned, instead of the keywords.
+        :raises LaunchError: for wrong dtypes, short buffers, an expanded table narrower rows than its stride, or
+            ``out`` given with a keyword.
         """
+        if out is not None:
+            decode_seq_lens, expanded_block_table, decode_lens = out_for_buffers(
+                self.name, out, decode_seq_lens=decode_seq_lens, expanded_block_table=expanded_block_table,
+                decode_lens=decode_lens,
+            )  # fmt: skip
         check_int32_vector(self.name, seq_lens=seq_lens)
         num_decodes = seq_lens.shape[0]
         check_int32_table(self.name, "block_table", block_table, num_decodes)

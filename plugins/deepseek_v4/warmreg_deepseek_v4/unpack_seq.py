@@ -105,15 +105,23 @@ class UnpackSeq(warmreg.TritonKernel[UnpackSeqKey]):
 
     @warmreg.kernel_launcher
     def __call__(
-        self, packed: torch.Tensor, lengths: torch.Tensor, *, lengths_host: list[int] | None = None
+        self,
+        packed: torch.Tensor,
+        lengths: torch.Tensor,
+        *,
+        lengths_host: list[int] | None = None,
+        out: torch.Tensor | None = None,
     ) -> warmreg.LaunchSpec[UnpackSeqKey]:
-        """Unpack ``packed`` by ``lengths``; returns a fresh ``[sum(lengths), *packed.shape[2:]]``.
+        """Unpack ``packed`` by ``lengths``; returns ``[sum(lengths), *packed.shape[2:]]`` (fresh, or ``out``).
 
         :param packed: ``[B, Lmax, ...]``, contiguous (trailing dims flattened into ``D``).
         :param lengths: int32 ``[B]``, contiguous, each in ``[0, Lmax]``.
         :param lengths_host: ``lengths`` as host ints if the caller has them (else read from the device: the
             output's row count is a host value, as in the engine's wrapper).
-        :raises warmreg.LaunchError: for a non-contiguous or rank < 2 ``packed``, or bad ``lengths``.
+        :param out: the output to write instead of a fresh one: exactly ``[sum(lengths), *packed.shape[2:]]`` of
+            ``packed``'s dtype, contiguous, 16-byte aligned.
+        :raises warmreg.LaunchError: for a non-contiguous or rank < 2 ``packed``, bad ``lengths``, or an ``out``
+            unlike the fresh output.
         """
         if packed.ndim < 2 or not packed.is_contiguous():
             raise warmreg.LaunchError(
@@ -130,7 +138,7 @@ class UnpackSeq(warmreg.TritonKernel[UnpackSeqKey]):
             raise warmreg.LaunchError(self.name, f"lengths {host} must be {b} counts in [0, Lmax={lmax}]")
         key = self.dispatch(packed=packed)
         d = packed.shape[2:].numel()
-        out = torch.empty((sum(host), *packed.shape[2:]), dtype=packed.dtype, device=packed.device)
+        out = warmreg.output(self.name, "out", out, (sum(host), *packed.shape[2:]), packed.dtype, packed.device)
         kwargs = dict(
             packed_ptr=packed, out_ptr=out, lengths_ptr=lengths, B=b, Lmax=lmax, D=d,
             BLOCK_T=key.block_t, BLOCK_D=key.block_d,
