@@ -366,8 +366,11 @@ class AttnRes(warmreg.TritonKernel[AttnResKey]):
         output_norm_weight: torch.Tensor | None = None,
         output_norm_eps: float | None = None,
         launch_pdl: bool | None = None,
+        *,
+        out: torch.Tensor | None = None,
     ) -> warmreg.LaunchSpec[AttnResKey]:
-        """Mix the block summaries and the (updated) prefix; returns a fresh ``[T, hidden]`` output.
+        """Mix the block summaries and the (updated) prefix; returns the ``[T, hidden]`` output (``out``, or a
+        fresh tensor).
 
         ``prefix`` is updated in place when ``delta`` is given, and ``blocks[:, block_write_idx]`` written
         when ``block_write_idx >= 0`` (the math is in the module docstring).
@@ -383,7 +386,9 @@ class AttnRes(warmreg.TritonKernel[AttnResKey]):
         :param output_norm_weight: ``[D]``, or None for no output norm.
         :param output_norm_eps: the output norm's epsilon (required with ``output_norm_weight``).
         :param launch_pdl: programmatic dependent launch (default: the local GPU supports it).
-        :raises LaunchError: for shapes, dtypes, layouts, indices or devices the kernel cannot take.
+        :param out: a preallocated output, contiguous ``[T, hidden]`` of prefix's dtype (then nothing is allocated).
+        :raises LaunchError: for shapes, dtypes, layouts, indices or devices the kernel cannot take, or an ``out``
+            that is not the output's shape, dtype and layout.
         """
         self._check(prefix, delta, blocks, norm_weight, qk_weight, num_blocks, block_write_idx,
                     output_norm_weight, output_norm_eps)  # fmt: skip
@@ -393,7 +398,7 @@ class AttnRes(warmreg.TritonKernel[AttnResKey]):
             num_blocks=num_blocks, block_write_idx=block_write_idx, eps=eps, output_norm_eps=output_norm_eps,
             launch_pdl=launch_pdl,
         )  # fmt: skip
-        out = prefix.new_empty(prefix.shape)
+        out = warmreg.output(self.name, "out", out, prefix.shape, prefix.dtype, prefix.device)
         kwargs = dict(
             prefix_ptr=prefix, delta_ptr=delta, blocks_ptr=blocks, norm_w_ptr=norm_weight, qk_w_ptr=qk_weight,
             out_norm_w_ptr=output_norm_weight, out_ptr=out,

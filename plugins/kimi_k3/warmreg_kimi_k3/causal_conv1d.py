@@ -412,8 +412,10 @@ class CausalConv1d(warmreg.TritonKernel[CausalConv1dKey]):
         pad_slot_id: int = PAD_SLOT_ID,
         null_block_id: int | None = NULL_BLOCK_ID,
         launch_pdl: bool | None = None,
+        out: torch.Tensor | None = None,
     ) -> warmreg.LaunchSpec[CausalConv1dKey]:
-        """Convolve each sequence of a varlen batch and update its conv state; returns a fresh ``[T, D]`` output.
+        """Convolve each sequence of a varlen batch and update its conv state; returns the ``[T, D]`` output
+        (``out``, or a fresh tensor).
 
         Rows of sequences on the null line are left unwritten (as in vLLM). The math is in the module docstring.
 
@@ -430,7 +432,10 @@ class CausalConv1d(warmreg.TritonKernel[CausalConv1dKey]):
         :param pad_slot_id: the chunk table's padding entry.
         :param null_block_id: the null line (sequences on it are skipped), or None for none.
         :param launch_pdl: programmatic dependent launch (default: the local GPU supports it).
-        :raises LaunchError: for shapes, dtypes, layouts or devices the kernel cannot take.
+        :param out: a preallocated output, contiguous ``[T, D]`` of x's dtype (then nothing is allocated; rows of
+            null-line sequences keep what they held).
+        :raises LaunchError: for shapes, dtypes, layouts or devices the kernel cannot take, or an ``out`` that is
+            not the output's shape, dtype and layout.
         """
         self._check(x, weight, bias, conv_states, query_start_loc, cache_indices, has_initial_state, activation)
         if launch_pdl is None:
@@ -442,7 +447,7 @@ class CausalConv1d(warmreg.TritonKernel[CausalConv1dKey]):
         )  # fmt: skip
         if chunks is None:
             chunks = conv1d_chunks(query_start_loc)
-        out = x.new_empty(x.shape)
+        out = warmreg.output(self.name, "out", out, x.shape, x.dtype, x.device)
         kwargs = dict(
             x_ptr=x, w_ptr=weight, bias_ptr=bias, state_ptr=conv_states, cache_indices_ptr=cache_indices,
             has_initial_state_ptr=has_initial_state, query_start_loc_ptr=query_start_loc,

@@ -305,8 +305,10 @@ class CausalConv1dUpdate(warmreg.TritonKernel[CausalConv1dUpdateKey]):
         null_block_id: int | None = NULL_BLOCK_ID,
         *,
         launch_pdl: bool | None = None,
+        out: torch.Tensor | None = None,
     ) -> warmreg.LaunchSpec[CausalConv1dUpdateKey]:
-        """One conv step of each sequence, updating its conv state; returns a fresh output shaped like ``x``.
+        """One conv step of each sequence, updating its conv state; returns the output shaped like ``x``
+        (``out``, or a fresh tensor).
 
         The arguments follow vLLM's ``causal_conv1d_update``; the math is in the module docstring. Rows of
         sequences on the null line are left unwritten.
@@ -322,7 +324,10 @@ class CausalConv1dUpdate(warmreg.TritonKernel[CausalConv1dUpdateKey]):
         :param max_query_len: the most tokens a sequence of the step may have (``1 + spec``), with ``query_start_loc``.
         :param null_block_id: the null line, or None for none.
         :param launch_pdl: programmatic dependent launch (default: the local GPU supports it).
-        :raises LaunchError: for shapes, dtypes, layouts, combinations or devices the kernel cannot take.
+        :param out: a preallocated output, contiguous, x's shape and dtype (then nothing is allocated; rows of
+            null-line sequences keep what they held).
+        :raises LaunchError: for shapes, dtypes, layouts, combinations or devices the kernel cannot take, or an
+            ``out`` that is not the output's shape, dtype and layout.
         """
         indices = self._check(x, conv_state, weight, bias, activation, conv_state_indices, num_accepted_tokens,
                               query_start_loc, max_query_len)  # fmt: skip
@@ -334,7 +339,7 @@ class CausalConv1dUpdate(warmreg.TritonKernel[CausalConv1dUpdateKey]):
             num_accepted_tokens=num_accepted_tokens, query_start_loc=query_start_loc, max_query_len=max_query_len,
             activation=activation, null_block_id=null_block_id, launch_pdl=launch_pdl,
         )  # fmt: skip
-        out = x.new_empty(x.shape)
+        out = warmreg.output(self.name, "out", out, x.shape, x.dtype, x.device)
         kwargs = dict(
             x_ptr=x, w_ptr=weight, bias_ptr=bias, state_ptr=conv_state, state_indices_ptr=indices,
             num_accepted_ptr=indices if num_accepted_tokens is None else num_accepted_tokens,

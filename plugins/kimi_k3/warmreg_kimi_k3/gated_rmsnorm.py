@@ -178,19 +178,28 @@ class GatedRMSNorm(warmreg.TritonKernel[GatedRMSNormKey]):
 
     @warmreg.kernel_launcher
     def __call__(
-        self, x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS
+        self,
+        x: torch.Tensor,
+        g: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float = DEFAULT_EPS,
+        *,
+        out: torch.Tensor | None = None,
     ) -> warmreg.LaunchSpec[GatedRMSNormKey]:
-        """Normalise every head of ``x`` and gate it with ``sigmoid(g)``; returns a fresh tensor like ``x``.
+        """Normalise every head of ``x`` and gate it with ``sigmoid(g)``; returns a tensor like ``x`` (``out``, or
+        a fresh one).
 
         :param x: ``[..., D]`` contiguous, ``T * H`` rows of ``D`` (e.g. the layer's ``[1, T, H, D]``).
         :param g: ``[T, H, D]``, heads and ``D`` contiguous; the token stride is free (a projection view).
         :param weight: ``[D]`` contiguous, the norm's weight.
         :param eps: the norm's epsilon.
-        :raises warmreg.LaunchError: for shapes, layouts, dtypes or devices the kernel cannot take.
+        :param out: a preallocated output, contiguous, x's shape and dtype (then nothing is allocated).
+        :raises warmreg.LaunchError: for shapes, layouts, dtypes or devices the kernel cannot take, or an ``out``
+            that is not the output's shape, dtype and layout.
         """
         self._check(x, g, weight)
         key = self.dispatch(x=x, g=g, weight=weight)
-        o = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        o = warmreg.output(self.name, "out", out, x.shape, x.dtype, x.device)
         rows = x.numel() // key.head_dim if key.head_dim else 0
         kwargs = dict(
             x_ptr=x, g_ptr=g, w_ptr=weight, o_ptr=o, num_rows=rows, g_stride=g.stride(0), eps=float(eps),

@@ -147,20 +147,25 @@ class GatherInitialStates(warmreg.TritonKernel[GatherInitialStatesKey]):
         has_initial_state: torch.Tensor,
         *,
         launch_pdl: bool | None = None,
+        out: torch.Tensor | None = None,
     ) -> warmreg.LaunchSpec[GatherInitialStatesKey]:
-        """The initial states of ``N`` requests: a fresh ``[N, *state.shape[1:]]`` of the pool's dtype.
+        """The initial states of ``N`` requests: ``[N, *state.shape[1:]]`` of the pool's dtype (``out``, or a
+        fresh tensor), zeros for requests without one.
 
         :param state: ``[num_slots, ...]``, each slot's row contiguous; the slot stride is free.
         :param indices: int32 or int64 ``[N]``, each request's slot (any stride, e.g. a block-table column).
         :param has_initial_state: bool ``[N]``: whether request ``n`` continues from its slot's state.
         :param launch_pdl: programmatic dependent launch (default: the local GPU supports it).
-        :raises warmreg.LaunchError: for shapes, dtypes, layouts or devices the kernel cannot take.
+        :param out: a preallocated output, contiguous ``[N, *state.shape[1:]]`` of the pool's dtype (then nothing
+            is allocated; every element is written).
+        :raises warmreg.LaunchError: for shapes, dtypes, layouts or devices the kernel cannot take, or an ``out``
+            that is not the output's shape, dtype and layout.
         """
         self._check(state, indices, has_initial_state)
         launch_pdl = local_pdl(launch_pdl)
         key = self.dispatch(state=state, indices=indices, launch_pdl=launch_pdl)
         n = indices.shape[0]
-        out = torch.empty((n, *state.shape[1:]), dtype=state.dtype, device=state.device)
+        out = warmreg.output(self.name, "out", out, (n, *state.shape[1:]), state.dtype, state.device)
         kwargs = dict(
             state_ptr=state, indices_ptr=indices, flags_ptr=has_initial_state, out_ptr=out,
             state_stride=state.stride(0), indices_stride=indices.stride(0), flags_stride=has_initial_state.stride(0),

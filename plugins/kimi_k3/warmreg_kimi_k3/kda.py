@@ -387,9 +387,10 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
         *,
         scale: float | None = None,
         use_qk_l2norm: bool | None = None,
+        out: torch.Tensor | None = None,
     ) -> warmreg.LaunchSpec[KDARecurrentKey]:
         """Run the gate, beta and the recurrence over each sequence's tokens; returns ``o`` ``[T, H, V]``
-        (dtype of v). The arguments follow vLLM's ``fused_recurrent_kda(q, k, v, raw_g, raw_beta, A_log,
+        (dtype of v; ``out``, or a fresh tensor). The arguments follow vLLM's ``fused_recurrent_kda(q, k, v, raw_g, raw_beta, A_log,
         dt_bias, lower_bound, ...)``; the math is in the module docstring.
 
         The final state of each sequence with a non-negative slot is written into ``state_pool``.
@@ -408,7 +409,10 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
         :param state_slots: int32 ``[N]``, each sequence's slot; negative: no state.
         :param scale: applied to q (default ``K ** -0.5``).
         :param use_qk_l2norm: L2-normalise q and k in the kernel (default: this instance's setting).
-        :raises LaunchError: for shapes, dtypes, layouts or devices the kernel cannot take.
+        :param out: a preallocated ``o``, contiguous, v's shape and dtype (then nothing is allocated; rows outside
+            the sequences keep what they held).
+        :raises LaunchError: for shapes, dtypes, layouts or devices the kernel cannot take, or an ``out`` that is
+            not the output's shape, dtype and layout.
         """
         self._check(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, cu_seqlens, state_pool, state_slots)
         l2norm = self.use_qk_l2norm if use_qk_l2norm is None else use_qk_l2norm
@@ -416,7 +420,7 @@ class KDARecurrent(warmreg.TritonKernel[KDARecurrentKey]):
             q=q, k=k, v=v, raw_g=raw_g, raw_beta=raw_beta, dt_bias=dt_bias, lower_bound=lower_bound,
             state_pool=state_pool, use_qk_l2norm=l2norm,
         )  # fmt: skip
-        o = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        o = warmreg.output(self.name, "out", out, v.shape, v.dtype, v.device)
         kwargs = dict(
             q_ptr=q, k_ptr=k, v_ptr=v, g_ptr=raw_g, beta_ptr=raw_beta, a_log_ptr=A_log,
             dt_bias_ptr=A_log if dt_bias is None else dt_bias, o_ptr=o, state_ptr=state_pool,

@@ -9,7 +9,7 @@ them.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from itertools import pairwise
 from typing import Any, Generic, TypeVar
 
@@ -118,6 +118,20 @@ class ChunkStage(warmreg.TritonKernel[_K], Generic[_K]):
     def fail(self, problem: str, fix: str | None = None) -> None:
         """Raise the :class:`warmreg.LaunchError` of this stage."""
         raise warmreg.LaunchError(self.name, problem, fix=fix)
+
+    def out_tuple(self, out: Sequence[torch.Tensor], names: tuple[str, ...]) -> Sequence[torch.Tensor]:
+        """A caller's ``out=`` of a stage with several outputs: one tensor per output, in the order the stage
+        returns them (each is then checked by :func:`warmreg.output`). Call it only when ``out`` is not None.
+
+        :raises warmreg.LaunchError: when ``out`` is not a tuple or list of ``len(names)`` entries.
+        """
+        if not isinstance(out, tuple | list) or len(out) != len(names):
+            self.fail(
+                f"out must be a tuple of {len(names)} tensors ({', '.join(names)}), got {type(out).__name__}"
+                + (f" of {len(out)}" if isinstance(out, tuple | list) else ""),
+                fix=f"pass out=({', '.join(names)}), in the order this stage returns them, or no out",
+            )
+        return out
 
     def tuning_batch(self, device: torch.device) -> dict[str, Any]:
         """``cu_seqlens``, ``chunk_indices``, ``chunk_offsets`` and the token count of the tuning batch."""

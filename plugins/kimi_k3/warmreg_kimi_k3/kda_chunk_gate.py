@@ -167,9 +167,12 @@ class KDAChunkGate(ChunkStage[KDAChunkGateKey]):
         lower_bound: float | None,
         cu_seqlens: torch.Tensor,
         chunk_indices: torch.Tensor,
+        *,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> warmreg.LaunchSpec[KDAChunkGateKey]:
         """The chunk-local cumulative gate in log2 units and beta; returns ``(g, beta)`` (fp32 ``[T, H, K]``,
-        fp32 ``[T, H]``; rows outside ``cu_seqlens[0] .. cu_seqlens[N]`` unwritten).
+        fp32 ``[T, H]``; ``out``'s tensors, or fresh ones; rows outside ``cu_seqlens[0] .. cu_seqlens[N]``
+        unwritten).
 
         :param raw_g: ``[T, H, K]`` contiguous, the raw gate projection.
         :param raw_beta: ``[T, H]``, heads contiguous (the token stride is free), the raw beta projection.
@@ -178,7 +181,9 @@ class KDAChunkGate(ChunkStage[KDAChunkGateKey]):
         :param lower_bound: the gate's lower bound (``< 0``), or None for the softplus gate.
         :param cu_seqlens: int32 ``[N + 1]``.
         :param chunk_indices: int32 ``[NT, 2]`` (:func:`~warmreg_kimi_k3.kda_chunk_base.chunk_metadata`).
-        :raises LaunchError: for shapes, dtypes or layouts the kernel cannot take.
+        :param out: preallocated ``(g, beta)``, contiguous, of those shapes and dtypes (then nothing is allocated).
+        :raises LaunchError: for shapes, dtypes or layouts the kernel cannot take, or an ``out`` that is not
+            the outputs' shapes, dtypes and layouts.
         """
         if raw_g.ndim != 3 or not raw_g.is_contiguous():
             self.fail(
@@ -193,8 +198,9 @@ class KDAChunkGate(ChunkStage[KDAChunkGateKey]):
         if lower_bound is not None and not lower_bound < 0:
             self.fail(f"lower_bound must be < 0 or None (got {lower_bound!r})")
         key = self.dispatch(raw_g=raw_g, raw_beta=raw_beta, dt_bias=dt_bias, lower_bound=lower_bound)
-        g = torch.empty((t, h, kd), dtype=torch.float32, device=raw_g.device)
-        beta = torch.empty((t, h), dtype=torch.float32, device=raw_g.device)
+        g_out, beta_out = (None, None) if out is None else self.out_tuple(out, ("g", "beta"))
+        g = warmreg.output(self.name, "out[0]", g_out, (t, h, kd), torch.float32, raw_g.device)
+        beta = warmreg.output(self.name, "out[1]", beta_out, (t, h), torch.float32, raw_g.device)
         kwargs = dict(
             g_ptr=raw_g, beta_ptr=raw_beta, a_log_ptr=A_log, dt_bias_ptr=A_log if dt_bias is None else dt_bias,
             g_out_ptr=g, beta_out_ptr=beta, cu_seqlens_ptr=cu_seqlens, chunks_ptr=chunk_indices,

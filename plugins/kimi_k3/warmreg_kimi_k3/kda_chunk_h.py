@@ -188,9 +188,12 @@ class KDAChunkH(ChunkStage[KDAChunkHKey]):
         state_slots: torch.Tensor,
         has_initial_state: torch.Tensor,
         num_chunks: int,
+        *,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> warmreg.LaunchSpec[KDAChunkHKey]:
         """``(h, v_new)``: the state at the start of each chunk (``[NT, H, K, V]``, k's dtype) and the corrected
-        values (``[T, H, V]``, u's dtype); the final states are written into ``state_pool``.
+        values (``[T, H, V]``, u's dtype), ``out``'s tensors or fresh ones; the final states are written into
+        ``state_pool``.
 
         :param kg: ``[T, H, K]`` contiguous (the WY stage's ``kg``).
         :param w: like ``kg``.
@@ -202,7 +205,9 @@ class KDAChunkH(ChunkStage[KDAChunkHKey]):
         :param state_slots: int32 ``[N]``; a negative slot: no initial state, no write-back.
         :param has_initial_state: bool ``[N]``: start from the pool's state (else from zeros).
         :param num_chunks: ``NT``, the number of chunks (``chunk_indices.shape[0]``).
-        :raises LaunchError: for shapes, dtypes or layouts the kernel cannot take.
+        :param out: preallocated ``(h, v_new)``, contiguous, of those shapes and dtypes (then nothing is allocated).
+        :raises LaunchError: for shapes, dtypes or layouts the kernel cannot take, or an ``out`` that is not
+            the outputs' shapes, dtypes and layouts.
         """
         if kg.ndim != 3 or w.shape != kg.shape or g.shape != kg.shape or u.ndim != 3 or u.shape[:2] != kg.shape[:2]:
             self.fail(f"kg, w, g must be [T, H, K] and u [T, H, V] (got {[tuple(x.shape) for x in (kg, w, g, u)]})")
@@ -225,8 +230,9 @@ class KDAChunkH(ChunkStage[KDAChunkHKey]):
         if has_initial_state.dtype != torch.bool:
             self.fail(f"has_initial_state must be bool (got {has_initial_state.dtype})")
         key = self.dispatch(u=u, kg=kg, state_pool=state_pool)
-        hs = kg.new_empty((num_chunks, h, kd, vd))
-        v_new = u.new_empty(u.shape)
+        hs_out, v_new_out = (None, None) if out is None else self.out_tuple(out, ("h", "v_new"))
+        hs = warmreg.output(self.name, "out[0]", hs_out, (num_chunks, h, kd, vd), kg.dtype, kg.device)
+        v_new = warmreg.output(self.name, "out[1]", v_new_out, u.shape, u.dtype, u.device)
         kwargs = dict(
             kg_ptr=kg, w_ptr=w, u_ptr=u, g_ptr=g, h_ptr=hs, v_new_ptr=v_new, state_ptr=state_pool,
             cu_seqlens_ptr=cu_seqlens, offsets_ptr=chunk_offsets, slots_ptr=state_slots, init_ptr=has_initial_state,

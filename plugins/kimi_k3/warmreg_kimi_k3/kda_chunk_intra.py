@@ -259,8 +259,11 @@ class KDAChunkIntra(ChunkStage[KDAChunkIntraKey]):
         chunk_indices: torch.Tensor,
         *,
         scale: float | None = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
+        workspace: torch.Tensor | None = None,
     ) -> warmreg.LaunchSpec[KDAChunkIntraKey]:
-        """``(A_qk, A_kk)`` of every chunk (module docstring), each ``[T, H, 64]`` in q's dtype.
+        """``(A_qk, A_kk)`` of every chunk (module docstring), each ``[T, H, 64]`` in q's dtype (``out``'s
+        tensors, or fresh ones).
 
         :param q: ``[T, H, K]`` contiguous, L2-normalised.
         :param k: like ``q``.
@@ -269,7 +272,11 @@ class KDAChunkIntra(ChunkStage[KDAChunkIntraKey]):
         :param cu_seqlens: int32 ``[N + 1]``.
         :param chunk_indices: int32 ``[NT, 2]``.
         :param scale: of ``A_qk`` (default ``K ** -0.5``).
-        :raises LaunchError: for shapes, dtypes or layouts the kernel cannot take.
+        :param out: preallocated ``(A_qk, A_kk)``, contiguous ``[T, H, 64]`` of q's dtype.
+        :param workspace: a preallocated scratch for ``L``, contiguous fp32 ``[T, H, 64]`` (its contents are
+            overwritten before they are read); with ``out``, the launch allocates nothing.
+        :raises LaunchError: for shapes, dtypes or layouts the kernel cannot take, or an ``out`` or ``workspace``
+            that is not the buffers' shapes, dtypes and layouts.
         """
         if q.ndim != 3 or k.shape != q.shape or g.shape != q.shape or beta.shape != q.shape[:2]:
             self.fail(
@@ -282,9 +289,10 @@ class KDAChunkIntra(ChunkStage[KDAChunkIntraKey]):
         key = self.dispatch(q=q)
         t, h, kd = q.shape
         bt = key.chunk_size
-        aqk = q.new_empty((t, h, bt))
-        akk = q.new_empty((t, h, bt))
-        scratch = torch.empty((t, h, bt), dtype=torch.float32, device=q.device)
+        aqk_out, akk_out = (None, None) if out is None else self.out_tuple(out, ("A_qk", "A_kk"))
+        aqk = warmreg.output(self.name, "out[0]", aqk_out, (t, h, bt), q.dtype, q.device)
+        akk = warmreg.output(self.name, "out[1]", akk_out, (t, h, bt), q.dtype, q.device)
+        scratch = warmreg.output(self.name, "workspace", workspace, (t, h, bt), torch.float32, q.device)
         kwargs = dict(
             q_ptr=q, k_ptr=k, g_ptr=g, beta_ptr=beta, aqk_ptr=aqk, akk_ptr=akk, l_ptr=scratch,
             cu_seqlens_ptr=cu_seqlens, chunks_ptr=chunk_indices, scale=float(kd**-0.5 if scale is None else scale),

@@ -90,18 +90,21 @@ class KDAChunkL2Norm(ChunkStage[KDAChunkL2NormKey]):
         return {"x": torch.randn(tokens, self.num_heads, key.head_dim, device=device).to(getattr(torch, key.dtype))}
 
     @warmreg.kernel_launcher
-    def __call__(self, x: torch.Tensor) -> warmreg.LaunchSpec[KDAChunkL2NormKey]:
-        """``x / sqrt(sum(x * x) + 1e-6)`` over the last dim; returns a new tensor of x's shape and dtype.
+    def __call__(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> warmreg.LaunchSpec[KDAChunkL2NormKey]:
+        """``x / sqrt(sum(x * x) + 1e-6)`` over the last dim; returns a tensor of x's shape and dtype (``out``, or
+        a fresh one).
 
         :param x: ``[..., D]``, contiguous (floating point).
-        :raises LaunchError: for a non-contiguous or non-floating x.
+        :param out: a preallocated output, contiguous, x's shape and dtype (then nothing is allocated).
+        :raises LaunchError: for a non-contiguous or non-floating x, or an ``out`` that is not the output's shape,
+            dtype and layout.
         """
         if not x.is_contiguous() or not x.dtype.is_floating_point or x.ndim < 1:
             self.fail(
                 f"x must be a contiguous floating tensor (got {x.dtype} strides {x.stride()})", fix="x.contiguous()"
             )
         key = self.dispatch(x=x)
-        y = x.new_empty(x.shape)
+        y = warmreg.output(self.name, "out", out, x.shape, x.dtype, x.device)
         rows = x.numel() // max(key.head_dim, 1)
         kwargs = dict(x_ptr=x, y_ptr=y, rows=rows, eps=L2NORM_EPS, D=key.head_dim, BD=key.block_d)
 

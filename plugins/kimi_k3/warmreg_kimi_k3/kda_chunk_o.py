@@ -147,8 +147,10 @@ class KDAChunkO(ChunkStage[KDAChunkOKey]):
         chunk_indices: torch.Tensor,
         *,
         scale: float | None = None,
+        out: torch.Tensor | None = None,
     ) -> warmreg.LaunchSpec[KDAChunkOKey]:
-        """The output ``o`` ``[T, H, V]`` (v_new's dtype; rows outside the sequences unwritten).
+        """The output ``o`` ``[T, H, V]`` (v_new's dtype; ``out``, or a fresh tensor; rows outside the sequences
+        unwritten).
 
         :param q: ``[T, H, K]`` contiguous, L2-normalised.
         :param v_new: ``[T, H, V]`` contiguous, q's dtype (the h stage's).
@@ -158,7 +160,9 @@ class KDAChunkO(ChunkStage[KDAChunkOKey]):
         :param cu_seqlens: int32 ``[N + 1]``.
         :param chunk_indices: int32 ``[NT, 2]``.
         :param scale: applied to q (default ``K ** -0.5``).
-        :raises LaunchError: for shapes, dtypes or layouts the kernel cannot take.
+        :param out: a preallocated ``o``, contiguous, v_new's shape and dtype (then nothing is allocated).
+        :raises LaunchError: for shapes, dtypes or layouts the kernel cannot take, or an ``out`` that is not the
+            output's shape, dtype and layout.
         """
         if q.ndim != 3 or v_new.ndim != 3 or v_new.shape[:2] != q.shape[:2] or g.shape != q.shape:
             self.fail(f"q, g must be [T, H, K] and v_new [T, H, V] (got {[tuple(x.shape) for x in (q, g, v_new)]})")
@@ -175,7 +179,7 @@ class KDAChunkO(ChunkStage[KDAChunkOKey]):
         ):
             self.fail("q, v_new, g, h and aqk must be contiguous, all but g of one dtype")
         key = self.dispatch(q=q, v_new=v_new)
-        o = v_new.new_empty(v_new.shape)
+        o = warmreg.output(self.name, "out", out, v_new.shape, v_new.dtype, v_new.device)
         kwargs = dict(
             q_ptr=q, v_new_ptr=v_new, g_ptr=g, h_ptr=h, a_ptr=aqk, o_ptr=o, cu_seqlens_ptr=cu_seqlens,
             chunks_ptr=chunk_indices, scale=float(kd**-0.5 if scale is None else scale), H=hd, K=kd, V=vd,

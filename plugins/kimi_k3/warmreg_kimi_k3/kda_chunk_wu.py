@@ -157,8 +157,11 @@ class KDAChunkWU(ChunkStage[KDAChunkWUKey]):
         g: torch.Tensor,
         cu_seqlens: torch.Tensor,
         chunk_indices: torch.Tensor,
+        *,
+        out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> warmreg.LaunchSpec[KDAChunkWUKey]:
-        """``(w, u, kg)`` of the module docstring.
+        """``(w, u, kg)`` of the module docstring: k's, v's and k's shape, all of k's dtype (``out``'s tensors, or
+        fresh ones).
 
         :param k: ``[T, H, K]`` contiguous, L2-normalised.
         :param v: ``[T, H, V]`` contiguous, k's dtype.
@@ -167,7 +170,9 @@ class KDAChunkWU(ChunkStage[KDAChunkWUKey]):
         :param g: fp32 ``[T, H, K]`` contiguous.
         :param cu_seqlens: int32 ``[N + 1]``.
         :param chunk_indices: int32 ``[NT, 2]``.
-        :raises LaunchError: for shapes, dtypes or layouts the kernel cannot take.
+        :param out: preallocated ``(w, u, kg)``, contiguous, of those shapes and dtype (then nothing is allocated).
+        :raises LaunchError: for shapes, dtypes or layouts the kernel cannot take, or an ``out`` that is not
+            the outputs' shapes, dtypes and layouts.
         """
         if k.ndim != 3 or v.ndim != 3 or v.shape[:2] != k.shape[:2] or g.shape != k.shape:
             self.fail(
@@ -183,7 +188,10 @@ class KDAChunkWU(ChunkStage[KDAChunkWUKey]):
         if min(kd, v.shape[2]) < 16:
             self.fail(f"K and V must be >= 16 (tl.dot), got {kd} and {v.shape[2]}")
         key = self.dispatch(k=k, v=v)
-        w, u, kg = k.new_empty(k.shape), v.new_empty(v.shape), k.new_empty(k.shape)
+        w_out, u_out, kg_out = (None, None, None) if out is None else self.out_tuple(out, ("w", "u", "kg"))
+        w = warmreg.output(self.name, "out[0]", w_out, k.shape, k.dtype, k.device)
+        u = warmreg.output(self.name, "out[1]", u_out, v.shape, v.dtype, v.device)
+        kg = warmreg.output(self.name, "out[2]", kg_out, k.shape, k.dtype, k.device)
         kwargs = dict(
             k_ptr=k, v_ptr=v, beta_ptr=beta, a_ptr=akk, g_ptr=g, w_ptr=w, u_ptr=u, kg_ptr=kg, cu_seqlens_ptr=cu_seqlens,
             chunks_ptr=chunk_indices, H=h, K=kd, V=key.head_v_dim, BT=key.chunk_size, BK=key.block_k, BV=key.block_v,

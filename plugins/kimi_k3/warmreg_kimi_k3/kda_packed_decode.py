@@ -222,9 +222,10 @@ class KDAPackedDecode(warmreg.TritonKernel[KDAPackedDecodeKey]):
         *,
         scale: float | None = None,
         launch_pdl: bool | None = None,
+        out: torch.Tensor | None = None,
     ) -> warmreg.LaunchSpec[KDAPackedDecodeKey]:
         """One decode step of each sequence from its packed q/k/v row, updating its state; returns ``o``
-        ``[1, B, H, V]`` (dtype of ``mixed_qkv``), zeros for sequences on slot ``<= 0``. The arguments follow
+        ``[1, B, H, V]`` (dtype of ``mixed_qkv``; ``out``, or a fresh tensor), zeros for sequences on slot ``<= 0``. The arguments follow
         vLLM's ``fused_recurrent_kda_packed_decode``; the math is in the module docstring.
 
         :param mixed_qkv: ``[B, 2HK + HV]``, channels contiguous; the row stride is free.
@@ -237,7 +238,10 @@ class KDAPackedDecode(warmreg.TritonKernel[KDAPackedDecodeKey]):
         :param state_indices: int32 ``[B]``, each sequence's slot (``<= 0``: none); stride free.
         :param scale: applied to q (default ``K ** -0.5``).
         :param launch_pdl: programmatic dependent launch (default: the local GPU supports it).
-        :raises LaunchError: for shapes, dtypes, layouts or devices the kernel cannot take.
+        :param out: a preallocated ``o``, contiguous ``[1, B, H, V]`` of mixed_qkv's dtype (then nothing is
+            allocated; every element is written).
+        :raises LaunchError: for shapes, dtypes, layouts or devices the kernel cannot take, or an ``out`` that is
+            not the output's shape, dtype and layout.
         """
         self._check(mixed_qkv, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, state_indices)
         if launch_pdl is None:
@@ -246,7 +250,7 @@ class KDAPackedDecode(warmreg.TritonKernel[KDAPackedDecodeKey]):
         key = self.dispatch(mixed_qkv=mixed_qkv, raw_g=raw_g, raw_beta=raw_beta, lower_bound=lower_bound,
                             initial_state=initial_state, launch_pdl=launch_pdl)  # fmt: skip
         b, h, vd = mixed_qkv.shape[0], key.num_heads, key.head_v_dim
-        o = mixed_qkv.new_empty((1, b, h, vd))
+        o = warmreg.output(self.name, "out", out, (1, b, h, vd), mixed_qkv.dtype, mixed_qkv.device)
         kwargs = dict(
             mixed_ptr=mixed_qkv, g_ptr=raw_g, beta_ptr=raw_beta, a_log_ptr=A_log, dt_bias_ptr=dt_bias, o_ptr=o,
             state_ptr=initial_state, state_indices_ptr=state_indices, stride_mixed_token=mixed_qkv.stride(0),

@@ -156,15 +156,20 @@ class AlignedStateIndices(warmreg.TritonKernel[AlignedStateIndicesKey]):
         block_size: int,
         num_state_slots: int,
         launch_pdl: bool | None = None,
+        out: torch.Tensor | None = None,
     ) -> warmreg.LaunchSpec[AlignedStateIndicesKey]:
-        """The ``[R, num_state_slots]`` state blocks of the ``R`` requests of ``block_table``.
+        """The ``[R, num_state_slots]`` state blocks of the ``R`` requests of ``block_table`` (``out``, or a
+        fresh tensor).
 
         :param block_table: int32 or int64 ``[R, width]``, any strides (the KDA group's block table).
         :param seq_lens: int32 or int64 ``[R]``, any stride.
         :param block_size: the KDA group's block size in tokens (``> 0``).
         :param num_state_slots: ``1 +`` the speculative blocks (``>= 1``).
         :param launch_pdl: programmatic dependent launch (default: the local GPU supports it).
-        :raises warmreg.LaunchError: for shapes, dtypes, sizes or devices the kernel cannot take.
+        :param out: a preallocated output, contiguous ``[R, num_state_slots]`` of block_table's dtype (then nothing
+            is allocated).
+        :raises warmreg.LaunchError: for shapes, dtypes, sizes or devices the kernel cannot take, or an ``out``
+            that is not the output's shape, dtype and layout.
         """
         self._check(block_table, seq_lens, block_size, num_state_slots)
         launch_pdl = local_pdl(launch_pdl)
@@ -172,7 +177,7 @@ class AlignedStateIndices(warmreg.TritonKernel[AlignedStateIndicesKey]):
             block_table=block_table, seq_lens=seq_lens, num_state_slots=num_state_slots, launch_pdl=launch_pdl
         )
         rows = block_table.shape[0]
-        out = torch.empty((rows, num_state_slots), dtype=block_table.dtype, device=block_table.device)
+        out = warmreg.output(self.name, "out", out, (rows, num_state_slots), block_table.dtype, block_table.device)
         kwargs = dict(
             block_table_ptr=block_table, seq_lens_ptr=seq_lens, out_ptr=out,
             bt_stride_row=block_table.stride(0), bt_stride_col=block_table.stride(1),
