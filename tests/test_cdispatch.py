@@ -235,3 +235,45 @@ def test_gpu_ops_launch_through_the_c_path() -> None:
     assert counting.calls == 0 and not mon.misses  # every launch went through the C path
     q, _ = op(a.to(torch.float16), b.to(torch.float16), qw.to(torch.float16), kvw.to(torch.float16), 1e-6)
     assert counting.calls == 0  # another key: not this entry's launch at all
+
+
+def test_a_cross_warm_rehearses_nothing() -> None:
+    from tests.helpers import CONFIG, Plugin, Scale
+
+    report = warmreg_warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False, target="cuda:90")
+    assert report.rehearsed == 0 and report.rehearsal_seconds == 0.0
+
+
+def warmreg_warm(*args: Any, **kwargs: Any) -> Any:
+    import warmreg
+
+    warmreg.reset_state()
+    return warmreg.warm(*args, **kwargs)
+
+
+@pytest.mark.gpu
+def test_gpu_warm_rehearses_every_key_once() -> None:
+    from tests.helpers import CONFIG, Plugin, Scale
+
+    report = warmreg_warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False)
+    assert report.rehearsed == report.declared == 3 and report.rehearsal_seconds > 0
+    assert warmreg_warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False, rehearse=False).rehearsed == 0
+
+    class Unsafe(Scale):
+        rehearse = False
+
+    assert warmreg_warm(CONFIG, plugins=[Plugin(Unsafe())], entry_points=False).rehearsed == 0
+
+
+@pytest.mark.gpu
+def test_gpu_a_second_warm_of_the_same_plan_is_already_warm() -> None:
+    import warmreg
+    from tests.helpers import CONFIG, Plugin, Scale
+    from warmreg.launch import FAST_TABLES
+
+    first = warmreg_warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False)
+    again = warmreg.warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False)
+    assert not first.already_warm and again.already_warm and again.declared == first.declared
+    FAST_TABLES[Scale.name].clear()  # a key no longer served from memory: warm again for real
+    third = warmreg.warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False)
+    assert not third.already_warm and len(FAST_TABLES[Scale.name]) == third.declared

@@ -601,12 +601,17 @@ static PyObject *entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
     Py_DECREF(self);
     return NULL;
   }
-  if (num_ctas == 16 && function != 0) {
-    /* a 16-CTA cluster is non-portable: allowed once for the function, as Triton's launcher does */
-    if (load_driver() < 0) {
+  /* what a first launch would otherwise pay: opening the driver, the first stream query */
+  if (function != 0) {
+    PyObject *stream = load_driver() < 0 ? NULL : PyObject_CallOneArg(self->get_stream, self->device_obj);
+    if (stream == NULL) {
       Py_DECREF(self);
       return NULL;
     }
+    Py_DECREF(stream);
+  }
+  if (num_ctas == 16 && function != 0) {
+    /* a 16-CTA cluster is non-portable: allowed once for the function, as Triton's launcher does */
     wr_result rc = cu.func_set_attr(self->function, WR_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1);
     if (rc != 0) {
       cuda_error(rc);

@@ -194,6 +194,9 @@ class TritonKernel(Generic[K]):
     launcher: ClassVar[str] = "__call__"
     #: Autotune candidates (empty: not a tuned kernel); see the class docstring.
     tune_configs: ClassVar[tuple[TuneConfig, ...]] = ()
+    #: Launch each key once for real at the end of a warm on the GPU (:mod:`warmreg.rehearsal`), on
+    #: :meth:`tuning_inputs`; ``False`` for a kernel no inputs can be made up for safely.
+    rehearse: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

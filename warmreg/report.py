@@ -67,6 +67,10 @@ class WarmReport:
     :param tuning: on the local GPU, the candidate chosen for each tuning key of an autotuned
         kernel (``warmreg.tuning.Choice.to_json()``: kernel, key, config, source, microseconds);
         ``tuning_seconds`` the time that took (benchmarks included).
+    :param rehearsed: on the local GPU, keys launched once for real by warm
+        (:mod:`warmreg.rehearsal`), ``rehearsal_seconds`` the time that took.
+    :param already_warm: this process had warmed this very plan, and every key was still in memory
+        with its fast launch: nothing was done (the earlier warm's results, this call's time).
     """
 
     platform: str
@@ -87,6 +91,9 @@ class WarmReport:
     shard_launchers_received: int | None = None
     tuning: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=_tuple)
     tuning_seconds: float = 0.0
+    rehearsed: int = 0
+    rehearsal_seconds: float = 0.0
+    already_warm: bool = False
 
     @property
     def declared(self) -> int:

@@ -9,10 +9,12 @@ what was warmed (and armed, if asked).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import attrs
 import triton
 
 from . import _triton, _triton_cache, pipeline
@@ -24,6 +26,7 @@ from .pack import PackInstall
 from .planning import Plan, plan
 from .platform import Platform
 from .plugins import OnPluginError
+from .rehearsal import Rehearse
 from .report import KeyResult, WarmReport
 from .tuning import Tune
 
@@ -31,14 +34,39 @@ __all__ = ["prefetch", "reset_state", "warm"]
 
 
 def prefetch() -> None:
-    """Start, on a background thread, the part of a warm that depends on no config: Triton's hash of
+    """Start, on background threads, the part of a warm that depends on no config: Triton's hash of
     its own installation (``triton_key()``, which reads the 415 MB ``libtriton.so``: ~0.5 s on the
-    H200 host, the largest single cost of a warm from a warm cache or a pack).
+    H200 host, the largest single cost of a warm from a warm cache or a pack), and importing the
+    installed plugins with their kernels (~0.4 s there: the first plan's cost).
 
     Call it early in an engine's start-up (before loading weights); :func:`warm` starts it too if it
-    has not started, and waits for it only where it needs the hash. Idempotent; returns at once.
+    has not started, and waits for each part only where it needs it. Idempotent; returns at once.
     """
+    global _plugins_thread
     _triton_cache.prefetch_triton_key()
+    with _plugins_lock:
+        if _plugins_thread is None:
+            _plugins_thread = threading.Thread(target=_import_plugins, name="warmreg-plugins", daemon=True)
+            _plugins_thread.start()
+
+
+_plugins_lock = threading.Lock()
+_plugins_thread: threading.Thread | None = None
+
+
+def _prefetched() -> None:
+    prefetch()
+    assert _plugins_thread is not None
+    _plugins_thread.join()  # one import of the plugins, not two racing
+
+
+def _import_plugins() -> None:
+    from .plugins import load_plugins
+
+    try:
+        load_plugins((), entry_points=True, on_plugin_error="skip")
+    except Exception:  # the warm's own plan loads them again and reports the problem
+        pass
 
 
 def reset_state() -> None:
@@ -55,6 +83,7 @@ def reset_state() -> None:
     FAST_TABLES.clear()
     TUNED.clear()
     KNOWLEDGE.clear()
+    _WARMED.clear()
 
 
 def warm(
@@ -62,7 +91,7 @@ def warm(
     plugins: Iterable[Any] = (), entry_points: bool = True, on_plugin_error: OnPluginError = "raise",
     progress: bool | None = None, monitor: str | None = None, record: str | os.PathLike[str] | None = None,
     pack: str | os.PathLike[str] | None = None, group: Any = None, distributed: bool | None = None,
-    serving: Mapping[str, Any] | None = None,
+    serving: Mapping[str, Any] | None = None, rehearse: bool = True,
 ) -> WarmReport:  # fmt: skip
     """Compile (or load from cache) every key the deployment needs, before it serves; on the local
     GPU also build each kernel's launcher and load its module, so the first launch pays nothing.
@@ -73,29 +102,64 @@ def warm(
     :param on_error: ``"raise"`` (warm every key, then raise :class:`CompileFailed`), ``"continue"``
         (return the report with the failures) or ``"stop"`` (stop at the first failure).
     :param progress: show a progress bar (default: when stderr is a terminal).
-    :param monitor: arm the JIT monitor in this mode (``warn``, ``error``, ``record``) once warm;
-        ``record``: with ``"record"``, the JSON-lines file misses are appended to.
-    :param pack: a pack to install into Triton's cache after binding, before compiling (its keys
-        become cache hits); installed pack wheels for this model type, target and Triton release are
-        installed at the same point in any case (:class:`warmreg.pack.PackInstall`).
+    :param monitor: arm the JIT monitor in this mode once warm; ``record``: its JSON-lines file.
+    :param pack: a pack to install into Triton's cache before compiling (its keys become cache hits),
+        as installed pack wheels of this model, target and release are (:class:`warmreg.pack.PackInstall`).
     :param group: the ``torch.distributed`` group to shard compiling over (default: the world group);
         ``distributed``: ``False`` never shards, ``None`` shards when torch.distributed is
         initialized with more than one rank, ``True`` requires it (:class:`warmreg.distributed.Shard`).
+    :param rehearse: on the GPU, launch each key once at the end (:mod:`warmreg.rehearsal`).
     :raises CompileFailed: under ``on_error`` ``"raise"`` or ``"stop"`` if a key failed (``.report``).
     """
     start = time.perf_counter()
-    prefetch()  # if the engine did not already: overlaps the hash with plugin loading and planning
+    _prefetched()  # started here if the engine did not; the plugins' import done before planning
     on_error, workers = check_on_error(on_error), _workers(workers)
     shard = Shard.resolve(group, distributed)
     the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points, on_plugin_error=on_plugin_error, serving=serving)
+    if (again := _already_warm(the_plan, shard, start)) is not None:
+        return _finish(again, the_plan, on_error, monitor, record)
     _triton_cache.check_cache_writable()
     packs = PackInstall.for_plan(the_plan, pack)
     plan_seconds = time.perf_counter() - start
-    tune = Tune.for_plan(the_plan)
-    stages = [s for s in (packs, shard, tune) if s is not None]
+    tune, rehearsal = Tune.for_plan(the_plan), Rehearse.for_plan(the_plan) if rehearse else None
+    stages = [s for s in (packs, shard, tune, rehearsal) if s is not None]
     results = pipeline.run(the_plan, workers=workers, on_error=on_error, stages=stages, progress=progress)
-    report = _report(the_plan, results, workers, time.perf_counter() - start, plan_seconds, packs, shard, tune)
+    report = _report(the_plan, results, workers, time.perf_counter() - start, plan_seconds, packs, shard, tune, rehearsal)
     return _finish(report, the_plan, on_error, monitor, record)
+
+
+#: What each warm of this process left in memory, by plan: its report and the fast launches it
+#: prepared (see :func:`_already_warm`). :func:`reset_state` forgets it.
+_WARMED: dict[tuple[Any, ...], tuple[WarmReport, tuple[tuple[str, Any, Any], ...]]] = {}
+
+
+def _plan_identity(the_plan: Plan) -> tuple[Any, ...]:
+    return (the_plan.platform.target, _triton_cache.cache_dir(), tuple((kp.name, key) for kp, key in the_plan.items()))
+
+
+def _already_warm(the_plan: Plan, shard: Shard | None, start: float) -> WarmReport | None:
+    """The report of an earlier warm of this very plan in this process, when every key it warmed is
+    still in memory with the fast launch it prepared (a second warm then has nothing to do)."""
+    from .launch import FAST_TABLES
+
+    if shard is not None or not the_plan.platform.local:
+        return None
+    earlier = _WARMED.get(_plan_identity(the_plan))
+    if earlier is None:
+        return None
+    report, entries = earlier
+    if any(FAST_TABLES.get(name, {}).get(key) is not entry for name, key, entry in entries):
+        return None
+    return attrs.evolve(report, seconds=time.perf_counter() - start, already_warm=True)
+
+
+def _remember(the_plan: Plan, report: WarmReport, shard: Shard | None) -> None:
+    from .launch import FAST_TABLES
+
+    if shard is None and the_plan.platform.local and not report.failed:
+        fast = [(r.kernel, r.key, FAST_TABLES.get(r.kernel, {}).get(r.key)) for r in report.results]
+        if all(entry is not None for _, _, entry in fast):  # every key verifiable in memory
+            _WARMED[_plan_identity(the_plan)] = (report, tuple(fast))
 
 
 def _workers(workers: int | None) -> int:
@@ -108,10 +172,10 @@ def _workers(workers: int | None) -> int:
 
 def _report(
     the_plan: Plan, results: list[KeyResult], workers: int, seconds: float, plan_seconds: float,
-    packs: PackInstall | None, shard: Shard | None, tune: Tune | None,
+    packs: PackInstall | None, shard: Shard | None, tune: Tune | None, rehearsal: Rehearse | None = None,
 ) -> WarmReport:  # fmt: skip
     stats = shard.stats() if shard is not None else None
-    return WarmReport(
+    report = WarmReport(
         platform=the_plan.platform.target,
         model_type=the_plan.config.model_type,
         triton_version=triton.__version__,
@@ -130,7 +194,11 @@ def _report(
         shard_launchers_received=stats.launchers_received if stats else None,
         tuning=tuple(c.to_json() for c in tune.choices) if tune is not None else (),
         tuning_seconds=tune.seconds if tune is not None else 0.0,
+        rehearsed=rehearsal.launched if rehearsal is not None else 0,
+        rehearsal_seconds=rehearsal.seconds if rehearsal is not None else 0.0,
     )
+    _remember(the_plan, report, shard)
+    return report
 
 
 def _finish(report: WarmReport, the_plan: Plan, on_error: OnError, monitor: str | None, record: Any) -> WarmReport:
