@@ -1,0 +1,124 @@
+"""The launch-floor and warm-time figures of one Triton release, in one command, on the local GPU:
+``benchmarks/results/summary.json``, one entry per release (``"triton-3.6.0"``, ``"triton-3.8.0"``).
+
+Runs, each in its own subprocess (fresh Triton caches inside each benchmark), and keeps each one's
+raw rounds in its own results file:
+
+- ``benchmarks/launch_floor.py``: every launch path side by side, first launch against steady;
+- ``benchmarks/warm_time.py --quick`` on the DeepSeek-V4-Flash example: cold with every core, from a
+  warm disk cache and from a pack (both after ``warmreg.prefetch()`` as an engine calls it: at
+  start-up, done while the weights load), and a second warm in the same process;
+- ``benchmarks/sweep.py`` over every example, the monitor in ``error`` mode: the misses.
+
+The entry holds the medians the issue names (microseconds, seconds) and the file each came from.
+``benchmarks/render_results.py`` renders the README's summary table from it.
+
+    python benchmarks/summary.py --pack flash-cuda90.tar.gz [--only launch,warm,sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+from _common import RESULTS, machine  # noqa: E402
+from run_gpu import CONFIGS  # noqa: E402
+
+SUMMARY = RESULTS / "summary.json"
+
+
+def _step(cmd: list[str], stem: str, env: dict[str, str], timeout: float) -> dict[str, Any]:
+    print("==", " ".join(cmd), flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    print((proc.stdout + proc.stderr)[-1500:], flush=True)
+    if proc.returncode:
+        raise SystemExit(f"{cmd[1]} failed with {proc.returncode}")
+    staged = Path(env["WARMREG_BENCH_DIR"], f"{stem}.json")
+    data = json.loads(staged.read_text())
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(data, indent=1, default=str))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], f"{stem}.json").write_text(json.dumps(data, indent=1, default=str))
+    print(f"== {stem}: {time.perf_counter() - start:.1f} s", flush=True)
+    return data
+
+
+def main() -> None:
+    import torch
+    import triton
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pack", required=True, help="a pack of examples/deepseek_v4_flash.json for this GPU and release")
+    ap.add_argument("--only", default="launch,warm,sweep", help="comma-separated: launch, warm, sweep")
+    ap.add_argument("--step-timeout", type=float, default=300.0)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("summary.py measures on a CUDA GPU")
+    release = f"triton-{triton.__version__}"
+    gpu = torch.cuda.get_device_name().lower().replace("nvidia", "").strip().replace(" ", "_")
+    tag = f"{gpu}_{release}"
+    only = set(args.only.split(","))
+    summary = json.loads(SUMMARY.read_text()) if SUMMARY.exists() else {}
+    entry: dict[str, Any] = dict(summary.get(release, {}))
+    entry.update(machine=machine(), command=" ".join([Path(sys.executable).name, *sys.argv]), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    files = dict(entry.get("files", {}))
+    py = sys.executable
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "OUT")}
+        env.setdefault("PYTHONPYCACHEPREFIX", os.path.join(tmp, "pycache"))
+        env["WARMREG_BENCH_DIR"] = os.path.join(tmp, "results")
+        subprocess.run([py, "-c", "import torch, triton, warmreg, warmreg_deepseek_v4, warmreg_kimi_k3"], env=env, cwd=ROOT, check=True)
+        if "launch" in only:
+            stem = f"launch_floor_{tag}"
+            lf = _step([py, "benchmarks/launch_floor.py", "--tag", tag], stem, env, args.step_timeout)
+            med = lf["median_us"]
+            entry.update(
+                launch_floor_us=med["floor"], launch_fast_us=med["fast"], launch_fast_python_us=med["fast_python"],
+                launch_triton_prealloc_us=med["triton_prealloc"], launch_op_us=med["op"], launch_op_out_us=med["op_out"],
+                launch_op_python_us=med["op_python"], launch_triton_same_alloc_us=med["triton_same_alloc"],
+                launch_native_built=lf["native_built"], first_over_steady=lf["first_over_steady"],
+                launch_paired_ratios=lf["paired_ratios"],
+            )  # fmt: skip
+            files["launch"] = f"{stem}.json"
+        if "warm" in only:
+            stem = f"warm_time_{tag}"
+            cmd = [py, "benchmarks/warm_time.py", CONFIGS[0], "--quick", "--pack", args.pack, "--tag", tag]
+            v = _step(cmd, stem, env, args.step_timeout)["variants"]
+            entry.update(
+                warm_pack_s=v["from_pack_prefetched"]["wall"], warm_cache_s=v["warm_disk_cache_prefetched"]["wall"],
+                warm_cold_s=v["cold_threads"]["wall"], warm_again_s=v["warm_disk_cache_prefetched"]["again_wall"],
+                warm_again_was_already_warm=v["warm_disk_cache_prefetched"]["already_warm"],
+                warm_keys=v["cold_threads"]["keys"], warm_cpus=entry["machine"]["cpus"],
+            )  # fmt: skip
+            files["warm"] = f"{stem}.json"
+        if "sweep" in only:
+            stem = f"sweep_{tag}"
+            sweep = _step([py, "benchmarks/sweep.py", *CONFIGS, "--tag", tag], stem, env, args.step_timeout)
+            entry["sweep_misses"] = sum(c["monitor_misses"] for c in sweep["configs"]) + len(sweep.get("crashed", []))
+            entry["sweep_launches"] = sum(
+                sum(k.get("launches", 0) for k in c["kernels"].values()) for c in sweep["configs"]
+            )  # fmt: skip
+            files["sweep"] = f"{stem}.json"
+    entry["files"] = files
+    summary[release] = entry
+    SUMMARY.write_text(json.dumps(summary, indent=1, default=str))
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], SUMMARY.name).write_text(json.dumps(summary, indent=1, default=str))
+    keys = ("launch_floor_us", "launch_fast_us", "launch_triton_prealloc_us", "launch_op_us", "launch_triton_same_alloc_us",
+            "first_over_steady", "warm_pack_s", "warm_cache_s", "warm_cold_s", "warm_again_s", "sweep_misses")  # fmt: skip
+    print(json.dumps({k: entry.get(k) for k in keys}, indent=1), "->", SUMMARY)
+
+
+if __name__ == "__main__":
+    main()
