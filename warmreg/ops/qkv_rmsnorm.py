@@ -122,10 +122,16 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
     def dispatch(
         self, *, qr: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor, launch_pdl: bool
     ) -> QKVRMSNormKey:
+        return self._key(qr, kv, q_weight, kv_weight, launch_pdl, qr.stride(0), kv.stride(0))
+
+    def _key(
+        self, qr: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor, launch_pdl: bool,
+        q_stride: int, kv_stride: int,
+    ) -> QKVRMSNormKey:  # fmt: skip
         # Memoized on exactly what the key is computed from (a pure function stays pure): on the
         # decode hot path a tuple lookup replaces building a 13-field key, and the key's hash is cached.
         inputs = (
-            qr.dtype, q_weight.dtype, qr.shape[-1], kv.shape[-1], qr.stride(0), kv.stride(0),
+            qr.dtype, q_weight.dtype, qr.shape[-1], kv.shape[-1], q_stride, kv_stride,
             qr.data_ptr() & 15, kv.data_ptr() & 15, q_weight.data_ptr() & 15, kv_weight.data_ptr() & 15, launch_pdl,
         )  # fmt: skip
         key = self._keys.get(inputs)
@@ -206,17 +212,17 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
             counts or weight lengths.
         """
         # checks ordered and written for the decode hot path (each costs a fraction of a microsecond)
-        q_shape, kv_shape = qr.shape, kv.shape
+        q_shape, kv_shape, q_stride, kv_stride = qr.shape, kv.shape, qr.stride(), kv.stride()
         if len(q_shape) != 2 or len(kv_shape) != 2 or q_shape[0] != kv_shape[0]:
             raise LaunchError(self.name, f"qr {tuple(q_shape)} and kv {tuple(kv_shape)} must be [T, size] with one T")
-        if qr.stride(1) != 1 or kv.stride(1) != 1:
+        if q_stride[1] != 1 or kv_stride[1] != 1:
             raise LaunchError(self.name, "qr and kv need a contiguous last dim", fix="pass views of the projection rows")
         if q_weight.shape != q_shape[1:] or kv_weight.shape != kv_shape[1:]:
             raise LaunchError(self.name, "weights must match the row lengths of qr and kv")
         if launch_pdl is None:
             local = runtime_platform()
             launch_pdl = bool(local and local.supports_pdl)
-        key = self.dispatch(qr=qr, kv=kv, q_weight=q_weight, kv_weight=kv_weight, launch_pdl=launch_pdl)
+        key = self._key(qr, kv, q_weight, kv_weight, launch_pdl, q_stride[0], kv_stride[0])
         if out is None:
             q_out, kv_out = qr.new_empty(q_shape), kv.new_empty(kv_shape)
         else:
@@ -224,10 +230,10 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
             kv_out = output(self.name, "out[1]", out[1], kv_shape, kv.dtype, kv.device)
         kwargs = dict(
             q_in_ptr=qr, kv_in_ptr=kv, q_w_ptr=q_weight, kv_w_ptr=kv_weight, q_out_ptr=q_out, kv_out_ptr=kv_out,
-            q_in_stride=qr.stride(0), kv_in_stride=kv.stride(0), eps=eps,
+            q_in_stride=q_stride[0], kv_in_stride=kv_stride[0], eps=eps,
             Q_SIZE=key.q_size, KV_SIZE=key.kv_size, BLOCK_SIZE=key.block_size, USE_PDL=key.launch_pdl,
         )  # fmt: skip
-        grid = (qr.shape[0], 2) if qr.shape[0] else None
+        grid = (q_shape[0], 2) if q_shape[0] else None
         return LaunchSpec(key, grid, kwargs, (q_out, kv_out))
 
 
