@@ -38,7 +38,13 @@ def dist(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_every_distribution_builds_a_wheel_and_an_sdist(dist: Path) -> None:
     names = sorted(p.name for p in dist.iterdir())
-    for stem in ("warmreg-0.1.0", "warmreg_deepseek_v4-0.1.0", "warmreg_kimi_k3-0.1.0"):
+    import sysconfig
+
+    # warmreg carries its C launch path (warmreg/_cdispatch.c): a wheel for this Python and platform
+    tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    assert f"warmreg-0.1.0-{tag}-{tag}-{platform}.whl" in names and "warmreg-0.1.0.tar.gz" in names, names
+    for stem in ("warmreg_deepseek_v4-0.1.0", "warmreg_kimi_k3-0.1.0"):
         assert f"{stem}-py3-none-any.whl" in names and f"{stem}.tar.gz" in names, names
 
 
