@@ -86,7 +86,7 @@ class FastLaunch:
         install has none.
     """
 
-    __slots__ = ("compiled", "device", "jit", "launch", "native", "python", "source")
+    __slots__ = ("__weakref__", "compiled", "device", "jit", "launch", "native", "python", "source")
 
     def __init__(
         self,

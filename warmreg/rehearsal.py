@@ -24,26 +24,15 @@ import attrs
 
 from . import _triton
 from .stage import Stage
+from .tuning import _Probe
 
 if TYPE_CHECKING:
     from .bind import Task
-    from .key import CompileKey
     from .planning import Plan
 
 __all__ = ["Rehearse"]
 
 log = logging.getLogger("warmreg.rehearsal")
-
-
-class _Probe:
-    """A warm session that only reads the key a launch would have (no launch)."""
-
-    def __init__(self) -> None:
-        self.key: CompileKey | None = None
-
-    def capture(self, kernel: Any, spec: Any) -> Any:
-        self.key = spec.key
-        return spec.outputs
 
 
 class Rehearse(Stage):

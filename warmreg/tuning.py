@@ -190,7 +190,7 @@ def keep(choices: tuple[PackChoice, ...] | list[PackChoice]) -> int:
 
 
 class _Probe:
-    """A warm session that only reads the tuning key a launch would have (no launch)."""
+    """A warm session that only reads the key a launch would have (no launch); the rehearsal uses it too."""
 
     def __init__(self) -> None:
         self.key: CompileKey | None = None

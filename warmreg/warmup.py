@@ -8,9 +8,11 @@ what was warmed (and armed, if asked).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -31,6 +33,8 @@ from .report import KeyResult, WarmReport
 from .tuning import Tune
 
 __all__ = ["prefetch", "reset_state", "warm"]
+
+log = logging.getLogger("warmreg.warmup")
 
 
 def prefetch() -> None:
@@ -65,8 +69,8 @@ def _import_plugins() -> None:
 
     try:
         load_plugins((), entry_points=True, on_plugin_error="skip")
-    except Exception:  # the warm's own plan loads them again and reports the problem
-        pass
+    except Exception as exc:  # the warm's own plan loads them again and reports the problem
+        log.debug("prefetch could not import the plugins: %r", exc)
 
 
 def reset_state() -> None:
@@ -128,18 +132,26 @@ def warm(
     return _finish(report, the_plan, on_error, monitor, record)
 
 
-#: What each warm of this process left in memory, by plan: its report and the fast launches it
-#: prepared (see :func:`_already_warm`). :func:`reset_state` forgets it.
-_WARMED: dict[tuple[Any, ...], tuple[WarmReport, tuple[tuple[str, Any, Any], ...]]] = {}
+#: What each warm of this process left in memory, by plan: its report, (weak references to) the fast
+#: launches it prepared and the tuned choices it made (see :func:`_already_warm`). :func:`reset_state`
+#: forgets it. Weak, so that a kernel Triton frees is not kept loaded by this record.
+_WARMED: dict[tuple[Any, ...], tuple[WarmReport, tuple[tuple[str, Any, Any], ...], dict[str, dict[Any, int]]]] = {}
 
 
 def _plan_identity(the_plan: Plan) -> tuple[Any, ...]:
     return (the_plan.platform.target, _triton_cache.cache_dir(), tuple((kp.name, key) for kp, key in the_plan.items()))
 
 
+def _tuned_state(the_plan: Plan) -> dict[str, dict[Any, int]]:
+    from .launch import TUNED
+
+    return {kp.name: dict(TUNED.get(kp.name, {})) for kp in the_plan.kernels if kp.kernel.tune_configs}
+
+
 def _already_warm(the_plan: Plan, shard: Shard | None, start: float) -> WarmReport | None:
     """The report of an earlier warm of this very plan in this process, when every key it warmed is
-    still in memory with the fast launch it prepared (a second warm then has nothing to do)."""
+    still in memory with the fast launch it prepared and every tuned choice it made (a second warm
+    then has nothing to do)."""
     from .launch import FAST_TABLES
 
     if shard is not None or not the_plan.platform.local:
@@ -147,8 +159,8 @@ def _already_warm(the_plan: Plan, shard: Shard | None, start: float) -> WarmRepo
     earlier = _WARMED.get(_plan_identity(the_plan))
     if earlier is None:
         return None
-    report, entries = earlier
-    if any(FAST_TABLES.get(name, {}).get(key) is not entry for name, key, entry in entries):
+    report, entries, tuned = earlier
+    if any(FAST_TABLES.get(name, {}).get(key) is not ref() for name, key, ref in entries) or _tuned_state(the_plan) != tuned:
         return None
     return attrs.evolve(report, seconds=time.perf_counter() - start, already_warm=True)
 
@@ -159,7 +171,8 @@ def _remember(the_plan: Plan, report: WarmReport, shard: Shard | None) -> None:
     if shard is None and the_plan.platform.local and not report.failed:
         fast = [(r.kernel, r.key, FAST_TABLES.get(r.kernel, {}).get(r.key)) for r in report.results]
         if all(entry is not None for _, _, entry in fast):  # every key verifiable in memory
-            _WARMED[_plan_identity(the_plan)] = (report, tuple(fast))
+            refs = tuple((name, key, weakref.ref(entry)) for name, key, entry in fast)
+            _WARMED[_plan_identity(the_plan)] = (report, refs, _tuned_state(the_plan))
 
 
 def _workers(workers: int | None) -> int:
