@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -155,3 +156,40 @@ def test_warm_with_progress_on_a_pool_finishes(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180, env=env,
                           cwd=Path(__file__).resolve().parents[1])  # fmt: skip
     assert done.returncode == 0 and done.stdout.split()[:3] == ["ok", "3", "0"], done.stderr[-2000:]
+
+
+def _signature_kernel() -> tuple[Any, list[Any]]:
+    seen: list[Any] = []
+
+    class Echo(warmreg.TritonKernel[Any]):
+        name = "tests.echo"
+
+        @warmreg.kernel_launcher
+        def __call__(self, a: Any, /, b: Any, c: Any = 3, *, d: Any, e: Any = 5) -> Any:
+            seen.append((a, b, c, d, e))
+            return warmreg.LaunchSpec(None, None, {}, (a, b, c, d, e))  # type: ignore[arg-type]
+
+        @warmreg.kernel_launcher
+        def spread(self, *args: Any, **kwargs: Any) -> Any:
+            return warmreg.LaunchSpec(None, None, {}, (args, kwargs))  # type: ignore[arg-type]
+
+        @warmreg.kernel_launcher
+        def bad(self, x: Any) -> Any:
+            return x
+
+    return Echo(), seen
+
+
+def test_the_launch_keeps_the_launch_codes_signature_and_passes_each_argument_on() -> None:
+    import inspect
+
+    echo, seen = _signature_kernel()
+    assert str(inspect.signature(type(echo).__call__)) == str(inspect.signature(type(echo).__call__.__wrapped__))
+    assert echo(1, 2, d=4) == (1, 2, 3, 4, 5) and echo(1, b=2, c=7, d=4, e=6) == (1, 2, 7, 4, 6)
+    assert echo.spread(1, k=2) == ((1,), {"k": 2})  # *args/**kwargs launch code: forwarded as they came
+    for wrong in (lambda: echo(1, 2), lambda: echo(a=1, b=2, d=4), lambda: echo(1, 2, 3, 4)):
+        with pytest.raises(TypeError):  # exactly what calling the launch code itself raises
+            wrong()
+    assert len(seen) == 2
+    with pytest.raises(warmreg.KernelContractError, match="launch code returned int"):
+        echo.bad(3)

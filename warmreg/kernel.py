@@ -145,18 +145,41 @@ def kernel_launcher(fn: Callable[..., LaunchSpec[K]]) -> Callable[..., Any]:
 
     The decorated method validates its inputs, computes the key with ``dispatch``, allocates outputs
     and returns ``LaunchSpec(key, grid, kwargs, outputs)``; the decorator does the rest (see
-    :func:`warmreg.launch.run`) and returns ``outputs``.
+    :func:`warmreg.launch.run`) and returns ``outputs``. The launch has ``fn``'s own signature and
+    passes each argument on as it came (a ``*args, **kwargs`` forwarder costs ~0.8 us a launch).
     """
+    params = list(inspect.signature(fn).parameters.values())
+    env: dict[str, Any] = {"_wr_fn": fn, "_wr_run": run, "_wr_spec": LaunchSpec, "_wr_bad": _not_a_spec}
+    if not params or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.name in env for p in params):
 
-    @functools.wraps(fn)
-    def launch(self: TritonKernel[K], *args: Any, **kwargs: Any) -> Any:
-        spec = fn(self, *args, **kwargs)
-        if not isinstance(spec, LaunchSpec):
-            raise KernelContractError(self.name, f"launch code returned {type(spec).__name__}", fix="return a LaunchSpec")
-        return run(self, spec)
+        def launch(self: TritonKernel[K], *args: Any, **kwargs: Any) -> Any:
+            spec = fn(self, *args, **kwargs)
+            return run(self, spec) if isinstance(spec, LaunchSpec) else _not_a_spec(self, spec)
 
+    else:
+        heads, passed = [], []
+        for i, p in enumerate(params):
+            if p.kind is p.KEYWORD_ONLY and (i == 0 or params[i - 1].kind is not p.KEYWORD_ONLY):
+                heads.append("*")
+            if p.default is not p.empty:
+                env[f"_wr_d{i}"] = p.default
+            heads.append(p.name + (f"=_wr_d{i}" if p.default is not p.empty else ""))
+            passed.append(f"{p.name}={p.name}" if p.kind is p.KEYWORD_ONLY else p.name)
+            if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind is not p.POSITIONAL_ONLY):
+                heads.append("/")
+        source = (
+            f"def launch({', '.join(heads)}):\n    spec = _wr_fn({', '.join(passed)})\n"
+            f"    return _wr_run({params[0].name}, spec) if isinstance(spec, _wr_spec) else _wr_bad({params[0].name}, spec)\n"
+        )
+        exec(compile(source, f"<warmreg launch of {fn.__qualname__}>", "exec"), env)
+        launch = env["launch"]
+    launch = functools.wraps(fn)(launch)
     launch.__warmreg_launcher__ = True  # type: ignore[attr-defined]
     return launch
+
+
+def _not_a_spec(kernel: Any, spec: Any) -> Any:
+    raise KernelContractError(kernel.name, f"launch code returned {type(spec).__name__}", fix="return a LaunchSpec")
 
 
 class TritonKernel(Generic[K]):
