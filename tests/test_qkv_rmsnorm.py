@@ -56,6 +56,14 @@ def test_bad_inputs_are_named() -> None:
         kernel(qr.t().contiguous().t(), kv_in, qw, kvw, 1e-6)  # same shape, column-major
     with pytest.raises(warmreg.LaunchError, match="one T"):
         kernel(qr[:1], kv_in, qw, kvw, 1e-6)
+    # the weights' checks ride on the key memo: a good launch first, then each bad weight still fails
+    kernel(qr, kv_in, qw, kvw, 1e-6, False)
+    with pytest.raises(warmreg.LaunchError, match="weights must match"):
+        kernel(qr, kv_in, qw[:63], kvw, 1e-6, False)
+    with pytest.raises(warmreg.LaunchError, match="share one dtype"):
+        kernel(qr, kv_in.half(), qw, kvw, 1e-6, False)
+    with pytest.raises(warmreg.LaunchError, match="share one dtype"):
+        kernel(qr, kv_in, qw, kvw.float(), 1e-6, False)
 
 
 @pytest.mark.parametrize("example", ["deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3"])
@@ -106,6 +114,7 @@ def test_memoized_dispatch_equals_the_computed_key_for_every_input_class() -> No
     from warmreg.ops import FusedQKVRMSNorm
 
     op = FusedQKVRMSNorm(q_size=96, kv_size=64, proj_width=160)
+    FusedQKVRMSNorm._keys.clear()  # shared by every instance
     for dtype in (torch.bfloat16, torch.float16):
         for offset in (0, 1, 8):
             for width in (160, 161):
@@ -118,3 +127,5 @@ def test_memoized_dispatch_equals_the_computed_key_for_every_input_class() -> No
                     assert op.dispatch(**args) is first  # served from the memo
     # offsets 0 and 8 elements (16 bytes) share residues, so one memo entry: 2 dtypes x 2 x 2 widths x 2
     assert len({k.q_in_aligned for k in op._keys.values()}) == 2 and len(op._keys) == 16
+    other = FusedQKVRMSNorm(q_size=96, kv_size=64, proj_width=160)  # an engine's own instance
+    assert other.dispatch(**args) is op.dispatch(**args) and len(op._keys) == 16

@@ -6,8 +6,8 @@ what only a launch does: the driver's first launch of the function, the first ru
 code and the C launch path on real tensors, the allocator's first block of an output size. The
 :class:`Rehearse` stage (after tuning, so a tuned kernel launches its chosen candidate) moves that
 into warm: each kernel's own launch code runs once per key on :meth:`~warmreg.TritonKernel.tuning_inputs`
-(by default its warmup inputs as zero-filled device tensors: every index 0, every length 0), then
-the GPU is synchronized, so a kernel that faults on them fails the warm, not the first request.
+(by default its warmup inputs as zero-filled device tensors: every index 0, every length 0), twice
+(CPython specializes bytecode at a function's second run), then the GPU is synchronized, so a kernel that faults on them fails the warm, not the first request.
 
 The launches are warmreg's own (the monitor ignores them, as it does compiles in warm). A launch
 whose inputs would not give back the key is not made (a contract error, logged); a kernel whose
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from . import _triton
+from .domains import runtime_platform
 from .stage import Stage
 from .tuning import _Probe
 
@@ -60,6 +61,7 @@ class Rehearse(Stage):
 
         start = time.perf_counter()
         device = _triton.torch_device()
+        runtime_platform()  # launch code's defaults read it (launch_pdl): detected once, now
         done: set[tuple[str, Any]] = set()
         for task in tasks:
             if task.status == "failed" or task.compiled is None:
@@ -81,7 +83,8 @@ class Rehearse(Stage):
                 if probe.key != key:
                     self.skipped.append((task.kp.name, str(key), f"its inputs launch {probe.key}"))
                     continue
-                launcher(**inputs)
+                for _ in range(2):  # CPython specializes a function's bytecode at its second run
+                    launcher(**inputs)
                 self.launched += 1
             except Exception as exc:  # inputs the launch code refuses: the key serves as it is
                 log.warning("no rehearsal of %s %s: %s", task.kp.name, key, exc)

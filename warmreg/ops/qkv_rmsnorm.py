@@ -12,7 +12,7 @@ and contiguous. Grid ``(T, 2)``: tokens on axis 0 (no 65535 limit), the task on 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 import torch
@@ -100,6 +100,9 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
     name = "warmreg.ops.fused_qkv_rmsnorm"
     key_type = QKVRMSNormKey
     jit = _fused_qkv_rmsnorm_kernel
+    #: dispatch's memo, shared by every instance (a key is a function of the inputs alone): the keys
+    #: a plan dispatches from a deployment's domains are there at an engine instance's first launch
+    _keys: ClassVar[dict[tuple[Any, ...], QKVRMSNormKey]] = {}
 
     def __init__(
         self,
@@ -117,25 +120,35 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
         self.dtype = getattr(torch, dtype)
         self.weight_dtype = getattr(torch, weight_dtype or dtype)
         self.plugin = plugin
-        self._keys: dict[tuple[Any, ...], QKVRMSNormKey] = {}
+        self._pdl: bool | None = None  # the local GPU's default launch_pdl, looked up once
 
     def dispatch(
         self, *, qr: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor, launch_pdl: bool
     ) -> QKVRMSNormKey:
-        return self._key(qr, kv, q_weight, kv_weight, launch_pdl, qr.stride(0), kv.stride(0))
+        return self._key(qr, kv, q_weight, kv_weight, launch_pdl, qr.shape, kv.shape, qr.stride(0), kv.stride(0))
 
     def _key(
         self, qr: torch.Tensor, kv: torch.Tensor, q_weight: torch.Tensor, kv_weight: torch.Tensor, launch_pdl: bool,
-        q_stride: int, kv_stride: int,
+        q_shape: torch.Size, kv_shape: torch.Size, q_stride: int, kv_stride: int,
     ) -> QKVRMSNormKey:  # fmt: skip
-        # Memoized on exactly what the key is computed from (a pure function stays pure): on the
-        # decode hot path a tuple lookup replaces building a 13-field key, and the key's hash is cached.
+        # Memoized on exactly what the key and the checks of the weights are computed from (a pure
+        # function stays pure): on the decode hot path one tuple lookup replaces building a 13-field
+        # key and comparing the weights' shapes and dtypes, and the key's hash is cached.
         inputs = (
-            qr.dtype, q_weight.dtype, qr.shape[-1], kv.shape[-1], q_stride, kv_stride,
-            qr.data_ptr() & 15, kv.data_ptr() & 15, q_weight.data_ptr() & 15, kv_weight.data_ptr() & 15, launch_pdl,
+            qr.dtype, kv.dtype, q_weight.dtype, kv_weight.dtype, q_shape[-1], kv_shape[-1], q_weight.shape, kv_weight.shape,
+            q_stride, kv_stride,
+            (qr.data_ptr() & 15) | (kv.data_ptr() & 15) << 4 | (q_weight.data_ptr() & 15) << 8 | (kv_weight.data_ptr() & 15) << 12,
+            launch_pdl,
         )  # fmt: skip
         key = self._keys.get(inputs)
         if key is None:
+            if q_weight.shape != q_shape[-1:] or kv_weight.shape != kv_shape[-1:]:
+                raise LaunchError(self.name, "weights must match the row lengths of qr and kv")
+            if kv.dtype != qr.dtype or kv_weight.dtype != q_weight.dtype:
+                raise LaunchError(
+                    self.name, f"qr and kv ({qr.dtype}, {kv.dtype}) and their weights ({q_weight.dtype}, {kv_weight.dtype}) "
+                    "must each share one dtype", fix="pass views of one projection and weights of one dtype",
+                )  # fmt: skip
             key = self._dispatch(qr=qr, kv=kv, q_weight=q_weight, kv_weight=kv_weight, launch_pdl=launch_pdl)
             if len(self._keys) < 4096:
                 self._keys[inputs] = key
@@ -209,7 +222,7 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
             dtype and device (engines' persistent buffers, CUDA-graph capture); the launch then allocates
             nothing.
         :raises LaunchError: for inputs that are not 2-D with a contiguous last dim, mismatched token
-            counts or weight lengths.
+            counts or weight lengths, or qr and kv (or their weights) of two dtypes.
         """
         # checks ordered and written for the decode hot path (each costs a fraction of a microsecond)
         q_shape, kv_shape, q_stride, kv_stride = qr.shape, kv.shape, qr.stride(), kv.stride()
@@ -217,12 +230,12 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
             raise LaunchError(self.name, f"qr {tuple(q_shape)} and kv {tuple(kv_shape)} must be [T, size] with one T")
         if q_stride[1] != 1 or kv_stride[1] != 1:
             raise LaunchError(self.name, "qr and kv need a contiguous last dim", fix="pass views of the projection rows")
-        if q_weight.shape != q_shape[1:] or kv_weight.shape != kv_shape[1:]:
-            raise LaunchError(self.name, "weights must match the row lengths of qr and kv")
         if launch_pdl is None:
-            local = runtime_platform()
-            launch_pdl = bool(local and local.supports_pdl)
-        key = self._key(qr, kv, q_weight, kv_weight, launch_pdl, q_stride[0], kv_stride[0])
+            launch_pdl = self._pdl
+            if launch_pdl is None:
+                local = runtime_platform()
+                launch_pdl = self._pdl = bool(local and local.supports_pdl)
+        key = self._key(qr, kv, q_weight, kv_weight, launch_pdl, q_shape, kv_shape, q_stride[0], kv_stride[0])
         if out is None:
             q_out, kv_out = qr.new_empty(q_shape), kv.new_empty(kv_shape)
         else:
