@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1] / "warmreg"
 CONTRACT = {"errors", "key", "platform", "config", "domains", "space", "hookspecs", "registry", "kernel", "launch"}
 PIPELINE = {"plugins", "planning", "bind", "compile", "stage", "pipeline", "report"}
 ADAPTER = {"_triton", "_triton_cache", "_triton_fast", "_triton_interp", "_triton_launchers", "_triton_release", "engines"}
-SUPPORT = {"_json", "_output", "_version"}
+SUPPORT = {"_entry_points", "_json", "_output", "_version"}
 ADDONS = {
     "pack", "_pack_format", "_pack_install", "_pack_reader", "_pack_wheel", "distributed", "monitoring", "replay", "coverage",
     "tuning", "rehearsal",

@@ -373,3 +373,28 @@ def test_the_ast_race_is_retried_also_when_triton_wraps_it_from_a_called_functio
     with pytest.raises(CompilationError) as info:  # a real error in the callee is not retried
         _triton.retrying_ast_race(wrapped, calls, NameError("name 'x' is not defined"))
     assert len(calls) == 1 and "NameError: name 'x' is not defined" in describe(info.value)
+
+
+def test_preimport_takes_the_imports_of_a_first_specialization() -> None:
+    """In a fresh process, after ``preimport()`` a first specialization (what a warm's binding does)
+    imports no Triton module: every name the adapter lists exists on this release and covers them."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch, warmreg
+from warmreg import _triton
+from warmreg.platform import Platform
+from tests.helpers import _scale_kernel
+missing = [m for m in _triton._LAZY_IMPORTS if __import__("importlib.util").util.find_spec(m) is None]
+_triton.preimport()
+before = set(sys.modules)
+with _triton.cross_target(Platform.parse("cuda:90")):
+    x = warmreg.meta((64,), torch.float16)
+    _triton.specialize(_scale_kernel, dict(x_ptr=x, out_ptr=x, n=64, scale=1.0, BLOCK=64), {})
+print(missing, sorted(m for m in set(sys.modules) - before if m.startswith("triton")))
+"""
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[-2] == "[] []", out.stdout

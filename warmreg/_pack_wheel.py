@@ -21,6 +21,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from ._entry_points import entry_points
 from ._pack_format import Manifest
 
 __all__ = ["GROUP", "installed_packs", "wheel_name", "write_wheel"]
@@ -78,7 +79,7 @@ def write_wheel(pack_dir: Path, manifest: Manifest, out_dir: Path, label: str) -
 
 def installed_packs() -> Iterator[tuple[str, Path]]:
     """``(entry-point name, pack directory)`` of every installed pack wheel; never imports one."""
-    for ep in importlib.metadata.entry_points(group=GROUP):
+    for ep in entry_points(GROUP):
         try:
             spec = importlib.util.find_spec(ep.value)
         except (ImportError, ValueError) as exc:

@@ -13,6 +13,7 @@ refuses an unsupported release with one readable line.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import sys
 import threading
@@ -42,7 +43,7 @@ __all__ = [
     "CompileRequest", "HookHandle", "SUPPORTED_TRITON", "UnsupportedTriton", "add_load_hook", "async_compile", "benchmark",
     "cache_files", "check_version", "compile_listener", "cross_target", "current_device", "device_name", "finish_load", "forget_compiled",
     "full_name", "get_jit_cache_hook", "gpu_target", "in_memory", "install_compile_hook", "is_future_kernel", "is_jit",
-    "knob", "load_hooks", "param_names", "parse_specialization_key", "remove_compile_hook", "remove_load_hook",
+    "knob", "load_hooks", "param_names", "preimport", "parse_specialization_key", "remove_compile_hook", "remove_load_hook",
     "retrying_ast_race", "run_kwargs", "set_device", "set_jit_cache_hook", "source_hash", "specialization_key",
     "specialize", "torch_device", "unwrap_autotuner_bench", "warmup", "wrap_autotuner_bench",
 ]  # fmt: skip
@@ -356,6 +357,25 @@ def full_name(jit: Any) -> str:
     """Triton's full name of a jit function (``module.qualname``), as its hooks report it."""
     fn = jit.fn
     return f"{fn.__module__}.{fn.__qualname__}"
+
+
+#: What Triton imports on a process's first specialization and compile rather than at ``import
+#: triton``: all of ``triton.experimental.gluon`` (the native specializer looks gluon's layout types
+#: up: ~0.15 s, the largest part of a first warm's binding on the 2-core CPU machine, 3.8.0), the
+#: code generator, libdevice and tensor descriptors. A release without one skips it.
+_LAZY_IMPORTS = (
+    "triton.experimental.gluon", "triton.compiler.code_generator", "triton.language.extra.libdevice",
+    "triton.tools.tensor_descriptor",
+)  # fmt: skip
+
+
+def preimport() -> None:
+    """Import :data:`_LAZY_IMPORTS` now (``warmreg.prefetch`` does, on its background thread)."""
+    for name in _LAZY_IMPORTS:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            log.debug("Triton %s has no %s: %s", triton.__version__, name, exc)
 
 
 def source_hash(jit: JITFunction) -> str:

@@ -18,12 +18,15 @@ import attrs
 import pluggy
 
 from . import _triton, hookspecs
+from ._entry_points import entry_points as installed_entry_points
 from .errors import PluginError, WarmregError
 
 if TYPE_CHECKING:
     from .registry import Registry
 
-__all__ = ["HOOKS", "OnPluginError", "PluginProblem", "PluginSet", "call_register_hooks", "load_plugins", "loaded_jits", "plugin_packages"]
+__all__ = [
+    "HOOKS", "OnPluginError", "PluginProblem", "PluginSet", "call_register_hooks", "load_plugins", "loaded_jits", "plugin_packages",
+]  # fmt: skip
 
 log = logging.getLogger("warmreg")
 OnPluginError = Literal["raise", "skip"]
@@ -58,7 +61,7 @@ def plugin_packages() -> frozenset[str]:
     """The top-level packages whose kernels installed plugins can register: ``warmreg`` (its shared
     ops) and the package of each entry point in the ``warmreg`` group, read from the distributions'
     metadata without importing them."""
-    eps = importlib.metadata.entry_points(group=hookspecs.PROJECT)
+    eps = installed_entry_points(hookspecs.PROJECT)
     return frozenset({"warmreg", *(ep.module.split(".")[0] for ep in eps)})
 
 
@@ -78,7 +81,7 @@ def load_plugins(
     problems: list[PluginProblem] = []
     if entry_points:
         seen: set[str] = set()
-        for ep in sorted(importlib.metadata.entry_points(group=hookspecs.PROJECT), key=lambda e: e.name):
+        for ep in sorted(installed_entry_points(hookspecs.PROJECT), key=lambda e: e.name):
             name = _dist_name(ep)
             if ep.name in seen:
                 continue

@@ -40,8 +40,9 @@ log = logging.getLogger("warmreg.warmup")
 def prefetch() -> None:
     """Start, on background threads, the part of a warm that depends on no config: Triton's hash of
     its own installation (``triton_key()``, which reads the 415 MB ``libtriton.so``: ~0.5 s on the
-    H200 host, the largest single cost of a warm from a warm cache or a pack), and importing the
-    installed plugins with their kernels (~0.4 s there: the first plan's cost).
+    H200 host, the largest single cost of a warm from a warm cache or a pack), importing the
+    installed plugins with their kernels (~0.4 s there: the first plan's cost), then the modules
+    Triton imports at its first specialization and each kernel's source hash.
 
     Call it early in an engine's start-up (before loading weights); :func:`warm` starts it too if it
     has not started, and waits for each part only where it needs it. Idempotent; returns at once.
@@ -65,12 +66,21 @@ def _prefetched() -> None:
 
 
 def _import_plugins() -> None:
-    from .plugins import load_plugins
+    from .plugins import loaded_jits
 
     try:
-        load_plugins((), entry_points=True, on_plugin_error="skip")
+        jits = loaded_jits()  # the installed plugins imported, and their kernels' jit functions
     except Exception as exc:  # the warm's own plan loads them again and reports the problem
         log.debug("prefetch could not import the plugins: %r", exc)
+        return
+    # what the first warm of a process computes once, whatever the config: the modules Triton
+    # imports at its first specialization, and each kernel's source hash (an AST walk of its callees)
+    _triton.preimport()
+    for jit in jits.values():
+        try:
+            _triton.source_hash(jit)
+        except Exception as exc:  # the warm computes it again and reports the kernel that fails
+            log.debug("prefetch could not hash %s: %r", _triton.full_name(jit), exc)
 
 
 def reset_state() -> None:
