@@ -223,9 +223,57 @@ def releases_table(gpus: list[tuple[str, dict[str, Any]]]) -> list[str]:
     return out + [""]
 
 
+#: summary.json's figures with the target each is held to (a ratio of two figures where it is one).
+_SUMMARY_COLUMNS = [
+    ("launch_floor_us", "floor µs", None),
+    ("launch_fast_us", "fast launch µs", "3.5 x fast ≤ Triton prealloc"),
+    ("launch_triton_prealloc_us", "Triton prealloc µs", None),
+    ("launch_op_us", "op µs", "op ≤ 0.6 x Triton same alloc"),
+    ("launch_triton_same_alloc_us", "Triton same alloc µs", None),
+    ("first_over_steady", "first / steady", "≤ 1.1"),
+    ("warm_pack_s", "warm from pack s", "≤ 0.2"),
+    ("warm_cache_s", "warm cache s", None),
+    ("warm_cold_s", "warm cold s", "≤ 2.0"),
+    ("sweep_misses", "sweep misses", "= 0"),
+]
+
+
+def _met(entry: dict[str, Any]) -> dict[str, bool]:
+    e = entry
+    return {
+        "launch_fast_us": 3.5 * e["launch_fast_us"] <= e["launch_triton_prealloc_us"],
+        "launch_op_us": e["launch_op_us"] <= 0.6 * e["launch_triton_same_alloc_us"],
+        "first_over_steady": e["first_over_steady"] <= 1.1,
+        "warm_pack_s": e["warm_pack_s"] <= 0.2,
+        "warm_cold_s": e["warm_cold_s"] <= 2.0,
+        "sweep_misses": e["sweep_misses"] == 0,
+    }
+
+
+def summary_table(summary: dict[str, Any]) -> list[str]:
+    """One row per Triton release of ``benchmarks/results/summary.json`` (``benchmarks/summary.py``),
+    each figure against its target (✓ met, ✗ not)."""
+    out = ["Launch and warm on the H200 (`benchmarks/summary.py`, one run per release; medians: the raw rounds are in the files summary.json names per release):", "",
+           "| Triton | " + " | ".join(label for _, label, _ in _SUMMARY_COLUMNS) + " | run |",
+           "| --- |" + " ---: |" * len(_SUMMARY_COLUMNS) + " --- |",
+           "| target | " + " | ".join(target or "" for _, _, target in _SUMMARY_COLUMNS) + " | |"]  # fmt: skip
+    for release, e in sorted(summary.items(), key=lambda kv: _release_key(Path(f"x_{kv[0]}"))):
+        met = _met(e)
+        cells = []
+        for key, _, _ in _SUMMARY_COLUMNS:
+            value = e.get(key)
+            text = "-" if value is None else (f"{value}" if isinstance(value, int) else f"{value:.2f}")
+            cells.append(text + (" ✓" if met.get(key) else " ✗" if key in met else ""))
+        out.append(f"| {release.removeprefix('triton-')} | " + " | ".join(cells) + f" | {e['machine']['gpu']}, {e['machine']['cpus']} CPUs, {e['time']} |")
+    return out + [""]
+
+
 def render() -> str:
     lines: list[str] = []
     gpus = gpu_runs()
+    summary = _load("summary")
+    if summary:
+        lines += summary_table(summary)
     if (ROOT / "docs" / "warm_time.png").exists():
         lines += ["![warm time](docs/warm_time.png)", ""]
     runs = [(f"H200 host, Triton {version}", result) for version, gpu in gpus for name, result in _steps(gpu).items() if name.startswith("warm_time:")]

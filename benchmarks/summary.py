@@ -4,7 +4,9 @@
 Runs, each in its own subprocess (fresh Triton caches inside each benchmark), and keeps each one's
 raw rounds in its own results file:
 
-- ``benchmarks/launch_floor.py``: every launch path side by side, first launch against steady;
+- ``benchmarks/launch_floor.py``: every launch path side by side (and one process's first launch);
+- ``benchmarks/first_launch.py``: the first launch after warm against steady over fresh processes
+  (``first_over_steady`` is their median), split into phases, without rehearsal, eager modules;
 - ``benchmarks/warm_time.py --quick`` on the DeepSeek-V4-Flash example: cold with every core, from a
   warm disk cache and from a pack (both after ``warmreg.prefetch()`` as an engine calls it: at
   start-up, done while the weights load), and a second warm in the same process;
@@ -13,7 +15,7 @@ raw rounds in its own results file:
 The entry holds the medians the issue names (microseconds, seconds) and the file each came from.
 ``benchmarks/render_results.py`` renders the README's summary table from it.
 
-    python benchmarks/summary.py --pack flash-cuda90.tar.gz [--only launch,warm,sweep]
+    python benchmarks/summary.py --pack flash-cuda90.tar.gz [--only launch,first,warm,sweep]
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pack", required=True, help="a pack of examples/deepseek_v4_flash.json for this GPU and release")
-    ap.add_argument("--only", default="launch,warm,sweep", help="comma-separated: launch, warm, sweep")
+    ap.add_argument("--only", default="launch,first,warm,sweep", help="comma-separated: launch, first, warm, sweep")
     ap.add_argument("--step-timeout", type=float, default=300.0)
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -87,10 +89,18 @@ def main() -> None:
                 launch_floor_us=med["floor"], launch_fast_us=med["fast"], launch_fast_python_us=med["fast_python"],
                 launch_triton_prealloc_us=med["triton_prealloc"], launch_op_us=med["op"], launch_op_out_us=med["op_out"],
                 launch_op_python_us=med["op_python"], launch_triton_same_alloc_us=med["triton_same_alloc"],
-                launch_native_built=lf["native_built"], first_over_steady=lf["first_over_steady"],
+                launch_native_built=lf["native_built"], first_over_steady_one_process=lf["first_over_steady"],
                 launch_paired_ratios=lf["paired_ratios"],
             )  # fmt: skip
             files["launch"] = f"{stem}.json"
+        if "first" in only:
+            stem = f"first_launch_{tag}"
+            fl = _step([py, "benchmarks/first_launch.py", "--tag", tag], stem, env, args.step_timeout)
+            entry.update(
+                first_over_steady=fl["first_over_steady"],
+                first_over_steady_by_variant={k: v["median_first_over_steady"] for k, v in fl["variants"].items()},
+            )  # fmt: skip
+            files["first"] = f"{stem}.json"
         if "warm" in only:
             stem = f"warm_time_{tag}"
             cmd = [py, "benchmarks/warm_time.py", CONFIGS[0], "--quick", "--pack", args.pack, "--tag", tag]

@@ -36,7 +36,7 @@ t = time.perf_counter()
 again = warmreg.warm({config!r}, target={target!r}, workers={workers}, on_error="continue", progress=False)
 print(json.dumps({{"wall": wall, "again_wall": time.perf_counter() - t, "already_warm": again.already_warm,
                    "rehearsed": r.rehearsed, "rehearsal_seconds": r.rehearsal_seconds,
-                   "plan_seconds": r.plan_seconds, "keys": r.declared, "kernels": len(r.per_kernel()),
+                   "plan_seconds": r.plan_seconds, "keys": r.declared, "kernels": len(r.per_kernel()), "pack": r.pack,
                    "compiled": r.compiled, "from_cache": r.from_cache, "failed": len(r.failed),
                    "load_seconds": sum(x.load_seconds for x in r.results),
                    "compile_seconds": sum(x.seconds for x in r.results),
@@ -70,7 +70,7 @@ def main() -> None:
     ap.add_argument("--target", default=None)
     ap.add_argument("--pack", default=None, help="a pack built elsewhere (e.g. on a CPU-only machine)")
     ap.add_argument("--tag", default=None)
-    ap.add_argument("--quick", action="store_true", help="only cold with all cores, warm cache and pack (both prefetched)")
+    ap.add_argument("--quick", action="store_true", help="only cold with all cores, warm cache and pack (both prefetched, with all cores, 1 and 4 threads)")
     args = ap.parse_args()
     cpus = len(os.sched_getaffinity(0))
     results: dict = {"config": args.config, "target": args.target or "local", "cpus": cpus, "variants": {}}
@@ -91,6 +91,11 @@ def main() -> None:
             results["variants"]["warm_disk_cache_prefetched"] = warm(cpus, threads_cache, prefetch=True)
             if args.pack:
                 results["variants"]["from_pack_prefetched"] = warm(cpus, fresh("pack2"), args.pack, prefetch=True)
+            # where the GIL, not the cores, bounds a warm of cache hits: the same two with fewer threads
+            for workers in (1, 4):
+                results["variants"][f"warm_disk_cache_prefetched_{workers}w"] = warm(workers, threads_cache, prefetch=True)
+                if args.pack:
+                    results["variants"][f"from_pack_prefetched_{workers}w"] = warm(workers, fresh(f"pack{workers}w"), args.pack, prefetch=True)
             tag = args.tag or "gpu_quick"
             path = write(f"warm_time_{tag}", results)
             print(json.dumps({k: val["wall"] for k, val in results["variants"].items()}, indent=1), "->", path)

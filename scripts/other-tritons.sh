@@ -30,7 +30,7 @@ for v in "${versions[@]}"; do
     export TRITON_CACHE_DIR="$work/cache"
     tests=("${core[@]}")
     if [ "$v" = "${versions[0]}" ] || [ "$v" = "${versions[${#versions[@]}-1]}" ]; then tests+=("${plugin_tests[@]}"); fi
-    "$vpy" -m pytest -q -p no:cacheprovider -m "not slow" "${tests[@]}" || status=1
+    "$vpy" -m pytest -q -p no:cacheprovider -n auto --dist loadfile -m "not slow" "${tests[@]}" || status=1
     "$vpy" -m warmreg warm examples/deepseek_v4_flash.json --target cuda:90 --json "$work/flash.json" || status=1
     "$vpy" -m warmreg build examples/kimi_k3.json --target cuda:90 -o "$work/kimi.tar.gz" || status=1
     TRITON_CACHE_DIR="$work/fresh" "$vpy" -m warmreg warm examples/kimi_k3.json --target cuda:90 --pack "$work/kimi.tar.gz" \

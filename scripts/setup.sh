@@ -35,8 +35,8 @@ case "$installed" in
         say "Triton $installed is outside 3.6-3.9: installing Triton $DEFAULT_TRITON"
         "$PY" -m pip install -q "triton==$DEFAULT_TRITON" ;;
 esac
-say "installing attrs, pluggy, rich, numpy, pytest, transformers, build"
+say "installing attrs, pluggy, rich, numpy, pytest, pytest-xdist, transformers, build"
 "$PY" -m pip install -q "attrs>=23.1" "pluggy>=1.3" "typing-extensions>=4.8" "rich>=13" "numpy>=1.24" \
-    "pytest>=8" "setuptools>=68" "transformers>=5.23" "build>=1"
+    "pytest>=8" "pytest-xdist>=3.5" "setuptools>=68" "transformers>=5.23" "build>=1"
 say "installing warmreg, warmreg-deepseek-v4 and warmreg-kimi-k3 (editable)"
 "$PY" -m pip install -q --no-build-isolation --no-deps -e . -e plugins/deepseek_v4 -e plugins/kimi_k3

@@ -1,0 +1,103 @@
+"""The first launch after warm against the steady launch, over fresh processes, with where it goes.
+
+A first launch happens once per process, so each sample is its own process: warm the config (the
+disk cache is warm after the first), then time warmreg's fused Q/KV RMSNorm at T = 1 (launch and
+synchronize, as ``launch_floor.py`` does) once, then ``--steady`` more times. Variants, each over
+``--processes`` processes:
+
+- ``op``: the whole op, first call against the median of the steady calls (``first_over_steady``);
+- ``phases``: the same call split into the launch code (checks, key, allocations: the op's
+  ``LaunchSpec``), ``warmreg.launch.run`` (lookups and the fast launch) and the synchronize;
+- ``no_rehearsal``: ``op`` after a warm with ``rehearse=False``;
+- ``eager_modules``: ``op`` with ``CUDA_MODULE_LOADING=EAGER`` (the driver loads every function at
+  module load instead of at its first launch).
+
+    python benchmarks/first_launch.py [examples/deepseek_v4_flash.json] [--processes 5] [--tag NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import median, write
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_PROCESS = """
+import json, sys, time, torch, warmreg, warmreg.launch
+from warmreg.ops import FusedQKVRMSNorm
+config, variant, steady_n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+dev = torch.device("cuda")
+torch.empty(1, device=dev)  # an engine has CUDA up before it warms
+warmreg.warm(config, on_error="continue", progress=False, rehearse=variant != "no_rehearsal")
+op = warmreg.plan(config).kernel(FusedQKVRMSNorm.name).kernel
+q, kv, width = op.q_size, op.kv_size, op.proj_width
+proj = torch.randn(1, width, device=dev).to(torch.bfloat16)
+a, b = proj[:, :q], proj[:, q : q + kv]
+qw = (1 + 0.1 * torch.randn(q, device=dev)).to(torch.bfloat16)
+kvw = (1 + 0.1 * torch.randn(kv, device=dev)).to(torch.bfloat16)
+torch.cuda.synchronize()
+body = type(op).__call__.__wrapped__
+now = time.perf_counter
+
+def whole():
+    t = now(); op(a, b, qw, kvw, 1e-6); torch.cuda.synchronize(); return {"total": (now() - t) * 1e3}
+
+def phases():
+    t0 = now(); spec = body(op, a, b, qw, kvw, 1e-6); t1 = now()
+    warmreg.launch.run(op, spec); t2 = now(); torch.cuda.synchronize(); t3 = now()
+    return {"launch_code": (t1 - t0) * 1e3, "run": (t2 - t1) * 1e3, "synchronize": (t3 - t2) * 1e3, "total": (t3 - t0) * 1e3}
+
+fn = phases if variant == "phases" else whole
+first = fn()
+steady = [fn() for _ in range(steady_n)]
+print(json.dumps({"first": first, "steady": {k: sorted(s[k] for s in steady)[len(steady) // 2] for k in first}}))
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("config", nargs="?", default=str(ROOT / "examples" / "deepseek_v4_flash.json"))
+    ap.add_argument("--processes", type=int, default=5)
+    ap.add_argument("--steady", type=int, default=50)
+    ap.add_argument("--tag", default="h200")
+    args = ap.parse_args()
+    variants = {"op": {}, "phases": {}, "no_rehearsal": {}, "eager_modules": {"CUDA_MODULE_LOADING": "EAGER"}}
+    out: dict[str, object] = {"config": args.config, "processes": args.processes, "steady_calls": args.steady, "variants": {}}
+    with tempfile.TemporaryDirectory() as cache:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        subprocess.run([sys.executable, "-c", "import warmreg, sys; warmreg.warm(sys.argv[1], progress=False)", args.config],
+                       env=env, check=True, cwd=ROOT)  # fmt: skip
+        for name, extra in variants.items():
+            runs = []
+            for _ in range(args.processes):
+                proc = subprocess.run(
+                    [sys.executable, "-c", _PROCESS, args.config, name, str(args.steady)],
+                    env={**env, **extra}, capture_output=True, text=True, timeout=600, cwd=ROOT,
+                )  # fmt: skip
+                if proc.returncode != 0:
+                    raise SystemExit(f"{name}: {proc.stderr[-3000:]}")
+                runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            ratios = [r["first"]["total"] / r["steady"]["total"] for r in runs]
+            out["variants"][name] = {  # type: ignore[index]
+                "env": extra,
+                "runs": runs,
+                "first_over_steady": ratios,
+                "median_first_over_steady": median(ratios),
+                "median_first_ms": {k: median([r["first"][k] for r in runs]) for k in runs[0]["first"]},
+                "median_steady_ms": {k: median([r["steady"][k] for r in runs]) for k in runs[0]["steady"]},
+            }
+            print(name, round(median(ratios), 3), out["variants"][name]["median_first_ms"], out["variants"][name]["median_steady_ms"])  # type: ignore[index]
+    out["first_over_steady"] = out["variants"]["op"]["median_first_over_steady"]  # type: ignore[index]
+    print("->", write(f"first_launch_{args.tag}", out))
+
+
+if __name__ == "__main__":
+    main()
