@@ -193,3 +193,21 @@ def test_the_launch_keeps_the_launch_codes_signature_and_passes_each_argument_on
     assert len(seen) == 2
     with pytest.raises(warmreg.KernelContractError, match="launch code returned int"):
         echo.bad(3)
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_a_warm_of_cache_hits_compiles_inline_and_one_with_a_miss_on_the_pool(
+    triton_cache: Path, monkeypatch: pytest.MonkeyPatch, inline: bool
+) -> None:
+    from warmreg import compile as compile_mod
+
+    pooled: list[int] = []
+    real = compile_mod._run_async
+    monkeypatch.setattr(compile_mod, "_run_async", lambda tasks, *a: (pooled.append(len(tasks)), real(tasks, *a))[1])
+    monkeypatch.setattr(compile_mod, "INLINE_HITS", inline)
+    first = warmreg.warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False, target="cuda:90", workers=4)
+    assert pooled == [first.declared] and first.compiled == first.declared  # cold: every key on the pool
+    warmreg.reset_state()  # nothing in memory: the next warm reads the disk cache
+    again = warmreg.warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False, target="cuda:90", workers=4)
+    assert {r.status for r in again.results} == {"disk_cache"}
+    assert pooled == ([first.declared] if inline else [first.declared, again.declared])

@@ -27,6 +27,7 @@ __all__ = [
     "cache_subdir",
     "remove_unfinished",
     "import_jit",
+    "in_disk_cache",
     "local_cache_hash",
     "memory_kernel",
     "portable_specialization",
@@ -162,6 +163,21 @@ def portable_specialization(specialization_data: str) -> str:
     for name in _MACHINE_OPTIONS:
         data.get("options", {}).pop(name, None)
     return json.dumps(data)
+
+
+def in_disk_cache(jit: JITFunction, specialization_data: str | None, platform: Platform) -> bool:
+    """Whether Triton's disk cache holds this specialization's binary for ``platform`` (its group
+    file, which Triton publishes last): what ``compile`` would find instead of compiling. ``False``
+    for no specialization or one the local Triton cannot hash (its compile says why)."""
+    from pathlib import Path
+
+    if specialization_data is None:
+        return False
+    try:
+        directory = Path(cache_dir()) / cache_subdir(local_cache_hash(jit, specialization_data, platform))
+    except Exception:
+        return False
+    return any(directory.glob("__grp__*.json"))
 
 
 def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform) -> str:

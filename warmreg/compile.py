@@ -1,7 +1,8 @@
 """Compiling bound keys: in parallel on a bounded pool, each key isolated, each timed; then loading.
 
 Each bound key's captured launch (:mod:`warmreg.bind`) becomes ``JITFunction.warmup``, whose
-compiles run on a thread pool through Triton's async compile mode. Triton's compilation listener
+compiles run on a thread pool through Triton's async compile mode (inline when every key is a hit
+in Triton's disk cache: :data:`INLINE_HITS`). Triton's compilation listener
 says whether each binary came from its disk cache. On the local GPU each binary is loaded (launcher
 built, module loaded) as soon as it is compiled, and each key's guarded fast launch is prepared.
 (All through the adapter, :mod:`warmreg._triton`.)
@@ -23,10 +24,14 @@ from .bind import OnError, Task, cancel_rest, describe
 from .launch import FAST_LAUNCH, IN_WARMUP, remember_fast_launch
 from .platform import Platform
 
-__all__ = ["compile_scope", "compile_tasks", "prepare_fast_launches", "remove_failed"]
+__all__ = ["INLINE_HITS", "compile_scope", "compile_tasks", "prepare_fast_launches", "remove_failed"]
 
 log = logging.getLogger("warmreg.compile")
 _tls = threading.local()
+#: Compile on the calling thread when every key is already in Triton's disk cache (a warm cache, an
+#: installed pack): a hit is Python under the GIL, so a pool only adds threads contending for it
+#: (modules still load on the pool). ``False`` sends hits to the pool too (benchmarks compare both).
+INLINE_HITS = True
 
 def _compile(task: Task) -> None:
     """The second phase for one key: ``JITFunction.warmup`` of its captured launch (submitted to
@@ -116,7 +121,8 @@ def compile_tasks(
     if not todo:
         return
     _triton_cache.wait_triton_key()
-    if workers <= 1:
+    hits = INLINE_HITS and all(t.launch and _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform) for t in todo)
+    if workers <= 1 or hits:
         _run_serial(todo, on_error, on_done)
     else:
         load_device = _triton.current_device() if platform.local else None

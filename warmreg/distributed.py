@@ -79,14 +79,10 @@ def _device_for(group: Any) -> torch.device:
 
 def _all_cached(plan: Plan, tasks: list[Task]) -> bool:
     """Whether every bound key is already in the local Triton cache (no compile needed)."""
-    from pathlib import Path
-
-    cache = Path(_triton_cache.cache_dir())
     for task in tasks:
         if task.status == "failed" or task.captured is None or task.specialization_data is None:
             return False
-        local = _triton_cache.local_cache_hash(task.captured[0], task.specialization_data, plan.platform)
-        if not any((cache / _triton_cache.cache_subdir(local)).glob("__grp__*.json")):
+        if not _triton_cache.in_disk_cache(task.captured[0], task.specialization_data, plan.platform):
             return False
     return True
 
