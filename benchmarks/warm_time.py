@@ -26,6 +26,8 @@ if {prefetch!r}:  # engine-style start-up: warmreg.prefetch() first, then the re
     warmreg.prefetch()
 if {target!r} is None:  # an engine has CUDA up before it warms: keep context creation out of the timing
     torch.empty(1, device="cuda")
+if {pool!r}:  # cache hits on the compile pool too, as before warmreg.compile.INLINE_HITS
+    import warmreg.compile; warmreg.compile.INLINE_HITS = False
 if {prefetch!r}:  # ... which loads the weights (seconds) while the prefetch finishes
     from warmreg import _triton_cache, warmup
     _triton_cache.wait_triton_key(); warmup._prefetched()
@@ -70,7 +72,7 @@ def main() -> None:
     ap.add_argument("--target", default=None)
     ap.add_argument("--pack", default=None, help="a pack built elsewhere (e.g. on a CPU-only machine)")
     ap.add_argument("--tag", default=None)
-    ap.add_argument("--quick", action="store_true", help="only cold with all cores, warm cache and pack (both prefetched, with all cores, 1 and 4 threads)")
+    ap.add_argument("--quick", action="store_true", help="only cold with all cores, warm cache and pack (both prefetched; also with hits on the pool, and on 1 thread)")
     args = ap.parse_args()
     cpus = len(os.sched_getaffinity(0))
     results: dict = {"config": args.config, "target": args.target or "local", "cpus": cpus, "variants": {}}
@@ -81,8 +83,8 @@ def main() -> None:
             os.makedirs(path)
             return path
 
-        def warm(workers: int, cache: str, pack: str | None = None, prefetch: bool = False) -> dict:
-            code = _WARM.format(config=args.config, target=args.target, workers=workers, pack=pack, prefetch=prefetch)
+        def warm(workers: int, cache: str, pack: str | None = None, prefetch: bool = False, pool: bool = False) -> dict:
+            code = _WARM.format(config=args.config, target=args.target, workers=workers, pack=pack, prefetch=prefetch, pool=pool)
             return _run(code, cache)
 
         threads_cache = fresh("threads")
@@ -91,11 +93,13 @@ def main() -> None:
             results["variants"]["warm_disk_cache_prefetched"] = warm(cpus, threads_cache, prefetch=True)
             if args.pack:
                 results["variants"]["from_pack_prefetched"] = warm(cpus, fresh("pack2"), args.pack, prefetch=True)
-            # where the GIL, not the cores, bounds a warm of cache hits: the same two with fewer threads
-            for workers in (1, 4):
-                results["variants"][f"warm_disk_cache_prefetched_{workers}w"] = warm(workers, threads_cache, prefetch=True)
-                if args.pack:
-                    results["variants"][f"from_pack_prefetched_{workers}w"] = warm(workers, fresh(f"pack{workers}w"), args.pack, prefetch=True)
+            # the GIL, not the cores, bounds a warm of cache hits: the same two with the hits on the
+            # compile pool (all cores), and with one thread for everything (loads included)
+            results["variants"]["warm_disk_cache_prefetched_pool"] = warm(cpus, threads_cache, prefetch=True, pool=True)
+            results["variants"]["warm_disk_cache_prefetched_1w"] = warm(1, threads_cache, prefetch=True)
+            if args.pack:
+                results["variants"]["from_pack_prefetched_pool"] = warm(cpus, fresh("pack_pool"), args.pack, prefetch=True, pool=True)
+                results["variants"]["from_pack_prefetched_1w"] = warm(1, fresh("pack_1w"), args.pack, prefetch=True)
             tag = args.tag or "gpu_quick"
             path = write(f"warm_time_{tag}", results)
             print(json.dumps({k: val["wall"] for k, val in results["variants"].items()}, indent=1), "->", path)
