@@ -170,7 +170,7 @@ def _already_warm(the_plan: Plan, shard: Shard | None, start: float) -> WarmRepo
     if earlier is None:
         return None
     report, entries, tuned = earlier
-    if any(FAST_TABLES.get(name, {}).get(key) is not ref() for name, key, ref in entries) or _tuned_state(the_plan) != tuned:
+    if any((e := ref()) is None or FAST_TABLES.get(name, {}).get(key) is not e for name, key, ref in entries) or _tuned_state(the_plan) != tuned:
         return None
     return attrs.evolve(report, seconds=time.perf_counter() - start, already_warm=True)
 
