@@ -7,6 +7,7 @@ how ``preload`` decodes serialized constants is not (:class:`warmreg._triton_rel
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import threading
@@ -20,6 +21,8 @@ from ._triton import _device_id, cross_target, current_device, gpu_target
 from ._triton_release import RELEASE
 from .errors import CacheError, WarmregError
 from .platform import Platform
+
+log = logging.getLogger("warmreg.compile")
 
 __all__ = [
     "cache_dir",
@@ -46,15 +49,31 @@ def prefetch_triton_key() -> None:
 
     Triton hashes its own sources and the 415 MB ``libtriton.so`` the first time any compile or
     cache lookup needs the key (~0.35 s on an H200 host); ``hashlib`` releases the GIL, so a warm
-    overlaps it with loading plugins and planning. :func:`wait_triton_key` joins it.
+    overlaps it with loading plugins and planning. The same thread then prepares the CUDA driver's
+    utility module (see ``_prefetch``). :func:`wait_triton_key` joins it.
     """
     global _key_thread
     with _key_lock:
         if _key_thread is None:
             from triton.runtime import cache
 
-            _key_thread = threading.Thread(target=cache.triton_key, name="warmreg-triton-key", daemon=True)
+            _key_thread = threading.Thread(target=_prefetch, args=(cache.triton_key,), name="warmreg-triton-key", daemon=True)
             _key_thread.start()
+
+
+def _prefetch(triton_key: Any) -> None:
+    triton_key()
+    # Then the CUDA driver's utility module (``cuda_utils``: module loads and, from 3.7, every
+    # launch), which Triton compiles with the host's C compiler into its cache at the first load:
+    # a fresh cache (a pack installed into one) paid 0.4-0.9 s for it in the warm on the H200 host.
+    # Building and loading the module initializes no CUDA context; without a driver (a CPU-only
+    # machine) Triton refuses at once, before compiling.
+    try:
+        from triton.backends.nvidia.driver import CudaUtils
+
+        CudaUtils()
+    except Exception as exc:
+        log.debug("no CUDA driver utilities prefetched: %s", exc)
 
 
 def wait_triton_key() -> None:
