@@ -37,6 +37,18 @@ def machine() -> dict[str, Any]:
     return info
 
 
+def qkv_decode_inputs(op: Any, device: Any) -> tuple[Any, Any, Any, Any]:
+    """The fused Q/KV RMSNorm's decode inputs at T = 1 for ``op``'s layout: ``qr`` and ``kv`` as
+    views of one bf16 projection row, and two bf16 weights near 1 (launch_floor, first_launch)."""
+    import torch
+
+    q, kv, width = op.q_size, op.kv_size, op.proj_width
+    proj = torch.randn(1, width, device=device).to(torch.bfloat16)
+    qw = (1 + 0.1 * torch.randn(q, device=device)).to(torch.bfloat16)
+    kvw = (1 + 0.1 * torch.randn(kv, device=device)).to(torch.bfloat16)
+    return proj[:, :q], proj[:, q : q + kv], qw, kvw
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

@@ -32,17 +32,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _PROCESS = """
 import json, sys, time, torch, warmreg, warmreg.launch
+sys.path.insert(0, "benchmarks")
+from _common import qkv_decode_inputs
 from warmreg.ops import FusedQKVRMSNorm
 config, variant, steady_n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 dev = torch.device("cuda")
 torch.empty(1, device=dev)  # an engine has CUDA up before it warms
 warmreg.warm(config, on_error="continue", progress=False, rehearse=variant != "no_rehearsal")
 op = warmreg.plan(config).kernel(FusedQKVRMSNorm.name).kernel
-q, kv, width = op.q_size, op.kv_size, op.proj_width
-proj = torch.randn(1, width, device=dev).to(torch.bfloat16)
-a, b = proj[:, :q], proj[:, q : q + kv]
-qw = (1 + 0.1 * torch.randn(q, device=dev)).to(torch.bfloat16)
-kvw = (1 + 0.1 * torch.randn(kv, device=dev)).to(torch.bfloat16)
+a, b, qw, kvw = qkv_decode_inputs(op, dev)
 torch.cuda.synchronize()
 body = type(op).__call__.__wrapped__
 now = time.perf_counter

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import median, write
+from _common import median, qkv_decode_inputs, write
 
 import warmreg
 import warmreg.launch
@@ -77,11 +77,7 @@ def main() -> None:
     report = warmreg.warm(args.config, on_error="continue", progress=False)
     warm_s = time.perf_counter() - t
     op = warmreg.plan(args.config).kernel(FusedQKVRMSNorm.name).kernel
-    q, kv, width = op.q_size, op.kv_size, op.proj_width
-    proj = torch.randn(1, width, device=dev).to(torch.bfloat16)
-    a, b = proj[:, :q], proj[:, q : q + kv]
-    qw = (1 + 0.1 * torch.randn(q, device=dev)).to(torch.bfloat16)
-    kvw = (1 + 0.1 * torch.randn(kv, device=dev)).to(torch.bfloat16)
+    a, b, qw, kvw = qkv_decode_inputs(op, dev)
     q_out, kv_out = torch.empty_like(a), torch.empty_like(b)
     torch.cuda.synchronize()
 

@@ -7,7 +7,8 @@ code and the C launch path on real tensors, the allocator's first block of an ou
 :class:`Rehearse` stage (after tuning, so a tuned kernel launches its chosen candidate) moves that
 into warm: each kernel's own launch code runs once per key on :meth:`~warmreg.TritonKernel.tuning_inputs`
 (by default its warmup inputs as zero-filled device tensors: every index 0, every length 0), twice
-(CPython specializes bytecode at a function's second run), then the GPU is synchronized, so a kernel that faults on them fails the warm, not the first request.
+(CPython specializes bytecode at a function's second run), then the GPU is synchronized, so a
+kernel that faults on them fails the warm, not the first request.
 
 The launches are warmreg's own (the monitor ignores them, as it does compiles in warm). A launch
 whose inputs would not give back the key is not made (a contract error, logged); a kernel whose
