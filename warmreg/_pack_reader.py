@@ -10,6 +10,7 @@ members are indexed in one pass and read in the order they are stored.
 from __future__ import annotations
 
 import errno
+import io
 import os
 import stat
 import tarfile
@@ -32,7 +33,11 @@ from ._pack_format import (
     parse_manifest,
 )
 
-__all__ = ["Reader", "check_entries", "check_entry", "check_launchers"]
+__all__ = ["IN_MEMORY", "Reader", "check_entries", "check_entry", "check_launchers"]
+
+#: A ``.tar.gz`` pack whose tar is at most this many bytes (the Flash example's: 2 MB) is
+#: decompressed once into memory; a larger one is read as a stream, so memory stays bounded either way.
+IN_MEMORY = 16 * 1024 * 1024
 
 _BROKEN = (tarfile.TarError, zipfile.BadZipFile, zipfile.LargeZipFile, zlib.error, EOFError, OSError, ValueError, NotImplementedError, RuntimeError)
 _NO_LINKS = "do not use this pack; links and special files are never installed"
@@ -104,7 +109,11 @@ class Reader:
         self._index[name] = info
 
     def _index_tar(self, *, gz: bool) -> None:
-        self._tar = tar = tarfile.open(self.path, "r:gz" if gz else "r:")
+        unpacked = self._gunzip() if gz else None
+        if unpacked is not None:  # seeks in memory: the index, manifest, entries and launchers in one decompression
+            self._tar = tar = tarfile.open(fileobj=unpacked, mode="r:")
+        else:  # seeking back in a gzip stream decompresses it again from its start
+            self._tar = tar = tarfile.open(self.path, "r:gz" if gz else "r:")
         while (member := tar.next()) is not None:
             if member.isdir():
                 self._member_name(member.name, directory=True)
@@ -125,6 +134,27 @@ class Reader:
             tail += stream.read(1 << 16) if len(tail) == 1 << 20 else b""
         if len(tail) < tarfile.BLOCKSIZE or tail.strip(b"\0"):  # no end-of-archive block: cut or damaged
             raise PackError(self.name, f"is not a readable {self._kind} (damaged after byte {tar.offset})", fix="download or rebuild it; it may be truncated")
+
+    def _gunzip(self) -> io.BytesIO | None:
+        """The whole tar of a ``.tar.gz`` pack of at most :data:`IN_MEMORY` bytes, decompressed once
+        (gzip's CRC and length checked), or ``None`` for a larger one (then read as a stream)."""
+        inflate = zlib.decompressobj(wbits=31)  # one gzip member; anything after it takes the stream path
+        out = io.BytesIO()
+        with open(self.path, "rb") as f:
+            data = f.read(1 << 20)
+            while data:
+                out.write(inflate.decompress(data, 1 << 20))  # at most 1 MiB at a time: memory stays bounded
+                if out.tell() > IN_MEMORY:
+                    return None
+                if inflate.eof:
+                    if inflate.unused_data or f.read(1):
+                        return None
+                    break
+                data = inflate.unconsumed_tail or f.read(1 << 20)
+        if not inflate.eof:
+            raise EOFError("compressed file ended before the end-of-stream marker was reached")
+        out.seek(0)
+        return out
 
     def _index_zip(self) -> None:
         self._zip = zf = zipfile.ZipFile(self.path)

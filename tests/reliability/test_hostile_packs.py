@@ -340,6 +340,15 @@ def _cut_gz(base: Members, tmp: Path) -> tuple[Path, str]:
     return tmp / "hostile.tar.gz", "not a readable tar.gz"
 
 
+@case("damaged archives", ".tar.gz with a wrong CRC in its gzip trailer")
+def _gz_crc(base: Members, tmp: Path) -> tuple[Path, str]:
+    data = bytearray(_targz(base, tmp))
+    data[-8] ^= 0xFF  # the CRC-32 of the uncompressed tar: the data itself decompresses fine
+    (tmp / "good.tar.gz").unlink()
+    (tmp / "hostile.tar.gz").write_bytes(bytes(data))
+    return tmp / "hostile.tar.gz", "not a readable tar.gz"
+
+
 @case("damaged archives", "gzip garbage")
 def _gz_garbage(base: Members, tmp: Path) -> tuple[Path, str]:
     (tmp / "hostile.tar.gz").write_bytes(b"\x1f\x8b\x08\x00" + os.urandom(4096))
@@ -455,11 +464,13 @@ def test_one_bad_entry_among_good_ones_is_summarized(base: Members, tmp_path: Pa
 
 
 def test_unlisted_members_are_never_read(base: Members, tmp_path: Path) -> None:
-    """four unlisted 40 MiB members: verify and install never hold them in memory"""
+    """four unlisted 40 MiB members: verify and install never hold them in memory (a .tar.gz that
+    large is read as a stream, not decompressed into memory)"""
     import tracemalloc
 
     big = {f"files/{i:016x}/big.cubin": b"\0" * (40 << 20) for i in range(4)}
-    for path in (write_tar(tmp_path / "big.tar", {**base, **big}), write_zip(tmp_path / "big.zip", {**base, **big})):
+    tar, gz, zf = (write_tar(tmp_path / "big.tar", {**base, **big}), write_tar(tmp_path / "big.tar.gz", {**base, **big}, gz=True), write_zip(tmp_path / "big.zip", {**base, **big}))
+    for path in (tar, gz, zf):
         tracemalloc.start()
         packs.verify(path)
         packs.install(path)
@@ -507,3 +518,22 @@ def test_a_pack_naming_only_functions_no_plugin_package_holds_is_refused_without
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and "'this.f'" in lines[0] and "never imports" in lines[0], done.stderr[-2000:]
     assert files_under(triton_cache) == set()
+
+
+@pytest.mark.parametrize("bound", [1 << 30, 0], ids=["in memory", "as a stream"])
+def test_a_tar_gz_installs_the_same_decompressed_in_memory_or_read_as_a_stream(
+    bound: int, base: Members, tmp_path: Path, triton_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """a .tar.gz pack is read in memory up to the bound and as a stream beyond it: the same manifest and files"""
+    from warmreg import _pack_reader
+
+    monkeypatch.setattr(_pack_reader, "IN_MEMORY", bound)
+    path = write_tar(tmp_path / "good.tar.gz", base, gz=True)
+    reader = _pack_reader.Reader(path)
+    try:
+        assert isinstance(reader._tar.fileobj, io.BytesIO) is (bound > 0)  # type: ignore[union-attr]
+        assert reader.read(dict.fromkeys(base)) == base
+    finally:
+        reader.close()
+    report = packs.install(path)
+    assert report.installed == len(packs.inspect_pack(path).entries) and not report.refused
