@@ -109,7 +109,7 @@ def main() -> None:
         jit[grid](**kwargs, **options)
 
     def triton_same_alloc() -> None:
-        new_q, new_kv = a.new_empty(a.shape), b.new_empty(b.shape)
+        new_q, new_kv = a.new_empty_strided(a.shape, (a.shape[1], 1)), b.new_empty_strided(b.shape, (b.shape[1], 1))
         jit[grid](**{**kwargs, "q_out_ptr": new_q, "kv_out_ptr": new_kv}, **options)
 
     native = entry.launch
@@ -153,7 +153,7 @@ def main() -> None:
         "launch code (checks, dispatch, 2 allocations, LaunchSpec)": lambda: body(op, a, b, qw, kvw, 1e-6),
         "launch code with out=": lambda: body(op, a, b, qw, kvw, 1e-6, out=(q_out, kv_out)),
         "dispatch (the key)": lambda: op.dispatch(qr=a, kv=b, q_weight=qw, kv_weight=kvw, launch_pdl=key.launch_pdl),
-        "2 allocations": lambda: (a.new_empty(a.shape), b.new_empty(b.shape)),
+        "2 allocations": lambda: (a.new_empty_strided(a.shape, (a.shape[1], 1)), b.new_empty_strided(b.shape, (b.shape[1], 1))),
         "warmreg.launch.run (the fast launch and its lookups)": lambda: warmreg.launch.run(op, spec),
     }
     breakdown = {name: median([_host_us(p, args.calls) for _ in range(3)]) for name, p in parts.items()}

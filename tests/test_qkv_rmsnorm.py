@@ -38,7 +38,8 @@ def test_matches_reference(tokens: int, q: int, kv: int, width: int, offset: int
     # which can flip the final bf16 rounding by one ulp (2**-7 relative).
     torch.testing.assert_close(q_out, q_ref, atol=0, rtol=2**-7)
     torch.testing.assert_close(kv_out, kv_ref, atol=0, rtol=2**-7)
-    assert q_out.is_contiguous() and q_out.shape == qr.shape
+    for out, x in ((q_out, qr), (kv_out, kv_in)):  # fresh outputs: contiguous, of the inputs' shape, dtype and device
+        assert out.is_contiguous() and out.shape == x.shape and out.dtype == x.dtype and out.device == x.device
 
 
 def test_empty_batch_launches_nothing_and_returns_empty_outputs() -> None:

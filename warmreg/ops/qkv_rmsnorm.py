@@ -237,7 +237,10 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
                 launch_pdl = self._pdl = bool(local and local.supports_pdl)
         key = self._key(qr, kv, q_weight, kv_weight, launch_pdl, q_shape, kv_shape, q_stride[0], kv_stride[0])
         if out is None:
-            q_out, kv_out = qr.new_empty(q_shape), kv.new_empty(kv_shape)
+            # new_empty_strided with the contiguous strides: the same tensors as new_empty, which
+            # costs ~0.7 us more a call in PyTorch's argument handling (CPU machine: 1.53 vs 0.83 us)
+            q_out = qr.new_empty_strided(q_shape, (q_shape[1], 1))
+            kv_out = kv.new_empty_strided(kv_shape, (kv_shape[1], 1))
         else:
             q_out = output(self.name, "out[0]", out[0], q_shape, qr.dtype, qr.device)
             kv_out = output(self.name, "out[1]", out[1], kv_shape, kv.dtype, kv.device)
