@@ -10,7 +10,11 @@ synchronize, as ``launch_floor.py`` does) once, then ``--steady`` more times. Va
   ``LaunchSpec``), ``warmreg.launch.run`` (lookups and the fast launch) and the synchronize;
 - ``no_rehearsal``: ``op`` after a warm with ``rehearse=False``;
 - ``eager_modules``: ``op`` with ``CUDA_MODULE_LOADING=EAGER`` (the driver loads every function at
-  module load instead of at its first launch).
+  module load instead of at its first launch);
+- ``touch``: ``op`` right after one call of the same op on scratch inputs (what is left when
+  nothing ran between: the CPU's caches hold the launch path);
+- ``touch_then_memory_walk``: ``touch``, then 64 MiB of memory touched before the first call, as
+  other start-up work does (how much of the gap is the CPU cache state, not an initialization).
 
     python benchmarks/first_launch.py [examples/deepseek_v4_flash.json] [--processes 5] [--tag NAME]
 """
@@ -41,6 +45,10 @@ torch.empty(1, device=dev)  # an engine has CUDA up before it warms
 warmreg.warm(config, on_error="continue", progress=False, rehearse=variant != "no_rehearsal")
 op = warmreg.plan(config).kernel(FusedQKVRMSNorm.name).kernel
 a, b, qw, kvw = qkv_decode_inputs(op, dev)
+if variant in ("touch", "touch_then_memory_walk"):  # the same op once on scratch inputs, just before
+    op(*qkv_decode_inputs(op, dev), 1e-6)
+if variant == "touch_then_memory_walk":  # then touch 64 MiB, as other start-up work does
+    walk = bytearray(64 << 20); walk[::4096] = bytes(len(walk) // 4096); del walk
 torch.cuda.synchronize()
 body = type(op).__call__.__wrapped__
 now = time.perf_counter
@@ -67,7 +75,10 @@ def main() -> None:
     ap.add_argument("--steady", type=int, default=50)
     ap.add_argument("--tag", default="h200")
     args = ap.parse_args()
-    variants = {"op": {}, "phases": {}, "no_rehearsal": {}, "eager_modules": {"CUDA_MODULE_LOADING": "EAGER"}}
+    variants = {
+        "op": {}, "phases": {}, "no_rehearsal": {}, "eager_modules": {"CUDA_MODULE_LOADING": "EAGER"},
+        "touch": {}, "touch_then_memory_walk": {},
+    }  # fmt: skip
     out: dict[str, object] = {"config": args.config, "processes": args.processes, "steady_calls": args.steady, "variants": {}}
     with tempfile.TemporaryDirectory() as cache:
         env = {**os.environ, "TRITON_CACHE_DIR": cache}
