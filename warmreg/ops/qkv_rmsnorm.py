@@ -244,11 +244,11 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
         else:
             q_out = output(self.name, "out[0]", out[0], q_shape, qr.dtype, qr.device)
             kv_out = output(self.name, "out[1]", out[1], kv_shape, kv.dtype, kv.device)
-        kwargs = dict(
-            q_in_ptr=qr, kv_in_ptr=kv, q_w_ptr=q_weight, kv_w_ptr=kv_weight, q_out_ptr=q_out, kv_out_ptr=kv_out,
-            q_in_stride=q_stride[0], kv_in_stride=kv_stride[0], eps=eps,
-            Q_SIZE=key.q_size, KV_SIZE=key.kv_size, BLOCK_SIZE=key.block_size, USE_PDL=key.launch_pdl,
-        )  # fmt: skip
+        kwargs = {
+            "q_in_ptr": qr, "kv_in_ptr": kv, "q_w_ptr": q_weight, "kv_w_ptr": kv_weight, "q_out_ptr": q_out, "kv_out_ptr": kv_out,
+            "q_in_stride": q_stride[0], "kv_in_stride": kv_stride[0], "eps": eps,
+            "Q_SIZE": key.q_size, "KV_SIZE": key.kv_size, "BLOCK_SIZE": key.block_size, "USE_PDL": key.launch_pdl,
+        }  # fmt: skip
         grid = (q_shape[0], 2) if q_shape[0] else None
         return LaunchSpec(key, grid, kwargs, (q_out, kv_out))
 
