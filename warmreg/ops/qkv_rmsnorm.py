@@ -238,7 +238,7 @@ class FusedQKVRMSNorm(TritonKernel[QKVRMSNormKey]):
         key = self._key(qr, kv, q_weight, kv_weight, launch_pdl, q_shape, kv_shape, q_stride[0], kv_stride[0])
         if out is None:
             # new_empty_strided with the contiguous strides: the same tensors as new_empty, which
-            # costs ~0.7 us more a call in PyTorch's argument handling (CPU machine: 1.53 vs 0.83 us)
+            # costs ~0.7 us more a call in PyTorch's argument handling (two calls: 7.0 vs 4.1 us on the H200 host)
             q_out = qr.new_empty_strided(q_shape, (q_shape[1], 1))
             kv_out = kv.new_empty_strided(kv_shape, (kv_shape[1], 1))
         else:
