@@ -39,7 +39,7 @@ def machine() -> dict[str, Any]:
 
 def qkv_decode_inputs(op: Any, device: Any) -> tuple[Any, Any, Any, Any]:
     """The fused Q/KV RMSNorm's decode inputs at T = 1 for ``op``'s layout: ``qr`` and ``kv`` as
-    views of one bf16 projection row, and two bf16 weights near 1 (launch_floor, first_launch)."""
+    views of one bf16 projection row, and two bf16 weights near 1 (launch_floor, first_launch, first_call_cpu)."""
     import torch
 
     q, kv, width = op.q_size, op.kv_size, op.proj_width
@@ -47,6 +47,13 @@ def qkv_decode_inputs(op: Any, device: Any) -> tuple[Any, Any, Any, Any]:
     qw = (1 + 0.1 * torch.randn(q, device=device)).to(torch.bfloat16)
     kvw = (1 + 0.1 * torch.randn(kv, device=device)).to(torch.bfloat16)
     return proj[:, :q], proj[:, q : q + kv], qw, kvw
+
+
+def memory_walk(mib: int = 64) -> None:
+    """Touch ``mib`` MiB of fresh memory, one write a page, as other start-up work does between a
+    warm and the first launch (first_launch, first_call_cpu)."""
+    walk = bytearray(mib << 20)
+    walk[::4096] = bytes(len(walk) // 4096)
 
 
 def median(values: list[float]) -> float:

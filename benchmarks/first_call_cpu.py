@@ -29,23 +29,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 _PROCESS = """
 import json, sys, time, torch, warmreg
+sys.path.insert(0, "benchmarks")
+from _common import memory_walk, qkv_decode_inputs
 from warmreg.ops import FusedQKVRMSNorm
 config, target, variant, steady_n = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 warmreg.warm(config, target=target, on_error="continue", progress=False)
 op = warmreg.plan(config, target=target).kernel(FusedQKVRMSNorm.name).kernel
 body = type(op).__call__.__wrapped__
-
-def inputs():
-    proj = torch.randn(1, op.proj_width).to(torch.bfloat16)
-    return (proj[:, : op.q_size], proj[:, op.q_size : op.q_size + op.kv_size],
-            torch.ones(op.q_size, dtype=torch.bfloat16), torch.ones(op.kv_size, dtype=torch.bfloat16))
-
-args = inputs()
+cpu = torch.device("cpu")
+args = qkv_decode_inputs(op, cpu)
 if variant != "after_warm":
     for _ in range(2):
-        body(op, *inputs(), 1e-6, True)
+        body(op, *qkv_decode_inputs(op, cpu), 1e-6, True)
 if variant == "touch_then_memory_walk":
-    walk = bytearray(64 << 20); walk[::4096] = bytes(len(walk) // 4096); del walk
+    memory_walk(64)
 now = time.perf_counter
 
 def one():

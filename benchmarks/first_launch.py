@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 _PROCESS = """
 import json, sys, time, torch, warmreg, warmreg.launch
 sys.path.insert(0, "benchmarks")
-from _common import qkv_decode_inputs
+from _common import memory_walk, qkv_decode_inputs
 from warmreg.ops import FusedQKVRMSNorm
 config, variant, steady_n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 dev = torch.device("cuda")
@@ -48,7 +48,7 @@ a, b, qw, kvw = qkv_decode_inputs(op, dev)
 if variant in ("touch", "touch_then_memory_walk"):  # the same op once on scratch inputs, just before
     op(*qkv_decode_inputs(op, dev), 1e-6)
 if variant == "touch_then_memory_walk":  # then touch 64 MiB, as other start-up work does
-    walk = bytearray(64 << 20); walk[::4096] = bytes(len(walk) // 4096); del walk
+    memory_walk(64)
 torch.cuda.synchronize()
 body = type(op).__call__.__wrapped__
 now = time.perf_counter
