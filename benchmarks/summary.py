@@ -7,9 +7,10 @@ raw rounds in its own results file:
 - ``benchmarks/launch_floor.py``: every launch path side by side (and one process's first launch);
 - ``benchmarks/first_launch.py``: the first launch after warm against steady over fresh processes
   (``first_over_steady`` is their median), split into phases, without rehearsal, eager modules;
-- ``benchmarks/warm_time.py --quick`` on the DeepSeek-V4-Flash example: cold with every core, from a
-  warm disk cache and from a pack (both after ``warmreg.prefetch()`` as an engine calls it: at
-  start-up, done while the weights load), and a second warm in the same process;
+- ``benchmarks/warm_time.py --quick`` on the DeepSeek-V4-Flash example: cold with every core (the default,
+  misses compiled in forked processes, and on threads only), from a warm disk cache and from a pack,
+  each after ``warmreg.prefetch()`` as an engine calls it (at start-up, done while the weights
+  load; cold also without it), and a second warm in the same process;
 - ``benchmarks/sweep.py`` over every example, the monitor in ``error`` mode: the misses.
 
 The entry holds the medians the issue names (microseconds, seconds) and the file each came from.
@@ -107,9 +108,11 @@ def main() -> None:
             v = _step(cmd, stem, env, args.step_timeout)["variants"]
             entry.update(
                 warm_pack_s=v["from_pack_prefetched"]["wall"], warm_cache_s=v["warm_disk_cache_prefetched"]["wall"],
-                warm_cold_s=v["cold_threads"]["wall"], warm_again_s=v["warm_disk_cache_prefetched"]["again_wall"],
+                warm_cold_s=v["cold_processes_prefetched"]["wall"], warm_cold_not_prefetched_s=v["cold_processes"]["wall"],
+                warm_cold_threads_s=v["cold_threads_prefetched"]["wall"],
+                warm_again_s=v["warm_disk_cache_prefetched"]["again_wall"],
                 warm_again_was_already_warm=v["warm_disk_cache_prefetched"]["already_warm"],
-                warm_keys=v["cold_threads"]["keys"], warm_cpus=entry["machine"]["cpus"],
+                warm_keys=v["cold_processes"]["keys"], warm_cpus=entry["machine"]["cpus"],
             )  # fmt: skip
             files["warm"] = f"{stem}.json"
         if "sweep" in only:

@@ -1,4 +1,5 @@
-"""Warm time side by side: serial, threads (Triton async compile), processes, warm disk cache, pack.
+"""Warm time side by side: serial, threads only (Triton async compile), processes (the default:
+misses compiled by forked children, ``warmreg.compile.PROCESSES``), warm disk cache, pack.
 
 Each variant runs in a fresh subprocess with its own empty Triton cache, so in-memory state never
 leaks between them. Writes benchmarks/results/warm_time_<machine>.json.
@@ -14,7 +15,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -28,6 +28,8 @@ if {target!r} is None:  # an engine has CUDA up before it warms: keep context cr
     torch.empty(1, device="cuda")
 if {pool!r}:  # cache hits on the compile pool too, as before warmreg.compile.INLINE_HITS
     import warmreg.compile; warmreg.compile.INLINE_HITS = False
+if not {processes!r}:  # misses compiled on threads only, as before warmreg.processes
+    import warmreg.processes; warmreg.processes.ENABLED = False
 if {prefetch!r}:  # ... which loads the weights (seconds) while the prefetch finishes
     from warmreg import _triton_cache, warmup
     _triton_cache.wait_triton_key(); warmup._prefetched()
@@ -38,27 +40,13 @@ t = time.perf_counter()
 again = warmreg.warm({config!r}, target={target!r}, workers={workers}, on_error="continue", progress=False)
 print(json.dumps({{"wall": wall, "again_wall": time.perf_counter() - t, "already_warm": again.already_warm,
                    "rehearsed": r.rehearsed, "rehearsal_seconds": r.rehearsal_seconds,
+                   "processes": r.processes, "processes_seconds": r.processes_seconds,
                    "plan_seconds": r.plan_seconds, "keys": r.declared, "kernels": len(r.per_kernel()), "pack": r.pack,
                    "compiled": r.compiled, "from_cache": r.from_cache, "failed": len(r.failed),
                    "load_seconds": sum(x.load_seconds for x in r.results),
                    "compile_seconds": sum(x.seconds for x in r.results),
                    "per_key_seconds": sorted(x.seconds for x in r.results)}}))
 """
-
-_SHARD = """
-import json, sys, time, warmreg
-from warmreg.bind import Task, bind_all
-from warmreg.compile import compile_scope, compile_tasks
-p = warmreg.plan({config!r}, target={target!r})
-items = list(p.items())[{index}::{count}]
-t = time.perf_counter()
-tasks = [Task(kp, key) for kp, key in items]
-with compile_scope(p.platform):
-    bind_all(tasks, "continue", None)
-    compile_tasks(tasks, platform=p.platform, workers=1, on_error="continue")
-print(json.dumps({{"wall": time.perf_counter() - t, "n": len(items)}}))
-"""
-
 
 def _run(code: str, cache: str) -> dict:
     env = {**os.environ, "TRITON_CACHE_DIR": cache}
@@ -72,7 +60,7 @@ def main() -> None:
     ap.add_argument("--target", default=None)
     ap.add_argument("--pack", default=None, help="a pack built elsewhere (e.g. on a CPU-only machine)")
     ap.add_argument("--tag", default=None)
-    ap.add_argument("--quick", action="store_true", help="only cold with all cores, warm cache and pack (both prefetched; also with hits on the pool, and on 1 thread)")
+    ap.add_argument("--quick", action="store_true", help="only cold with all cores (processes, then threads only), warm cache and pack (both prefetched; also with hits on the pool, and on 1 thread)")
     args = ap.parse_args()
     cpus = len(os.sched_getaffinity(0))
     results: dict = {"config": args.config, "target": args.target or "local", "cpus": cpus, "variants": {}}
@@ -83,13 +71,18 @@ def main() -> None:
             os.makedirs(path)
             return path
 
-        def warm(workers: int, cache: str, pack: str | None = None, prefetch: bool = False, pool: bool = False) -> dict:
-            code = _WARM.format(config=args.config, target=args.target, workers=workers, pack=pack, prefetch=prefetch, pool=pool)
+        def warm(workers: int, cache: str, pack: str | None = None, prefetch: bool = False, pool: bool = False, processes: bool = True) -> dict:
+            code = _WARM.format(
+                config=args.config, target=args.target, workers=workers, pack=pack, prefetch=prefetch, pool=pool, processes=processes
+            )
             return _run(code, cache)
 
         threads_cache = fresh("threads")
         if args.quick:
-            results["variants"]["cold_threads"] = warm(cpus, threads_cache)
+            results["variants"]["cold_processes"] = warm(cpus, fresh("procs"))
+            results["variants"]["cold_processes_prefetched"] = warm(cpus, fresh("procs2"), prefetch=True)
+            results["variants"]["cold_threads"] = warm(cpus, threads_cache, processes=False)
+            results["variants"]["cold_threads_prefetched"] = warm(cpus, fresh("threads2"), prefetch=True, processes=False)
             results["variants"]["warm_disk_cache_prefetched"] = warm(cpus, threads_cache, prefetch=True)
             if args.pack:
                 results["variants"]["from_pack_prefetched"] = warm(cpus, fresh("pack2"), args.pack, prefetch=True)
@@ -105,22 +98,8 @@ def main() -> None:
             print(json.dumps({k: val["wall"] for k, val in results["variants"].items()}, indent=1), "->", path)
             return
         results["variants"]["cold_serial"] = warm(1, fresh("serial"))
-        results["variants"]["cold_threads"] = warm(cpus, threads_cache)
-        # processes: each compiles a shard into one shared cache, then one process loads everything
-        proc_cache = fresh("procs")
-        t = time.perf_counter()
-        shards = [
-            subprocess.Popen(
-                [sys.executable, "-c", _SHARD.format(config=args.config, target=args.target, index=i, count=cpus)],
-                env={**os.environ, "TRITON_CACHE_DIR": proc_cache}, stdout=subprocess.PIPE, text=True,
-            )
-            for i in range(cpus)
-        ]
-        for s in shards:
-            s.communicate()
-        compile_wall = time.perf_counter() - t
-        load = warm(cpus, proc_cache)
-        results["variants"]["cold_processes"] = {"wall": compile_wall + load["wall"], "compile_wall": compile_wall, "load": load}
+        results["variants"]["cold_threads"] = warm(cpus, threads_cache, processes=False)
+        results["variants"]["cold_processes"] = warm(cpus, fresh("procs"))
         results["variants"]["warm_disk_cache"] = warm(cpus, threads_cache)
         if args.pack:
             results["variants"]["from_pack"] = warm(cpus, fresh("pack"), args.pack)
@@ -133,6 +112,7 @@ def main() -> None:
     results["ratios"] = {
         "serial_over_threads": v["cold_serial"]["wall"] / v["cold_threads"]["wall"],
         "serial_over_processes": v["cold_serial"]["wall"] / v["cold_processes"]["wall"],
+        "threads_over_processes": v["cold_threads"]["wall"] / v["cold_processes"]["wall"],
         "cold_threads_over_warm_cache": v["cold_threads"]["wall"] / v["warm_disk_cache"]["wall"],
     }
     if "from_pack" in v:

@@ -156,15 +156,5 @@ def _sweep_temporaries(directory: Path) -> None:
     """Remove temporary files that installs on this host left when their process died (SIGKILL)."""
     for tmp in directory.glob(f"*.tmp.{_HOST}-*"):
         pid = tmp.name.rpartition(f".tmp.{_HOST}-")[2].partition(".")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not _triton_cache.alive(int(pid)):
             tmp.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -41,7 +41,7 @@ log = logging.getLogger("warmreg.compile")
 
 __all__ = [
     "CompileRequest", "HookHandle", "SUPPORTED_TRITON", "UnsupportedTriton", "add_load_hook", "async_compile", "benchmark",
-    "cache_files", "check_version", "compile_listener", "cross_target", "current_device", "device_name", "finish_load", "forget_compiled",
+    "cache_files", "check_version", "compile_listener", "compile_worker", "cross_target", "current_device", "device_name", "finish_load", "forget_compiled",
     "full_name", "get_jit_cache_hook", "gpu_target", "in_memory", "install_compile_hook", "is_future_kernel", "is_jit",
     "knob", "load_hooks", "param_names", "preimport", "parse_specialization_key", "remove_compile_hook", "remove_load_hook",
     "retrying_ast_race", "run_kwargs", "set_device", "set_jit_cache_hook", "source_hash", "specialization_key",
@@ -125,6 +125,20 @@ def cross_target(platform: Platform) -> Iterator[None]:
             yield
         finally:
             _driver._active = previous
+
+
+def compile_worker(platform: Platform) -> None:
+    """Make this process one that only compiles ``platform``'s kernels into Triton's disk cache: a
+    child forked by a warm (:mod:`warmreg.compile`), whose parent then loads each binary as a hit.
+
+    Triton's driver becomes the stand-in for ``platform``'s target, so a compile here never touches
+    the GPU (CUDA cannot be used in a child forked after it started), and the parent's pre-compile
+    hook and compilation listener are removed (the parent's own compile of the cached binary calls
+    them).
+    """
+    _driver.set_active(_CrossTargetDriver(attrs.evolve(platform, local=False)))
+    triton.knobs.runtime.jit_cache_hook = None
+    triton.knobs.compilation.listener = None
 
 
 def current_device() -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import tempfile
 import threading
 from pathlib import Path
@@ -25,6 +26,7 @@ from .platform import Platform
 log = logging.getLogger("warmreg.compile")
 
 __all__ = [
+    "alive",
     "cache_dir",
     "check_cache_writable",
     "cache_subdir",
@@ -108,7 +110,9 @@ def cache_dir() -> str:
 def remove_unfinished(jit: JITFunction, specialization_data: str, platform: Platform) -> int:
     """Remove what a failed compile of this specialization left in the cache: the stages Triton
     wrote (``.source``, ``.ttir``, ...) before the one that failed, in an entry that has no group
-    file (``__grp__*``: Triton never reads such an entry). Returns how many files were removed.
+    file (``__grp__*``: Triton never reads such an entry), and the temporary directories of its
+    writes that failed (``tmp.pid_<pid>_<id>``, e.g. on a full disk) of this process or of one that
+    has exited (a compile process). Returns how many files were removed.
 
     Checked against Triton 3.6-3.9 (each writes every stage into the entry's directory as it goes
     and the group file last).
@@ -123,11 +127,28 @@ def remove_unfinished(jit: JITFunction, specialization_data: str, platform: Plat
     removed = 0
     for f in files:
         with contextlib.suppress(OSError):
+            if f.is_dir():
+                pid = f.name.removeprefix("tmp.pid_").partition("_")[0]
+                if f.name.startswith("tmp.pid_") and pid.isdigit() and (int(pid) == os.getpid() or not alive(int(pid))):
+                    removed += sum(1 for _ in f.iterdir())
+                    shutil.rmtree(f)
+                continue
             f.unlink()
             removed += 1
     with contextlib.suppress(OSError):  # another process is writing there: its files are its own
         directory.rmdir()
     return removed
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one another user owns counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def check_cache_writable() -> Path:
@@ -206,13 +227,32 @@ def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platf
     installed release does (3.7 resolves jit-function constants, 3.8 turns lists into tuples): the hash
     includes ``triton_key()``, a digest of the Triton installation, so it differs between Python
     builds of one release and must be recomputed where a pack is installed.
+
+    Remembered for the process (a warm asks for each key up to three times: the forked compile's and
+    the compile step's cache lookups, the pack install), keyed by everything else the hash covers:
+    the kernel's source hash and the cache-invalidating environment variables.
     """
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+
+    env = get_cache_invalidating_env_vars()
+    memo = (jit, jit.cache_key, specialization_data, platform.target, tuple(sorted(env.items())))
+    found = _hashes.get(memo)
+    if found is None:
+        if len(_hashes) >= 4096:
+            _hashes.clear()
+        found = _hashes[memo] = _local_cache_hash(jit, specialization_data, platform, env)
+    return found
+
+
+_hashes: dict[tuple[Any, ...], str] = {}
+
+
+def _local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform, env: dict[str, Any]) -> str:
     wait_triton_key()
     import hashlib
     import json
 
     import triton.language as tl
-    from triton._C.libtriton import get_cache_invalidating_env_vars
     from triton.compiler.compiler import ASTSource, make_backend
     from triton.runtime.cache import get_cache_key
     from triton.runtime.jit import convert_to_tuple_if_list
@@ -235,7 +275,7 @@ def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platf
     backend = make_backend(gpu_target(platform))
     options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
     src = ASTSource(jit, signature, constexprs, attrs)
-    key = get_cache_key(src, backend, options, env_vars=get_cache_invalidating_env_vars())
+    key = get_cache_key(src, backend, options, env_vars=env)
     return hashlib.sha256(key.encode("utf-8")).hexdigest()
 
 

@@ -31,7 +31,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -42,7 +42,7 @@ from .errors import WarmregError
 
 __all__ = [
     "Launcher", "LauncherError", "PER_KERNEL", "PythonABI", "build", "built_here", "fits_here", "install",
-    "launcher_source", "local_abi", "platform_key", "python_abi",
+    "launcher_source", "local_abi", "platform_key", "prebuild", "python_abi",
 ]  # fmt: skip
 
 #: Whether the installed Triton builds a C launcher per kernel signature (3.6 only).
@@ -219,6 +219,26 @@ def built_here(compiled: Iterable[Any]) -> list[Launcher]:
             with open(path, "rb") as f:
                 found[key] = Launcher(key, pkey, version, name, f.read())
     return list(found.values())
+
+
+def prebuild(compiled: Any, claim: Callable[[str], bool]) -> bool:
+    """Build a compiled CUDA kernel's launcher into Triton's cache now, exactly as its first load
+    would (``CudaLauncher``, which loads nothing onto the GPU): what a compile process
+    (:mod:`warmreg.processes`) does beside compiling, so the warm's loads find it built. Nothing when
+    the cache holds it, when ``claim(cache key)`` is false (another process builds it) or on 3.7+.
+
+    :returns: whether this call built it.
+    """
+    if not PER_KERNEL:
+        return False
+    from triton.backends.nvidia.driver import CudaLauncher
+    from triton.runtime.cache import get_cache_manager
+
+    key, _ = launcher_source(compiled)
+    if get_cache_manager(key).get_file(f"{_NAME}{local_abi().ext_suffix}") is not None or not claim(key):
+        return False
+    CudaLauncher(compiled.src, compiled.metadata)
+    return True
 
 
 def install(cache_key: str, name: str, data: bytes) -> bool:

@@ -34,6 +34,8 @@ class Task:
         ``disk_cache`` or ``failed``.
     :ivar launch: the captured launch ``(jit, grid, kwargs, options)``; the compile consumes it.
     :ivar captured: the same, kept until the fast launch is prepared (local GPU).
+    :ivar precompiled: compiled into Triton's disk cache for this warm by another process (a stage):
+        found there, it reports ``compiled``.
     """
 
     def __init__(self, kp: KernelPlan, key: CompileKey) -> None:
@@ -49,6 +51,7 @@ class Task:
         self.compiled: Any = None
         self.launch: tuple[Any, tuple[int, ...], Any, dict[str, Any]] | None = None
         self.captured: tuple[Any, tuple[int, ...], Any, dict[str, Any]] | None = None
+        self.precompiled = False
 
     @property
     def done(self) -> bool:

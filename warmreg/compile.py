@@ -131,6 +131,9 @@ def compile_tasks(
             _run_async(todo, _TimedExecutor(pool, on_done, load_device), on_error, on_done)
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+    for task in todo:
+        if task.precompiled and task.status == "disk_cache":
+            task.status = "compiled"
     if platform.local:
         _finish_loads(todo, workers)
 

@@ -57,6 +57,7 @@ from .config import WarmConfig
 from .errors import CacheError, WarmregError
 from .key import CompileKey
 from .platform import Platform, resolve_platform
+from .processes import Processes
 from .report import KeyResult
 from .stage import Stage
 
@@ -322,9 +323,10 @@ def build(
     with tempfile.TemporaryDirectory(prefix="warmreg-build-") as tmp:
         with _cache_at(os.path.join(tmp, "cache")):
             _triton.forget_compiled()  # compile into the empty cache, even keys this process has loaded
+            workers = workers or default_workers()
             tune = tuning.Tune.for_plan(the_plan)
-            stages = [tune] if tune is not None else []
-            results = run(the_plan, workers=workers or default_workers(), on_error="continue", stages=stages, progress=progress)
+            stages = [s for s in (Processes.for_plan(the_plan, workers), tune) if s is not None]
+            results = run(the_plan, workers=workers, on_error="continue", stages=stages, progress=progress)
             failed = [r for r in results if r.status == "failed"]
             if failed:
                 raise PackError(str(out), f"{len(failed)} key(s) failed to compile; first: {failed[0].kernel}: {failed[0].error}", fix="fix the kernel")

@@ -40,7 +40,8 @@ def run(
 ) -> list[KeyResult]:
     """Warm every key of ``plan``: bind each once, run the stages, compile, load (local GPU).
 
-    :param workers: compile threads (1 compiles inline).
+    :param workers: compile threads (1 compiles inline); a :class:`warmreg.processes.Processes`
+        stage forks its own.
     :param on_error: ``"raise"``/``"continue"`` warm every key; ``"stop"`` stops at the first failure.
     :param stages: stage objects (see the module's docstring).
     :param progress: show a progress bar (default: when stderr is a terminal).
@@ -50,6 +51,8 @@ def run(
     show = sys.stderr.isatty() if progress is None else progress
     with _progress(show, f"{plan.platform} ({workers} workers)", len(tasks)) as on_done, compile_scope(plan.platform):
         bind_all(tasks, on_error, on_done)
+        for stage in stages:
+            stage.progress = on_done
         for stage in stages:  # every stage runs even after a stop: ranks meet in their collectives
             stage.before_compile(plan, tasks)
         first = tasks
@@ -79,4 +82,11 @@ def _progress(show: bool, title: str, total: int) -> Iterator[Callable[[Task], N
     columns = (TextColumn("[bold]warm[/] {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(title, total=total)
-        yield lambda _t: bar.advance(task)
+        done: set[int] = set()
+
+        def advance(t: Task) -> None:
+            if id(t) not in done:  # a stage may finish a key before the compile step does
+                done.add(id(t))
+                bar.advance(task)
+
+        yield advance

@@ -69,6 +69,8 @@ class WarmReport:
         ``tuning_seconds`` the time that took (benchmarks included).
     :param rehearsed: on the local GPU, keys launched once for real by warm
         (:mod:`warmreg.rehearsal`), ``rehearsal_seconds`` the time that took.
+    :param processes: compile processes forked for the keys missing from Triton's disk cache
+        (:mod:`warmreg.processes`; 0: none), ``processes_seconds`` the wall time of their compile.
     :param already_warm: this process had warmed this very plan, and every key was still in memory
         with its fast launch: nothing was done (the earlier warm's results, this call's time).
     """
@@ -93,6 +95,8 @@ class WarmReport:
     tuning_seconds: float = 0.0
     rehearsed: int = 0
     rehearsal_seconds: float = 0.0
+    processes: int = 0
+    processes_seconds: float = 0.0
     already_warm: bool = False
 
     @property

@@ -2,11 +2,13 @@
 
 Packs (:class:`warmreg.pack.PackInstall`) and the exchange between the ranks of a distributed warm
 (:class:`warmreg.distributed.Shard`) are stages, and so is choosing each autotuned kernel's candidate
-(:class:`warmreg.tuning.Tune`); :func:`warmreg.pipeline.run` calls them.
+(:class:`warmreg.tuning.Tune`), as is compiling the misses in forked processes
+(:class:`warmreg.processes.Processes`); :func:`warmreg.pipeline.run` calls them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -18,7 +20,13 @@ __all__ = ["Stage"]
 
 class Stage:
     """A step between binding and loading. Its methods are called in this order, each by default
-    doing nothing; subclasses override what they need."""
+    doing nothing; subclasses override what they need.
+
+    :ivar progress: set by the pipeline before the first call: the warm's per-key progress callback
+        (``None`` when none is shown), for a stage that finishes keys itself; a key counts once.
+    """
+
+    progress: Callable[[Task], None] | None = None
 
     def before_compile(self, plan: Plan, tasks: list[Task]) -> None:
         """After every key is bound, before any cache lookup (e.g. a pack install)."""

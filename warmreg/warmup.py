@@ -28,6 +28,7 @@ from .pack import PackInstall
 from .planning import Plan, plan
 from .platform import Platform
 from .plugins import OnPluginError
+from .processes import Processes
 from .rehearsal import Rehearse
 from .report import KeyResult, WarmReport
 from .tuning import Tune
@@ -113,7 +114,7 @@ def warm(
 
     :param config: anything :meth:`WarmConfig.load` accepts; ``serving``, ``target``, ``plugins``,
         ``entry_points`` and ``on_plugin_error`` as for :func:`plan` (``target`` cross-compiles).
-    :param workers: compile threads (default: the CPUs available).
+    :param workers: compile processes and threads (default: the CPUs available; :mod:`warmreg.processes`).
     :param on_error: ``"raise"`` (warm every key, then raise :class:`CompileFailed`), ``"continue"``
         (return the report with the failures) or ``"stop"`` (stop at the first failure).
     :param progress: show a progress bar (default: when stderr is a terminal).
@@ -136,10 +137,10 @@ def warm(
     _triton_cache.check_cache_writable()
     packs = PackInstall.for_plan(the_plan, pack)
     plan_seconds = time.perf_counter() - start
-    tune, rehearsal = Tune.for_plan(the_plan), Rehearse.for_plan(the_plan) if rehearse else None
-    stages = [s for s in (packs, shard, tune, rehearsal) if s is not None]
+    procs, tune, rehearsal = Processes.for_plan(the_plan, workers), Tune.for_plan(the_plan), Rehearse.for_plan(the_plan) if rehearse else None
+    stages = [s for s in (packs, shard, procs, tune, rehearsal) if s is not None]
     results = pipeline.run(the_plan, workers=workers, on_error=on_error, stages=stages, progress=progress)
-    report = _report(the_plan, results, workers, time.perf_counter() - start, plan_seconds, packs, shard, tune, rehearsal)
+    report = _report(the_plan, results, workers, time.perf_counter() - start, plan_seconds, packs, shard, tune, rehearsal, procs)
     return _finish(report, the_plan, on_error, monitor, record)
 
 
@@ -197,6 +198,7 @@ def _workers(workers: int | None) -> int:
 def _report(
     the_plan: Plan, results: list[KeyResult], workers: int, seconds: float, plan_seconds: float,
     packs: PackInstall | None, shard: Shard | None, tune: Tune | None, rehearsal: Rehearse | None = None,
+    procs: Processes | None = None,
 ) -> WarmReport:  # fmt: skip
     stats = shard.stats() if shard is not None else None
     report = WarmReport(
@@ -220,6 +222,8 @@ def _report(
         tuning_seconds=tune.seconds if tune is not None else 0.0,
         rehearsed=rehearsal.launched if rehearsal is not None else 0,
         rehearsal_seconds=rehearsal.seconds if rehearsal is not None else 0.0,
+        processes=procs.processes if procs is not None else 0,
+        processes_seconds=procs.seconds if procs is not None else 0.0,
     )
     _remember(the_plan, report, shard)
     return report

@@ -40,6 +40,26 @@ def _start_warm(cache: Path) -> subprocess.Popen[str]:
     )
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux /proc)."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rpartition(")")[2].split()
+        except OSError:  # exited while listed
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return "Z"
+
+
 def _count_groups(cache: Path) -> int:
     """Group files under a cache another process is writing (os.walk skips the temporary directories
     Triton removes while it is listed; ``Path.rglob`` raises on them)."""
@@ -57,13 +77,20 @@ def _wait_for_some_entries(cache: Path, proc: subprocess.Popen[str], at_least: i
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_interrupted_warm_then_rerun(sig: signal.Signals, tmp_path: Path) -> None:
-    """a warm interrupted half way (SIGINT, SIGKILL) leaves only whole entries; a re-run completes"""
+    """a warm interrupted half way (SIGINT, SIGKILL) leaves only whole entries and none of its
+    compile processes; a re-run completes"""
     cache = tmp_path / "cache"
     proc = _start_warm(cache)
     _wait_for_some_entries(cache, proc)
+    children = _children(proc.pid)
+    assert children, "the warm compiles its misses in forked processes"
     proc.send_signal(sig)
-    proc.communicate(timeout=300)
+    proc.communicate(timeout=300)  # its standard streams close only when no child holds them
     assert proc.returncode in ((130, 1) if sig == signal.SIGINT else (-9,))
+    deadline = time.monotonic() + 10
+    while (alive := [c for c in children if Path(f"/proc/{c}").exists() and _state(c) != "Z"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive, f"compile processes outlived the warm: {alive}"
     partial = _whole_entries_only(cache)
     plan_keys = warmreg.plan(FLASH, target="cuda:90").num_keys
     assert 0 < partial < plan_keys + 5
@@ -114,3 +141,5 @@ def test_full_disk(small_mount, monkeypatch: pytest.MonkeyPatch) -> None:  # typ
     errors = [r.error or "" for r in info.value.report.failed]  # type: ignore[attr-defined]
     assert errors and all("no space left" in e and "TRITON_CACHE_DIR" in e for e in errors)
     _whole_entries_only(cache)
+    unfinished = [d for d in cache.iterdir() if d.is_dir() and not any(d.glob("__grp__*.json"))]
+    assert not unfinished, f"failed entries left files behind (their failed writes' temporary directories too): {unfinished}"

@@ -1,0 +1,85 @@
+"""The forked compile of a warm's misses (``warmreg.processes``): the children fill Triton's disk
+cache, this process then finds every key there, and the results are those of a warm on threads."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import triton
+
+import warmreg
+from tests.helpers import CONFIG, Broken, Plugin, Scale
+from warmreg import processes
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="compile processes are forked on Linux only")
+
+
+def _warm(cache: Path, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> warmreg.WarmReport:
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
+    warmreg.reset_state()
+    plugins = kwargs.pop("plugins", [Plugin(Scale(), Broken())])
+    return warmreg.warm(CONFIG, target="cuda:90", plugins=plugins, entry_points=False, on_error="continue", **kwargs)
+
+
+def _outcomes(report: warmreg.WarmReport) -> list[tuple[str, str, str, str | None]]:
+    return [(r.kernel, repr(r.key), r.status, r.binary_hash) for r in report.results]
+
+
+def test_the_misses_compile_in_processes_and_this_process_only_finds_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    misses_here: list[str] = []
+    previous = triton.knobs.compilation.listener
+
+    def listener(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
+        if not cache_hit:
+            misses_here.append(str(getattr(src, "name", src)))
+
+    triton.knobs.compilation.listener = listener
+    try:
+        forked = _warm(tmp_path / "forked", monkeypatch, workers=2)
+    finally:
+        triton.knobs.compilation.listener = previous
+    assert forked.processes == 2 and forked.processes_seconds > 0
+    assert misses_here == [], "every binary this process compiled was a hit: a child had compiled it"
+    statuses = {(r.kernel, r.status) for r in forked.results}
+    assert statuses == {("tests.scale", "compiled"), ("tests.broken", "failed")}
+    (broken,) = forked.failed
+    assert "undefined_name" in (broken.error or ""), "the error comes from compiling the key here"
+
+    monkeypatch.setattr(processes, "ENABLED", False)
+    threads = _warm(tmp_path / "threads", monkeypatch, workers=2)
+    assert threads.processes == 0
+    assert _outcomes(forked) == _outcomes(threads), "the same keys, statuses and binaries as a warm on threads"
+
+
+def test_nothing_is_forked_for_a_warm_cache_or_a_handful_of_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = tmp_path / "cache"
+    assert _warm(cache, monkeypatch, workers=2).processes == 2
+    again = _warm(cache, monkeypatch, workers=2)
+    assert again.processes == 0 and {r.status for r in again.results} == {"disk_cache", "failed"}
+    few = _warm(tmp_path / "few", monkeypatch, workers=2, plugins=[Plugin(Scale(sizes=(16, 17)))])
+    assert few.processes == 0 and few.compiled == 2, f"fewer than {processes.MIN_MISSES} misses compile on threads"
+    assert _warm(tmp_path / "one", monkeypatch, workers=1).processes == 0, "one worker forks nothing"
+
+
+def _dies_on_first(index: int) -> tuple[str | None, float]:
+    if index == 0:
+        os._exit(3)  # a child killed mid-warm (the OOM killer, a crash in the compiler)
+    return _child_compile(index)
+
+
+_child_compile = processes._child_compile
+
+
+def test_a_child_that_dies_leaves_the_rest_to_this_process(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(processes, "_child_compile", _dies_on_first)  # forked children inherit it
+    with caplog.at_level(logging.WARNING, logger="warmreg.compile"):
+        report = _warm(tmp_path / "cache", monkeypatch, workers=2)
+    assert "compiling in processes failed (BrokenProcessPool" in caplog.text
+    assert {(r.kernel, r.status) for r in report.results} == {("tests.scale", "compiled"), ("tests.broken", "failed")}

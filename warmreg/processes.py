@@ -1,0 +1,167 @@
+"""Compiling a warm's cache misses in forked processes: the stage :class:`Processes`.
+
+Triton's frontend (the AST walk that generates each kernel's IR) is Python and holds the GIL, so a
+compile pool of threads runs it one key at a time; on the H200 host a cold DeepSeek-V4-Flash warm on
+16 threads took 4-5 s. This stage forks up to ``workers`` children right before the compile step;
+each one compiles keys missing from Triton's disk cache into it, side by side on every core. The
+compile step then finds every key in the cache: this process compiles each as a hit, so Triton's
+hooks, warmreg's listener and the loads see every key as before, and the key reports ``compiled``.
+
+A child is forked from the warming process (nothing but a key's index is sent to it, and nothing
+imported again), swaps Triton's driver for the stand-in of its target so that it never touches the
+GPU (CUDA cannot be used in a child forked after it started), and writes only through Triton's own
+cache manager (atomic renames): a child that fails or is killed leaves the cache as consistent as an
+interrupted compile would, and a key a child did not compile is compiled by the compile step here,
+which reports its error. On Triton 3.6, for the local CUDA GPU, each child also builds the C
+launchers of the kernels it compiled (one child per distinct launcher), which the warm's loads
+would otherwise build after the compile. Linux only, CUDA and ROCm targets, and only when at least
+:data:`MIN_MISSES` keys miss (a fork is not worth it for a handful).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import TYPE_CHECKING, Any
+
+from . import _triton, _triton_cache, _triton_launchers
+from .stage import Stage
+
+if TYPE_CHECKING:
+    from .bind import Task
+    from .planning import Plan
+
+__all__ = ["ENABLED", "MIN_MISSES", "Processes"]
+
+log = logging.getLogger("warmreg.compile")
+
+#: Whether warms and pack builds compile their misses in forked processes (``False``: threads only,
+#: as the benchmarks compare).
+ENABLED = True
+#: Fewer misses than this compile on threads.
+MIN_MISSES = 4
+
+
+class Processes(Stage):
+    """The stage that compiles the keys missing from Triton's disk cache in forked children.
+
+    :ivar compiled: keys a child compiled; ``processes`` the children forked (0: none were needed).
+    :ivar seconds: wall time of the forked compile.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.compiled = 0
+        self.processes = 0
+        self.seconds = 0.0
+
+    @classmethod
+    def for_plan(cls, plan: Plan, workers: int) -> Processes | None:
+        """The stage, where it can run: Linux, a CUDA or ROCm target, more than one worker."""
+        ok = ENABLED and workers > 1 and sys.platform.startswith("linux") and (plan.platform.is_cuda or plan.platform.is_rocm)
+        return cls(workers) if ok else None
+
+    def first(self, plan: Plan, tasks: list[Task]) -> list[Task]:
+        """Compile the misses among the tasks to compile first (after a distributed warm picked this
+        rank's share); returns them unchanged, for the compile step."""
+        platform = plan.platform
+        misses = [t for t in tasks if t.launch is not None and not _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform)]
+        if len(misses) >= MIN_MISSES:
+            start = time.perf_counter()
+            self.processes = min(self.workers, len(misses))
+            try:
+                self._fork(misses, plan)
+            except Exception as exc:  # e.g. a child killed (BrokenProcessPool): the compile step compiles the rest
+                log.warning("compiling in processes failed (%s: %s); the rest compiles on threads", type(exc).__name__, exc)
+            self.seconds = time.perf_counter() - start
+        return tasks
+
+    def _fork(self, misses: list[Task], plan: Plan) -> None:
+        global _CLAIMS
+        with _lock, tempfile.TemporaryDirectory(prefix="warmreg-claims-") as claims:
+            _LAUNCHES[:] = [t.launch for t in misses]
+            _CLAIMS = claims if plan.platform.is_cuda and plan.platform.local else None
+            try:
+                pool = ProcessPoolExecutor(
+                    max_workers=self.processes, mp_context=multiprocessing.get_context("fork"),
+                    initializer=_child_init, initargs=(plan.platform, os.getpid()),
+                )  # fmt: skip
+                try:
+                    with warnings.catch_warnings():  # Python 3.12+ warns about forking a process that runs threads
+                        warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
+                        futures = {pool.submit(_child_compile, i): task for i, task in enumerate(misses)}
+                    for future in as_completed(futures):
+                        task = futures[future]
+                        error, seconds = future.result()
+                        task.seconds += seconds
+                        if error is not None:  # the compile step compiles it again, and reports the error
+                            log.debug("a compile process could not compile %s %s: %s", task.kp.name, task.key, error)
+                            continue
+                        task.precompiled = True
+                        self.compiled += 1
+                        if self.progress is not None:
+                            self.progress(task)
+                finally:
+                    pool.shutdown(wait=True, cancel_futures=True)
+            finally:
+                _LAUNCHES.clear()
+                _CLAIMS = None
+
+
+_lock = threading.Lock()
+#: The launches of the forked compile running now, which its children inherit (one at a time).
+_LAUNCHES: list[Any] = []
+#: Where its children claim the C launchers they build (Triton 3.6, local CUDA GPU; else ``None``),
+#: one file per launcher, so that a launcher shared by several keys is built once.
+_CLAIMS: str | None = None
+
+
+#: Linux's ``prctl`` option that sends the child a signal when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_init(platform: Any, parent: int) -> None:
+    """A child dies with the warm (were it killed, the child would wait for work forever, holding
+    the warm's standard streams), ignores interrupts (the warm stops the pool), and only compiles."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the warm died before the line above
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _triton.compile_worker(platform)
+
+
+def _child_compile(index: int) -> tuple[str | None, float]:
+    """In a child: compile launch ``index`` into Triton's disk cache; ``(error or None, seconds)``."""
+    jit, grid, kwargs, options = _LAUNCHES[index]
+    start = time.perf_counter()
+    try:
+        compiled = _triton.retrying_ast_race(_triton.warmup, jit, grid, kwargs, options)
+    except Exception as exc:
+        from .bind import describe  # (bind imports torch, which the CLI's refusals never import)
+
+        return describe(exc), time.perf_counter() - start
+    if _CLAIMS is not None:
+        try:
+            _triton_launchers.prebuild(compiled, _claim)
+        except Exception as exc:  # the warm's load builds it again, and reports a failure
+            log.debug("a compile process could not build the launcher of %s: %s", _triton.full_name(jit), exc)
+    return None, time.perf_counter() - start
+
+
+def _claim(key: str) -> bool:
+    """Whether this child is the first to build launcher ``key`` (an exclusive create)."""
+    assert _CLAIMS is not None
+    try:
+        os.close(os.open(os.path.join(_CLAIMS, key), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
