@@ -234,6 +234,8 @@ _SUMMARY_COLUMNS = [
     ("warm_pack_s", "warm from pack s", "≤ 0.2"),
     ("warm_cache_s", "warm cache s", None),
     ("warm_cold_s", "warm cold s", "≤ 2.0"),
+    ("warm_cold_threads_s", "cold, threads only s", None),
+    ("warm_cold_not_prefetched_s", "cold, no prefetch s", None),
     ("sweep_misses", "sweep misses", "= 0"),
 ]
 
@@ -253,7 +255,9 @@ def _met(entry: dict[str, Any]) -> dict[str, bool]:
 def summary_table(summary: dict[str, Any]) -> list[str]:
     """One row per Triton release of ``benchmarks/results/summary.json`` (``benchmarks/summary.py``),
     each figure against its target (✓ met, ✗ not)."""
-    out = ["Launch and warm on the H200 (`benchmarks/summary.py`, one run per release; medians: the raw rounds are in the files summary.json names per release):", "",
+    out = ["Launch and warm on the H200 (`benchmarks/summary.py`, one run per release; medians: the raw rounds are in the files summary.json names per release; "
+           "each warm after `warmreg.prefetch()` as an engine calls it, at start-up, unless it says otherwise; cold: the misses compiled in forked processes, "
+           "the default, against threads only):", "",
            "| Triton | " + " | ".join(label for _, label, _ in _SUMMARY_COLUMNS) + " | run |",
            "| --- |" + " ---: |" * len(_SUMMARY_COLUMNS) + " --- |",
            "| target | " + " | ".join(target or "" for _, _, target in _SUMMARY_COLUMNS) + " | |"]  # fmt: skip
