@@ -299,6 +299,38 @@ def test_kernels_that_differ_only_in_a_block_size_share_one_launcher_lock() -> N
     assert identity(block64) == identity(block128) != identity(n_one)
 
 
+@ONLY_36
+def test_a_compile_process_builds_a_launcher_only_when_it_claims_it() -> None:
+    import torch
+
+    from tests.helpers import _scale_kernel
+    from warmreg import _triton_launchers
+    from warmreg.platform import Platform
+
+    with _triton.cross_target(Platform.parse("cuda:90")):
+        x = torch.empty(64, device="meta")
+        block64, block128 = (_scale_kernel.warmup(x, x, 64, 2.0, BLOCK=b, grid=(1,)) for b in (64, 128))
+    claimed: list[str] = []
+
+    def refuse(key: str) -> bool:
+        claimed.append(key)
+        return False  # another process builds it: nothing is built (no libcuda needed here)
+
+    assert not _triton_launchers.prebuild(block64, refuse) and not _triton_launchers.prebuild(block128, refuse)
+    # claimed by the key Triton's compile_module_from_src caches it under: one for both block sizes
+    assert claimed == [_triton_launchers.launcher_source(block64)[0]] * 2
+
+
+@pytest.mark.skipif(RELEASE.per_signature_launcher, reason="Triton 3.6 builds a C launcher per kernel")
+def test_a_compile_process_has_no_launcher_to_build_from_37_on() -> None:
+    from warmreg import _triton_launchers
+
+    def claim(key: str) -> bool:
+        raise AssertionError("nothing to claim")
+
+    assert _triton_launchers.prebuild(object(), claim) is False
+
+
 @pytest.mark.skipif(RELEASE.per_signature_launcher, reason="Triton 3.6 builds a C launcher per kernel: its loads take turns")
 def test_loads_without_a_per_kernel_launcher_run_side_by_side() -> None:
     import threading

@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plan)
     w = sub.add_parser("warm", help="compile every key a config needs")
     add_common(w)
-    w.add_argument("--workers", type=int, default=None, help="compile threads (default: all CPUs)")
+    w.add_argument("--workers", type=int, default=None, help="compile processes and threads (default: all CPUs)")
     add_json(w, "the WarmReport")
     w.add_argument("--quiet", action="store_true", help="no progress bar")
     w.add_argument("--pack", default=None, help="install this pack first (its keys become cache hits)")

@@ -110,7 +110,7 @@ def add_commands(sub: Any) -> None:
     add_serving(b)
     b.add_argument("--target", default=None, help="e.g. cuda:90 (default: local GPU)")
     b.add_argument("-o", "--output", required=True, help="a directory, or a .tar / .tar.gz / .zip file")
-    b.add_argument("--workers", type=int, default=None)
+    b.add_argument("--workers", type=int, default=None, help="compile processes and threads (default: all CPUs)")
     b.add_argument("--force", action="store_true", help="replace an existing output")
     b.add_argument(
         "--launcher-python", action="append", default=None, metavar="PYTHON",

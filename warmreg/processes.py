@@ -15,7 +15,8 @@ interrupted compile would, and a key a child did not compile is compiled by the 
 which reports its error. On Triton 3.6, for the local CUDA GPU, each child also builds the C
 launchers of the kernels it compiled (one child per distinct launcher), which the warm's loads
 would otherwise build after the compile. Linux only, CUDA and ROCm targets, and only when at least
-:data:`MIN_MISSES` keys miss (a fork is not worth it for a handful).
+:data:`MIN_MISSES` keys miss (a fork is not worth it for a handful), with as many children as the
+fork budget pays for (:data:`FORK_BUDGET_S`: a fork's cost grows with the resident memory).
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ if TYPE_CHECKING:
     from .bind import Task
     from .planning import Plan
 
-__all__ = ["ENABLED", "MIN_MISSES", "Processes"]
+__all__ = ["ENABLED", "FORK_BUDGET_S", "FORK_MS_PER_GIB", "MIN_MISSES", "Processes"]
 
 log = logging.getLogger("warmreg.compile")
 
@@ -49,6 +50,12 @@ log = logging.getLogger("warmreg.compile")
 ENABLED = True
 #: Fewer misses than this compile on threads.
 MIN_MISSES = 4
+#: A fork copies the page tables of what the warming process has resident: about 2 ms per GiB with
+#: 4 KiB pages (the CPU machine: 8 GiB resident, 15-19 ms a fork), after about 1 ms for any process.
+#: A warm forks only as many children as fit in :data:`FORK_BUDGET_S` (an engine that keeps large
+#: host buffers, such as pinned swap space, forks fewer children, or none and compiles on threads).
+FORK_MS_PER_GIB = 2.2
+FORK_BUDGET_S = 0.25
 
 
 class Processes(Stage):
@@ -75,9 +82,10 @@ class Processes(Stage):
         rank's share); returns them unchanged, for the compile step."""
         platform = plan.platform
         misses = [t for t in tasks if t.launch is not None and not _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform)]
-        if len(misses) >= MIN_MISSES:
+        affordable = _affordable_forks()
+        if len(misses) >= MIN_MISSES and affordable >= 2:
             start = time.perf_counter()
-            self.processes = min(self.workers, len(misses))
+            self.processes = min(self.workers, len(misses), affordable)
             try:
                 self._fork(misses, plan)
             except Exception as exc:  # e.g. a child killed (BrokenProcessPool): the compile step compiles the rest
@@ -115,6 +123,25 @@ class Processes(Stage):
             finally:
                 _LAUNCHES.clear()
                 _CLAIMS = None
+
+
+def _affordable_forks() -> int:
+    """How many children the fork budget pays for, by this process's resident memory."""
+    per_fork_s = (1.0 + FORK_MS_PER_GIB * _resident_gib()) / 1000
+    affordable = int(FORK_BUDGET_S // per_fork_s)
+    if affordable < 2:
+        log.info("compiling on threads: forking with %.0f GiB resident costs about %.0f ms a child", _resident_gib(), per_fork_s * 1000)
+    return affordable
+
+
+def _resident_gib() -> float:
+    """This process's resident memory (``/proc/self/statm``), in GiB."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
 _lock = threading.Lock()
