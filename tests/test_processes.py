@@ -86,9 +86,9 @@ def test_a_child_that_dies_leaves_the_rest_to_this_process(
 
 
 def test_the_children_forked_are_what_the_resident_memory_affords(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(processes, "_resident_gib", lambda: 30.0)  # 67 ms a fork: 3 fit in 0.25 s
+    monkeypatch.setattr(processes, "_resident_gib", lambda: 30.0)  # 71 ms a fork: 3 fit in 0.25 s
     assert _warm(tmp_path / "some", monkeypatch, workers=8).processes == 3
-    monkeypatch.setattr(processes, "_resident_gib", lambda: 200.0)  # 441 ms a fork: none
+    monkeypatch.setattr(processes, "_resident_gib", lambda: 200.0)  # 445 ms a fork: none
     report = _warm(tmp_path / "none", monkeypatch, workers=8)
     assert report.processes == 0
     assert {(r.kernel, r.status) for r in report.results} == {("tests.scale", "compiled"), ("tests.broken", "failed")}

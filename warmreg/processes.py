@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from .bind import Task
     from .planning import Plan
 
-__all__ = ["ENABLED", "FORK_BUDGET_S", "FORK_MS_PER_GIB", "MIN_MISSES", "Processes"]
+__all__ = ["ENABLED", "FORK_BASE_MS", "FORK_BUDGET_S", "FORK_MS_PER_GIB", "MIN_MISSES", "Processes"]
 
 log = logging.getLogger("warmreg.compile")
 
@@ -51,9 +51,11 @@ ENABLED = True
 #: Fewer misses than this compile on threads.
 MIN_MISSES = 4
 #: A fork copies the page tables of what the warming process has resident: about 2 ms per GiB with
-#: 4 KiB pages (the CPU machine: 8 GiB resident, 15-19 ms a fork), after about 1 ms for any process.
+#: 4 KiB pages (the CPU machine: 8 GiB resident, 15-19 ms a fork), after a few ms for any process
+#: (:data:`FORK_BASE_MS`; the H200 host with CUDA up, 0.66 GiB resident: 7 ms a fork).
 #: A warm forks only as many children as fit in :data:`FORK_BUDGET_S` (an engine that keeps large
 #: host buffers, such as pinned swap space, forks fewer children, or none and compiles on threads).
+FORK_BASE_MS = 5.0
 FORK_MS_PER_GIB = 2.2
 FORK_BUDGET_S = 0.25
 
@@ -127,7 +129,7 @@ class Processes(Stage):
 
 def _affordable_forks() -> int:
     """How many children the fork budget pays for, by this process's resident memory."""
-    per_fork_s = (1.0 + FORK_MS_PER_GIB * _resident_gib()) / 1000
+    per_fork_s = (FORK_BASE_MS + FORK_MS_PER_GIB * _resident_gib()) / 1000
     affordable = int(FORK_BUDGET_S // per_fork_s)
     if affordable < 2:
         log.info("compiling on threads: forking with %.0f GiB resident costs about %.0f ms a child", _resident_gib(), per_fork_s * 1000)
