@@ -84,8 +84,8 @@ class Processes(Stage):
         rank's share); returns them unchanged, for the compile step."""
         platform = plan.platform
         misses = [t for t in tasks if t.launch is not None and not _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform)]
-        affordable = _affordable_forks()
-        if len(misses) >= MIN_MISSES and affordable >= 2:
+        affordable = _affordable_forks() if len(misses) >= MIN_MISSES else 0
+        if affordable >= 2:
             start = time.perf_counter()
             self.processes = min(self.workers, len(misses), affordable)
             try:
@@ -160,11 +160,13 @@ _PR_SET_PDEATHSIG = 1
 
 def _child_init(platform: Any, parent: int) -> None:
     """A child dies with the warm (were it killed, the child would wait for work forever, holding
-    the warm's standard streams), ignores interrupts (the warm stops the pool), and only compiles."""
+    the warm's standard streams), ignores interrupts (the warm stops the pool), ends on SIGTERM
+    without the handler an engine may have installed, and only compiles."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the warm died before the line above
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _triton.compile_worker(platform)
 
 
