@@ -129,7 +129,7 @@ def cross_target(platform: Platform) -> Iterator[None]:
 
 def compile_worker(platform: Platform) -> None:
     """Make this process one that only compiles ``platform``'s kernels into Triton's disk cache: a
-    child forked by a warm (:mod:`warmreg.compile`), whose parent then loads each binary as a hit.
+    child forked by a warm (:mod:`warmreg.processes`), whose parent then loads each binary as a hit.
 
     Triton's driver becomes the stand-in for ``platform``'s target, so a compile here never touches
     the GPU (CUDA cannot be used in a child forked after it started), and the parent's pre-compile
