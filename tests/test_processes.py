@@ -92,3 +92,11 @@ def test_the_children_forked_are_what_the_resident_memory_affords(tmp_path: Path
     report = _warm(tmp_path / "none", monkeypatch, workers=8)
     assert report.processes == 0
     assert {(r.kernel, r.status) for r in report.results} == {("tests.scale", "compiled"), ("tests.broken", "failed")}
+
+
+def test_the_ranks_on_one_host_share_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # as torchrun sets it: 4 ranks warm at once here
+    assert _warm(tmp_path / "a", monkeypatch, workers=8).processes == 2
+    assert _warm(tmp_path / "b", monkeypatch, workers=4).processes == 0, "one core each: threads"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
+    assert _warm(tmp_path / "c", monkeypatch, workers=2).processes == 2

@@ -17,7 +17,8 @@ which reports its error. On Triton 3.6, for the local CUDA GPU, each child also 
 launchers of the kernels it compiled (one child per distinct launcher), which the warm's loads
 would otherwise build after the compile. Linux only, CUDA and ROCm targets, and only when at least
 :data:`MIN_MISSES` keys miss (a fork is not worth it for a handful), with as many children as the
-fork budget pays for (:data:`FORK_BUDGET_S`: a fork's cost grows with the resident memory).
+fork budget pays for (:data:`FORK_BUDGET_S`: a fork's cost grows with the resident memory), and with
+the cores shared among the ranks of a job on this host (``LOCAL_WORLD_SIZE``).
 """
 
 from __future__ import annotations
@@ -86,9 +87,10 @@ class Processes(Stage):
         platform = plan.platform
         misses = [t for t in tasks if t.launch is not None and not _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform)]
         affordable = _affordable_forks() if len(misses) >= MIN_MISSES else 0
-        if affordable >= 2:
+        share = self.workers // _ranks_on_this_host()  # the ranks of a job on one host all warm at once
+        if affordable >= 2 and share >= 2:
             start = time.perf_counter()
-            self.processes = min(self.workers, len(misses), affordable)
+            self.processes = min(share, len(misses), affordable)
             try:
                 self._fork(misses, plan)
             except Exception as exc:  # e.g. a child killed (BrokenProcessPool): the compile step compiles the rest
@@ -135,6 +137,16 @@ def _affordable_forks() -> int:
     if affordable < 2:
         log.info("compiling on threads: forking with %.0f GiB resident costs about %.0f ms a child", _resident_gib(), per_fork_s * 1000)
     return affordable
+
+
+def _ranks_on_this_host() -> int:
+    """The processes of a job on this host that warm at the same time: ``LOCAL_WORLD_SIZE`` (set by
+    torchrun and most launchers; 1 without it), so that they share the cores rather than each
+    forking as many children as there are CPUs."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
 
 
 def _resident_gib() -> float:
