@@ -16,7 +16,9 @@ import warmreg
 from tests.helpers import CONFIG, Broken, Plugin, Scale
 from warmreg import processes
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="compile processes are forked on Linux only")
+pytestmark = pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="compile processes are forked on Linux only"
+)
 
 
 def _warm(cache: Path, monkeypatch: pytest.MonkeyPatch, **kwargs: Any) -> warmreg.WarmReport:
@@ -30,7 +32,9 @@ def _outcomes(report: warmreg.WarmReport) -> list[tuple[str, str, str, str | Non
     return [(r.kernel, repr(r.key), r.status, r.binary_hash) for r in report.results]
 
 
-def test_the_misses_compile_in_processes_and_this_process_only_finds_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_misses_compile_in_processes_and_this_process_only_finds_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     misses_here: list[str] = []
     previous = triton.knobs.compilation.listener
 
@@ -56,7 +60,9 @@ def test_the_misses_compile_in_processes_and_this_process_only_finds_them(tmp_pa
     assert _outcomes(forked) == _outcomes(threads), "the same keys, statuses and binaries as a warm on threads"
 
 
-def test_nothing_is_forked_for_a_warm_cache_or_a_handful_of_misses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_nothing_is_forked_for_a_warm_cache_or_a_handful_of_misses(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cache = tmp_path / "cache"
     assert _warm(cache, monkeypatch, workers=2).processes == 2
     again = _warm(cache, monkeypatch, workers=2)
@@ -85,7 +91,9 @@ def test_a_child_that_dies_leaves_the_rest_to_this_process(
     assert {(r.kernel, r.status) for r in report.results} == {("tests.scale", "compiled"), ("tests.broken", "failed")}
 
 
-def test_the_children_forked_are_what_the_resident_memory_affords(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_children_forked_are_what_the_resident_memory_affords(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(processes, "_resident_gib", lambda: 30.0)  # 71 ms a fork: 3 fit in 0.25 s
     assert _warm(tmp_path / "some", monkeypatch, workers=8).processes == 3
     monkeypatch.setattr(processes, "_resident_gib", lambda: 200.0)  # 445 ms a fork: none

@@ -78,14 +78,23 @@ class Processes(Stage):
     @classmethod
     def for_plan(cls, plan: Plan, workers: int) -> Processes | None:
         """The stage, where it can run: Linux, a CUDA or ROCm target, more than one worker."""
-        ok = ENABLED and workers > 1 and sys.platform.startswith("linux") and (plan.platform.is_cuda or plan.platform.is_rocm)
+        ok = (
+            ENABLED
+            and workers > 1
+            and sys.platform.startswith("linux")
+            and (plan.platform.is_cuda or plan.platform.is_rocm)
+        )
         return cls(workers) if ok else None
 
     def first(self, plan: Plan, tasks: list[Task]) -> list[Task]:
         """Compile the misses among the tasks to compile first (after a distributed warm picked this
         rank's share); returns them unchanged, for the compile step."""
         platform = plan.platform
-        misses = [t for t in tasks if t.launch is not None and not _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform)]
+        misses = [
+            t
+            for t in tasks
+            if t.launch is not None and not _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform)
+        ]
         affordable = _affordable_forks() if len(misses) >= MIN_MISSES else 0
         share = self.workers // _ranks_on_this_host()  # the ranks of a job on one host all warm at once
         if affordable >= 2 and share >= 2:
@@ -94,7 +103,9 @@ class Processes(Stage):
             try:
                 self._fork(misses, plan)
             except Exception as exc:  # e.g. a child killed (BrokenProcessPool): the compile step compiles the rest
-                log.warning("compiling in processes failed (%s: %s); the rest compiles on threads", type(exc).__name__, exc)
+                log.warning(
+                    "compiling in processes failed (%s: %s); the rest compiles on threads", type(exc).__name__, exc
+                )
             self.seconds = time.perf_counter() - start
         return tasks
 
@@ -110,7 +121,9 @@ class Processes(Stage):
                 )  # fmt: skip
                 try:
                     with warnings.catch_warnings():  # Python 3.12+ warns about forking a process that runs threads
-                        warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
+                        warnings.filterwarnings(
+                            "ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning
+                        )
                         futures = {pool.submit(_child_compile, i): task for i, task in enumerate(misses)}
                     for future in as_completed(futures):
                         task = futures[future]
@@ -135,7 +148,11 @@ def _affordable_forks() -> int:
     per_fork_s = (FORK_BASE_MS + FORK_MS_PER_GIB * _resident_gib()) / 1000
     affordable = int(FORK_BUDGET_S // per_fork_s)
     if affordable < 2:
-        log.info("compiling on threads: forking with %.0f GiB resident costs about %.0f ms a child", _resident_gib(), per_fork_s * 1000)
+        log.info(
+            "compiling on threads: forking with %.0f GiB resident costs about %.0f ms a child",
+            _resident_gib(),
+            per_fork_s * 1000,
+        )
     return affordable
 
 
