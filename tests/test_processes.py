@@ -108,3 +108,26 @@ def test_the_ranks_on_one_host_share_the_cores(tmp_path: Path, monkeypatch: pyte
     assert _warm(tmp_path / "b", monkeypatch, workers=4).processes == 0, "one core each: threads"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
     assert _warm(tmp_path / "c", monkeypatch, workers=2).processes == 2
+
+
+def test_a_launcher_is_claimed_once_across_forked_children(monkeypatch: pytest.MonkeyPatch) -> None:
+    claims = processes._Claims()  # what the children of one forked compile inherit
+    keys = [f"{i:064x}" for i in range(5)]
+    read, write = os.pipe()
+    children = []
+    for _ in range(4):
+        pid = os.fork()
+        if pid == 0:  # a child: how many of the keys it was the first to claim
+            os.write(write, bytes([sum(claims.claim(k) for k in keys)]))
+            os._exit(0)
+        children.append(pid)
+    for pid in children:
+        os.waitpid(pid, 0)
+    assert sum(os.read(read, 4)) == 5, "each launcher built by exactly one child"
+    assert not any(claims.claim(k) for k in keys) and claims.claim("f" * 64)
+    monkeypatch.setattr(processes._Claims, "SLOTS", 1)
+    full = processes._Claims()
+    assert full.claim(keys[0]) and full.claim(keys[1]) and full.claim(keys[1]), (
+        "past its slots a child builds unclaimed"
+    )
+    assert not full.claim(keys[0])

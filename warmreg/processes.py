@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import mmap
 import multiprocessing
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -111,9 +111,9 @@ class Processes(Stage):
 
     def _fork(self, misses: list[Task], plan: Plan) -> None:
         global _CLAIMS
-        with _lock, tempfile.TemporaryDirectory(prefix="warmreg-claims-") as claims:
+        with _lock:
             _LAUNCHES[:] = [t.launch for t in misses]
-            _CLAIMS = claims if plan.platform.is_cuda and plan.platform.local else None
+            _CLAIMS = _Claims() if plan.platform.is_cuda and plan.platform.local else None
             try:
                 pool = ProcessPoolExecutor(
                     max_workers=self.processes, mp_context=multiprocessing.get_context("fork"),
@@ -179,9 +179,34 @@ def _resident_gib() -> float:
 _lock = threading.Lock()
 #: The launches of the forked compile running now, which its children inherit (one at a time).
 _LAUNCHES: list[Any] = []
-#: Where its children claim the C launchers they build (Triton 3.6, local CUDA GPU; else ``None``),
-#: one file per launcher, so that a launcher shared by several keys is built once.
-_CLAIMS: str | None = None
+
+
+class _Claims:
+    """The C launchers the children of one forked compile claimed (Triton 3.6, local CUDA GPU), so
+    that a launcher several keys share is built once: their cache keys (64 hex digits each) in an
+    anonymous shared mapping under a lock, both inherited through the fork (nothing on disk)."""
+
+    SLOTS = 1024  # launchers (the Flash example has 25); past them a child builds unclaimed
+
+    def __init__(self) -> None:
+        self.lock = multiprocessing.get_context("fork").Lock()
+        self.memory = mmap.mmap(-1, 4 + 64 * self.SLOTS)  # a count, then the keys
+
+    def claim(self, key: str) -> bool:
+        """Whether the calling child is the first to claim launcher ``key``."""
+        entry = key.encode().ljust(64, b"\0")[:64]
+        with self.lock:
+            count = int.from_bytes(self.memory[:4], "little")
+            if any(self.memory[4 + 64 * i : 4 + 64 * (i + 1)] == entry for i in range(count)):
+                return False
+            if count < self.SLOTS:
+                self.memory[4 + 64 * count : 4 + 64 * (count + 1)] = entry
+                self.memory[:4] = (count + 1).to_bytes(4, "little")
+            return True
+
+
+#: Where the children of the forked compile running now claim the launchers they build (else ``None``).
+_CLAIMS: _Claims | None = None
 
 
 #: Linux's ``prctl`` option that sends the child a signal when its parent dies.
@@ -212,17 +237,7 @@ def _child_compile(index: int) -> tuple[str | None, float]:
         return describe(exc), time.perf_counter() - start
     if _CLAIMS is not None:
         try:
-            _triton_launchers.prebuild(compiled, _claim)
+            _triton_launchers.prebuild(compiled, _CLAIMS.claim)
         except Exception as exc:  # the warm's load builds it again, and reports a failure
             log.debug("a compile process could not build the launcher of %s: %s", _triton.full_name(jit), exc)
     return None, time.perf_counter() - start
-
-
-def _claim(key: str) -> bool:
-    """Whether this child is the first to build launcher ``key`` (an exclusive create)."""
-    assert _CLAIMS is not None
-    try:
-        os.close(os.open(os.path.join(_CLAIMS, key), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-    except FileExistsError:
-        return False
-    return True
