@@ -52,7 +52,9 @@ _VARIANTS = [("cold_serial", "cold, 1 worker"), ("cold_threads", "cold, all core
 def warm_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """One row per (machine, config): wall seconds of each warm variant, side by side."""
     out = ["Warm time in seconds (each variant a fresh process with its own Triton cache; CUDA context created "
-           "before the timer, as in an engine):", "",
+           "before the timer, as in an engine). \"processes\": in runs from 2026-12-02 on, the default path, the misses "
+           "compiled in forked children (`warmreg.processes`); in the earlier H200 runs, fresh processes that each imported "
+           "torch and the plugins and compiled a shard:", "",
            "| machine | config | keys / kernels | " + " | ".join(label for _, label in _VARIANTS) + " |",
            "| --- | --- | --- |" + " ---: |" * len(_VARIANTS)]  # fmt: skip
     for where, d in runs:
