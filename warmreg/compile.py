@@ -121,7 +121,10 @@ def compile_tasks(
     if not todo:
         return
     _triton_cache.wait_triton_key()
-    hits = INLINE_HITS and all(t.launch and _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform) for t in todo)
+    # a key a compile process put in the cache for this warm is a hit without looking again
+    hits = INLINE_HITS and all(
+        t.launch and (t.precompiled or _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform)) for t in todo
+    )
     if workers <= 1 or hits:
         _run_serial(todo, on_error, on_done)
     else:

@@ -145,14 +145,11 @@ class Processes(Stage):
 
 def _affordable_forks() -> int:
     """How many children the fork budget pays for, by this process's resident memory."""
-    per_fork_s = (FORK_BASE_MS + FORK_MS_PER_GIB * _resident_gib()) / 1000
+    resident = _resident_gib()
+    per_fork_s = (FORK_BASE_MS + FORK_MS_PER_GIB * resident) / 1000
     affordable = int(FORK_BUDGET_S // per_fork_s)
     if affordable < 2:
-        log.info(
-            "compiling on threads: forking with %.0f GiB resident costs about %.0f ms a child",
-            _resident_gib(),
-            per_fork_s * 1000,
-        )
+        log.info("compiling on threads: forking with %.0f GiB resident costs about %.0f ms a child", resident, per_fork_s * 1000)
     return affordable
 
 
