@@ -14,7 +14,10 @@ synchronize, as ``launch_floor.py`` does) once, then ``--steady`` more times. Va
 - ``touch``: ``op`` right after one call of the same op on scratch inputs (what is left when
   nothing ran between: the CPU's caches hold the launch path);
 - ``touch_then_memory_walk``: ``touch``, then 64 MiB of memory touched before the first call, as
-  other start-up work does (how much of the gap is the CPU cache state, not an initialization).
+  other start-up work does (how much of the gap is the CPU cache state, not an initialization);
+- ``walk_each``: ``op`` with the same 64 MiB walk before the first call and before each steady one:
+  the first launch against steady ones in the same CPU cache state (what a one-time cost left
+  after warm would show as: a ratio above 1).
 
     python benchmarks/first_launch.py [examples/deepseek_v4_flash.json] [--processes 5] [--tag NAME]
 """
@@ -62,6 +65,9 @@ def phases():
     return {"launch_code": (t1 - t0) * 1e3, "run": (t2 - t1) * 1e3, "synchronize": (t3 - t2) * 1e3, "total": (t3 - t0) * 1e3}
 
 fn = phases if variant == "phases" else whole
+if variant == "walk_each":  # every call, the first and each steady one, after the same 64 MiB walk
+    def fn(inner=fn):
+        memory_walk(64); return inner()
 first = fn()
 steady = [fn() for _ in range(steady_n)]
 print(json.dumps({"first": first, "steady": {k: sorted(s[k] for s in steady)[len(steady) // 2] for k in first}}))
@@ -77,7 +83,7 @@ def main() -> None:
     args = ap.parse_args()
     variants = {
         "op": {}, "phases": {}, "no_rehearsal": {}, "eager_modules": {"CUDA_MODULE_LOADING": "EAGER"},
-        "touch": {}, "touch_then_memory_walk": {},
+        "touch": {}, "touch_then_memory_walk": {}, "walk_each": {},
     }  # fmt: skip
     out: dict[str, object] = {"config": args.config, "processes": args.processes, "steady_calls": args.steady, "variants": {}}
     with tempfile.TemporaryDirectory() as cache:

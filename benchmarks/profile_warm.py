@@ -1,14 +1,16 @@
 """Where a warm spends its time, stage by stage and thread by thread (all threads, unlike cProfile).
 
-Runs a cold warm (fresh Triton cache) and then a warm from that cache, each in its own subprocess,
-with timers around Triton's and warmreg's stages: warmreg's bind (launch code on meta tensors) and
-specialization, ``JITFunction._do_compile`` (main thread), ``compile`` (the pool), its frontend and
-each backend stage, ``triton_key``, C-launcher builds, module loads. Each timer records its thread
-and its interval, so the JSON shows both CPU-seconds per stage and how much ran concurrently.
-A CUDA context is created before the timer starts, as in an engine. Writes
+Runs a cold warm (fresh Triton cache), a warm from that cache and, with ``--pack``, a warm from
+the pack into another fresh cache, each in its own subprocess, started as an engine starts:
+``warmreg.prefetch()`` first and the rest of its start-up meanwhile (``--no-prefetch``: not), a
+CUDA context created before the timer starts. Timers go around warmreg's phases (plan, bind,
+pack read and install, the cache lookups, the compile step, module loads, fast launches, the
+rehearsal) and Triton's (``JITFunction._do_compile``, ``compile`` and its frontend and backend
+stages, ``triton_key``, C-launcher builds, module loads). Each timer records its thread and its
+interval, so the JSON shows both CPU-seconds per stage and how much ran concurrently. Writes
 ``benchmarks/results/profile_warm_<tag>.json``.
 
-    python benchmarks/profile_warm.py examples/deepseek_v4_flash.json [--workers N] [--target cuda:90] [--tag h200]
+    python benchmarks/profile_warm.py examples/deepseek_v4_flash.json [--workers N] [--target cuda:90] [--pack PACK] [--tag h200]
 """
 
 from __future__ import annotations
@@ -34,10 +36,14 @@ from triton.backends.nvidia import compiler as nvc, driver as nvd
 import warmreg
 import warmreg.bind as wb
 import warmreg.warmup as ww
-from warmreg import _triton
+from warmreg import _pack_install, _triton, _triton_cache, compile as wc, pack as wp, pipeline as wpl, processes, rehearsal
 
+if PREFETCH:
+    warmreg.prefetch()
 if torch.cuda.is_available():
     torch.empty(1, device="cuda")
+if PREFETCH:  # the rest of an engine's start-up (loading weights) takes longer than the prefetch
+    _triton_cache.wait_triton_key(); ww._prefetched()
 events = []
 lock = threading.Lock()
 
@@ -74,9 +80,21 @@ patch(rj.JITFunction, "_do_compile", "_do_compile (submit)")
 patch(wb, "_bind", "warmreg bind (launch code + specialize)")
 patch(_triton, "specialize", "warmreg specialize")
 patch(ww, "plan", "warmreg plan")
+patch(wpl, "bind_all", "warmreg bind_all")
+patch(wp.PackInstall, "before_compile", "warmreg pack install")
+patch(wp, "_read_checked", "warmreg pack read + verify")
+patch(_pack_install, "local_hash", "warmreg pack local hash")
+patch(_pack_install, "_publish", "warmreg pack publish (entry)")
+patch(_triton_cache, "in_disk_cache", "warmreg in_disk_cache")
+patch(processes.Processes, "first", "warmreg processes (misses)")
+patch(wpl, "compile_tasks", "warmreg compile step")
+patch(wc, "_load", "warmreg load (key)")
+patch(wpl, "prepare_fast_launches", "warmreg fast launches")
+patch(rehearsal.Rehearse, "after_load", "warmreg rehearsal")
+patch(ww, "_report", "warmreg report")
 
 t0 = time.perf_counter()
-r = warmreg.warm(CONFIG, target=TARGET, workers=WORKERS, on_error="continue", progress=False)
+r = warmreg.warm(CONFIG, target=TARGET, workers=WORKERS, on_error="continue", progress=False, pack=PACK)
 wall = time.perf_counter() - t0
 stages = {}
 for name, thread, a, b in events:
@@ -88,13 +106,15 @@ for name, thread, a, b in events:
     row["last"] = max(row["last"], b - t0)
 for row in stages.values():
     row["threads"] = len(row["threads"])
-print(json.dumps({"wall": wall, "summary": r.summary(), "plan_seconds": r.plan_seconds,
+print(json.dumps({"wall": wall, "summary": r.summary(), "plan_seconds": r.plan_seconds, "pack": r.pack,
                   "sympy_imported": "sympy" in sys.modules, "stages": stages}))
 """
 
 
-def _run(config: str, workers: int, target: str | None, cache: str) -> dict:
-    code = _CHILD.replace("CONFIG", repr(config)).replace("WORKERS", str(workers)).replace("TARGET", repr(target))
+def _run(config: str, workers: int, target: str | None, cache: str, *, prefetch: bool, pack: str | None = None) -> dict:
+    code = _CHILD
+    for name, value in (("CONFIG", config), ("WORKERS", workers), ("TARGET", target), ("PREFETCH", prefetch), ("PACK", pack)):
+        code = code.replace(name, repr(value))
     out = subprocess.run(
         [sys.executable, "-c", code], env={**os.environ, "TRITON_CACHE_DIR": cache}, capture_output=True, text=True
     )
@@ -108,14 +128,19 @@ def main() -> None:
     ap.add_argument("config")
     ap.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
     ap.add_argument("--target", default=None, help="cross-compile target (default: the local GPU)")
+    ap.add_argument("--pack", default=None, help="also warm from this pack into a fresh cache")
+    ap.add_argument("--no-prefetch", dest="prefetch", action="store_false", help="no warmreg.prefetch() before the warm")
     ap.add_argument("--tag", default="h200")
     args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as cache:
-        cold = _run(args.config, args.workers, args.target, cache)
-        warm = _run(args.config, args.workers, args.target, cache)
-    result = {"config": args.config, "target": args.target or "local", "workers": args.workers, "cold": cold, "warm_cache": warm}
+    runs = {}
+    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as fresh:
+        runs["cold"] = _run(args.config, args.workers, args.target, cache, prefetch=args.prefetch)
+        runs["warm_cache"] = _run(args.config, args.workers, args.target, cache, prefetch=args.prefetch)
+        if args.pack:
+            runs["from_pack"] = _run(args.config, args.workers, args.target, fresh, prefetch=args.prefetch, pack=args.pack)
+    result = {"config": args.config, "target": args.target or "local", "workers": args.workers, "prefetch": args.prefetch, "pack": args.pack, **runs}
     path = write(f"profile_warm_{args.tag}", result)
-    for name, run in (("cold", cold), ("warm cache", warm)):
+    for name, run in runs.items():
         print(f"{name}: {run['summary']} wall {run['wall']:.2f} s (sympy imported: {run['sympy_imported']})")
         for stage, row in sorted(run["stages"].items(), key=lambda kv: -kv[1]["seconds"]):
             print(f"  {stage:40s} {row['calls']:4d} calls {row['seconds']:7.2f} s on {row['threads']:2d} threads, "

@@ -10,7 +10,8 @@ raw rounds in its own results file:
 - ``benchmarks/warm_time.py --quick`` on the DeepSeek-V4-Flash example: cold with every core (the default,
   misses compiled in forked processes, and on threads only), from a warm disk cache and from a pack,
   each after ``warmreg.prefetch()`` as an engine calls it (at start-up, done while the weights
-  load; cold also without it), and a second warm in the same process;
+  load; with the pack: ``prefetch(pack=...)``, which installs it meanwhile, and for comparison the
+  install left to the warm; cold also without it), and a second warm in the same process;
 - ``benchmarks/sweep.py`` over every example, the monitor in ``error`` mode: the misses.
 
 The entry holds the medians the issue names (microseconds, seconds) and the file each came from.
@@ -107,7 +108,9 @@ def main() -> None:
             cmd = [py, "benchmarks/warm_time.py", CONFIGS[0], "--quick", "--pack", args.pack, "--tag", tag]
             v = _step(cmd, stem, env, args.step_timeout)["variants"]
             entry.update(
-                warm_pack_s=v["from_pack_prefetched"]["wall"], warm_cache_s=v["warm_disk_cache_prefetched"]["wall"],
+                warm_pack_s=v["from_pack_prefetched"]["wall"], warm_pack_install=v["from_pack_prefetched"]["pack"],
+                warm_pack_installed_in_warm_s=v["from_pack_installed_in_warm"]["wall"],
+                warm_cache_s=v["warm_disk_cache_prefetched"]["wall"],
                 warm_cold_s=v["cold_processes_prefetched"]["wall"], warm_cold_not_prefetched_s=v["cold_processes"]["wall"],
                 warm_cold_threads_s=v["cold_threads_prefetched"]["wall"],
                 warm_again_s=v["warm_disk_cache_prefetched"]["again_wall"],

@@ -2,7 +2,10 @@
 misses compiled by forked children, ``warmreg.compile.PROCESSES``), warm disk cache, pack.
 
 Each variant runs in a fresh subprocess with its own empty Triton cache, so in-memory state never
-leaks between them. Writes benchmarks/results/warm_time_<machine>.json.
+leaks between them. A prefetched variant starts as an engine does: ``warmreg.prefetch()`` (with a
+pack variant's pack: ``prefetch(pack=...)``, which installs it meanwhile; ``from_pack_installed_in_warm``
+leaves the install to the warm), CUDA up, the prefetch done while the weights load; the timer
+starts at ``warm()``, and the pack note says how long the install took and where. Writes benchmarks/results/warm_time_<machine>.json.
 
     python benchmarks/warm_time.py examples/deepseek_v4_flash.json [--target cuda:90] [--pack PACK] [--tag NAME]
 """
@@ -22,8 +25,8 @@ from _common import write
 
 _WARM = """
 import json, sys, time, torch, warmreg
-if {prefetch!r}:  # engine-style start-up: warmreg.prefetch() first, then the rest of the start-up
-    warmreg.prefetch()
+if {prefetch!r}:  # engine-style start-up: warmreg.prefetch() first (with the pack it will warm with), then the rest
+    warmreg.prefetch(pack={pack!r} if {prefetch_pack!r} else None)
 if {target!r} is None:  # an engine has CUDA up before it warms: keep context creation out of the timing
     torch.empty(1, device="cuda")
 if {pool!r}:  # cache hits on the compile pool too, as before warmreg.compile.INLINE_HITS
@@ -33,6 +36,8 @@ if not {processes!r}:  # misses compiled on threads only, as before warmreg.proc
 if {prefetch!r}:  # ... which loads the weights (seconds) while the prefetch finishes
     from warmreg import _triton_cache, warmup
     _triton_cache.wait_triton_key(); warmup._prefetched()
+    from warmreg import pack as _packs
+    for _f in list(_packs._PREFETCHED.values()): _f.exception()  # the pack installed meanwhile
 t = time.perf_counter()
 r = warmreg.warm({config!r}, target={target!r}, workers={workers}, on_error="continue", pack={pack!r}, progress=False)
 wall = time.perf_counter() - t
@@ -71,10 +76,14 @@ def main() -> None:
             os.makedirs(path)
             return path
 
-        def warm(workers: int, cache: str, pack: str | None = None, prefetch: bool = False, pool: bool = False, processes: bool = True) -> dict:
+        def warm(
+            workers: int, cache: str, pack: str | None = None, prefetch: bool = False, pool: bool = False, processes: bool = True,
+            prefetch_pack: bool = True,
+        ) -> dict:  # fmt: skip
             code = _WARM.format(
-                config=args.config, target=args.target, workers=workers, pack=pack, prefetch=prefetch, pool=pool, processes=processes
-            )
+                config=args.config, target=args.target, workers=workers, pack=pack, prefetch=prefetch, pool=pool, processes=processes,
+                prefetch_pack=prefetch_pack,
+            )  # fmt: skip
             return _run(code, cache)
 
         threads_cache = fresh("threads")
@@ -84,8 +93,9 @@ def main() -> None:
             results["variants"]["cold_threads"] = warm(cpus, threads_cache, processes=False)
             results["variants"]["cold_threads_prefetched"] = warm(cpus, fresh("threads2"), prefetch=True, processes=False)
             results["variants"]["warm_disk_cache_prefetched"] = warm(cpus, threads_cache, prefetch=True)
-            if args.pack:
+            if args.pack:  # the pack installed by prefetch(pack=...) meanwhile, and (before that existed) in the warm
                 results["variants"]["from_pack_prefetched"] = warm(cpus, fresh("pack2"), args.pack, prefetch=True)
+                results["variants"]["from_pack_installed_in_warm"] = warm(cpus, fresh("pack3"), args.pack, prefetch=True, prefetch_pack=False)
             # the GIL, not the cores, bounds a warm of cache hits: the same two with the hits on the
             # compile pool (all cores), and with one thread for everything (loads included)
             results["variants"]["warm_disk_cache_prefetched_pool"] = warm(cpus, threads_cache, prefetch=True, pool=True)

@@ -44,6 +44,41 @@ def test_formats(tmp_path: Path, fmt: str) -> None:
         packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False)
 
 
+def test_a_pack_prefetched_is_installed_before_the_warm_and_the_warm_installs_nothing(
+    built: Path, triton_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    warmreg.prefetch(pack=built)  # as an engine does at start-up, before loading its weights
+    monkeypatch.setattr(packs, "install", lambda *a, **k: pytest.fail("the warm installed the pack again"))
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, pack=built)
+    assert report.compiled == 0 and report.from_cache == 3
+    assert "3 installed, 0 present, 0 refused" in (report.pack or "") and "(at prefetch)" in (report.pack or "")
+    assert len(list(triton_cache.rglob("__grp__*.json"))) == 3
+
+
+def test_a_prefetched_pack_is_not_taken_for_another_cache_or_target(
+    built: Path, triton_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    warmreg.prefetch(pack=built)  # into triton_cache, for the pack's own target (cuda:90)
+    with pytest.raises(PackError, match="targets cuda:90, this warm targets cuda:80"):  # as without the prefetch
+        warmreg.warm(CONFIG, target="cuda:80", plugins=[Plugin(Scale())], entry_points=False, pack=built)
+    warmreg.prefetch(pack=built)  # a prefetch is used once: the next warm waits for this one
+    other = tmp_path / "other-cache"
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(other))  # the engine moved its cache after the prefetch
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, pack=built)
+    # the warm waited for the prefetch (which wrote nowhere, or whole entries, wherever the variable
+    # pointed as it went), then installed the pack into the cache it uses
+    assert report.compiled == 0 and "(at prefetch)" not in (report.pack or "") and "0 refused" in (report.pack or "")
+    assert len(list(other.rglob("__grp__*.json"))) == 3 and not list(other.rglob("*.tmp.*"))
+
+
+def test_a_pack_the_prefetch_cannot_install_fails_the_warm_as_without_it(tmp_path: Path, triton_cache: Path) -> None:
+    missing = tmp_path / "nowhere.tar.gz"
+    warmreg.prefetch(pack=missing)  # returns at once; the error is the warm's to report
+    with pytest.raises(PackError, match=r"nowhere\.tar\.gz"):
+        warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, pack=missing)
+    assert not _entries(triton_cache)
+
+
 _WORKER = """
 import sys, warmreg
 sys.path.insert(0, {root!r})

@@ -36,6 +36,7 @@ class Task:
     :ivar captured: the same, kept until the fast launch is prepared (local GPU).
     :ivar precompiled: compiled into Triton's disk cache for this warm by another process (a stage):
         found there, it reports ``compiled``.
+    :ivar in_cache: a stage found its binary in Triton's disk cache (the compile step does not look again).
     """
 
     def __init__(self, kp: KernelPlan, key: CompileKey) -> None:
@@ -52,6 +53,7 @@ class Task:
         self.launch: tuple[Any, tuple[int, ...], Any, dict[str, Any]] | None = None
         self.captured: tuple[Any, tuple[int, ...], Any, dict[str, Any]] | None = None
         self.precompiled = False
+        self.in_cache = False
 
     @property
     def done(self) -> bool:

@@ -4,7 +4,8 @@ Each bound key's captured launch (:mod:`warmreg.bind`) becomes ``JITFunction.war
 compiles run on a thread pool through Triton's async compile mode (inline when every key is a hit
 in Triton's disk cache: :data:`INLINE_HITS`). Triton's compilation listener
 says whether each binary came from its disk cache. On the local GPU each binary is loaded (launcher
-built, module loaded) as soon as it is compiled, and each key's guarded fast launch is prepared.
+built, module loaded) on a pool as soon as it is compiled or found, while the next key compiles,
+and each key's guarded fast launch is prepared.
 (All through the adapter, :mod:`warmreg._triton`.)
 """
 
@@ -54,9 +55,7 @@ def _compile(task: Task) -> None:
 class _TimedExecutor(Executor):
     """Wraps a pool so each compile knows its task (for the listener) and is timed in its worker."""
 
-    def __init__(
-        self, inner: Executor, on_done: Callable[[Task], None] | None, load_device: int | None = None
-    ) -> None:
+    def __init__(self, inner: Executor, on_done: Callable[[Task], None] | None, load_device: int | None = None) -> None:
         self.inner = inner
         self.on_done = on_done
         self.load_device = load_device  # local GPU: load each binary as soon as it is compiled
@@ -121,24 +120,26 @@ def compile_tasks(
     if not todo:
         return
     _triton_cache.wait_triton_key()
-    # a key a compile process put in the cache for this warm is a hit without looking again
+    # a key a stage found in the cache, or a compile process put there for this warm, is a hit without looking again
     hits = INLINE_HITS and all(
-        t.launch and (t.precompiled or _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform)) for t in todo
+        t.launch and (t.in_cache or t.precompiled or _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform))
+        for t in todo
     )
-    if workers <= 1 or hits:
-        _run_serial(todo, on_error, on_done)
-    else:
-        load_device = _triton.current_device() if platform.local else None
-        pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="warmreg-compile")
-        try:
-            _run_async(todo, _TimedExecutor(pool, on_done, load_device), on_error, on_done)
-        finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+    with _loading(platform, workers) as load:
+        if workers <= 1 or hits:
+            _run_serial(todo, on_error, on_done, load)
+        else:
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="warmreg-compile")
+            try:  # each key loads on the pool as soon as it compiles
+                _run_async(todo, _TimedExecutor(pool, on_done, _triton.current_device() if load else None), on_error, on_done)
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
+            for task in todo:  # and the hits Triton's async mode found inline
+                if load is not None and task.compiled is not None and task.status != "failed":
+                    load(task)
     for task in todo:
         if task.precompiled and task.status == "disk_cache":
             task.status = "compiled"
-    if platform.local:
-        _finish_loads(todo, workers)
 
 
 def remove_failed(tasks: list[Task], platform: Platform) -> None:
@@ -148,11 +149,15 @@ def remove_failed(tasks: list[Task], platform: Platform) -> None:
             _triton_cache.remove_unfinished(task.captured[0], task.specialization_data, platform)
 
 
-def _run_serial(tasks: list[Task], on_error: OnError, on_done: Callable[[Task], None] | None) -> None:
+def _run_serial(
+    tasks: list[Task], on_error: OnError, on_done: Callable[[Task], None] | None, load: Callable[[Task], None] | None
+) -> None:
     for task in tasks:
         _compile(task)
         if task.status == "pending":
             task.status = "compiled"
+        if load is not None and task.compiled is not None and task.status != "failed":
+            load(task)
         if on_done is not None:
             on_done(task)
         if task.status == "failed" and on_error == "stop":
@@ -180,6 +185,22 @@ def _run_async(tasks: list[Task], executor: Executor, on_error: OnError, on_done
             task.status = "compiled"
 
 
+@contextmanager
+def _loading(platform: Platform, workers: int) -> Iterator[Callable[[Task], None] | None]:
+    """Local GPU: ``load(task)`` loads a key on a pool (while the next key compiles), not at its
+    first launch; every load is done on exit. Off the local GPU ``load`` is ``None``."""
+    if not platform.local:
+        yield None
+        return
+    device, futures = _triton.current_device(), []
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="warmreg-load") as pool:
+        try:
+            yield lambda task: futures.append(pool.submit(contextvars.copy_context().run, _load, task, task.compiled, device))
+        finally:
+            for future in futures:
+                future.result()
+
+
 def _load(task: Task, compiled: Any, device: int) -> None:
     """Build the launcher and load the module of one compiled kernel (idempotent), timed."""
     _triton.set_device(device)  # the CUDA current device is per thread
@@ -189,25 +210,6 @@ def _load(task: Task, compiled: Any, device: int) -> None:
     except Exception as exc:
         task.status, task.error = "failed", describe(exc)
     task.load_seconds += time.perf_counter() - start
-
-
-def _finish_loads(tasks: list[Task], workers: int) -> None:
-    """Build launchers and load modules now rather than at the first launch (local GPU only).
-
-    Keys compiled on the pool were loaded there as soon as they compiled; this loads the rest
-    (cache hits found inline, the serial path) and is a no-op for loaded ones.
-    """
-
-    device = _triton.current_device()
-
-    def load(task: Task) -> None:
-        _load(task, task.compiled, device)
-
-    pending = [t for t in tasks if t.compiled is not None and t.status != "failed"]
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="warmreg-load") as pool:
-        futures = [pool.submit(contextvars.copy_context().run, load, t) for t in pending]
-        for future in futures:
-            future.result()
 
 
 def prepare_fast_launches(tasks: list[Task]) -> None:

@@ -26,10 +26,12 @@ import shutil
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import uuid
 import zipfile
 from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -66,7 +68,7 @@ from .stage import Stage
 
 __all__ = [
     "FORMAT", "InstallReport", "Manifest", "PackError", "PackInstall", "PackLauncher", "build", "build_wheel", "entry_from_result",
-    "entry_keys", "inspect_pack", "install", "install_entries", "installed_for", "verify",
+    "entry_keys", "inspect_pack", "install", "install_entries", "installed_for", "prefetch_install", "verify",
 ]
 
 log = logging.getLogger("warmreg.pack")
@@ -175,6 +177,8 @@ class InstallReport:
     launchers: int = 0
     #: autotune choices written into the cache's choice files (:mod:`warmreg.tuning`)
     choices: int = 0
+    #: installed by :func:`warmreg.prefetch` in the background, before the warm that reports it
+    prefetched: bool = False
 
 
 def install(
@@ -194,7 +198,10 @@ def install(
     :raises CacheError: if the cache directory cannot be written (nothing unverified is left in it).
     """
     start = time.perf_counter()
-    read = _read_checked(path, target)
+    return _install_read(_read_checked(path, target), start, all_or_nothing=all_or_nothing, jits=jits)
+
+
+def _install_read(read: _Checked, start: float, *, all_or_nothing: bool, jits: Mapping[str, Any] | None) -> InstallReport:
     launcher_blobs = [(x, data) for x, data in read.launchers if _triton_launchers.fits_here(x.platform_key, x.file.name)]
     if jits is None:
         _triton_cache.check_cache_writable()  # before the plugins load: an unusable cache is one quick line
@@ -228,15 +235,76 @@ class PackInstall(Stage):
 
     def before_compile(self, plan: Any, tasks: Any) -> None:
         for path in self.paths:
-            self.reports.append(install(path, target=plan.platform, jits=plan.jits()))
+            report = _prefetched_install(path, plan.platform)
+            self.reports.append(report or install(path, target=plan.platform, jits=plan.jits()))
 
     def note(self) -> str | None:
         """One line per pack installed, for the warm report."""
         lines = [
-            f"{r.pack}: {r.installed} installed, {r.present} present, {len(r.refused)} refused, {r.launchers} C launchers in {r.seconds:.2f} s"
+            f"{r.pack}: {r.installed} installed, {r.present} present, {len(r.refused)} refused, {r.launchers} C launchers "
+            f"in {r.seconds:.2f} s{' (at prefetch)' if r.prefetched else ''}"
             for r in self.reports
         ]
         return "; ".join(lines) or None
+
+
+#: Packs :func:`warmreg.prefetch` installs in the background, by (real path, cache directory): the
+#: outcome and the target it was installed for.
+_PREFETCHED: dict[tuple[str, str], Future[tuple[InstallReport, str]]] = {}
+_prefetch_lock = threading.Lock()
+
+
+def prefetch_install(path: str | os.PathLike[str], after: threading.Thread | None = None) -> None:
+    """Install the pack at ``path`` into the current cache directory on a background thread, for its
+    own target and the kernels of the installed plugins (after ``after``, the thread importing
+    them), so that a warm with that pack finds it installed (see :func:`warmreg.prefetch`). Errors
+    are not raised here: the warm then installs the pack itself and reports them."""
+    key = (os.path.realpath(path), _triton_cache.cache_dir())
+    with _prefetch_lock:
+        if key in _PREFETCHED:
+            return
+        future: Future[tuple[InstallReport, str]] = Future()
+        _PREFETCHED[key] = future
+
+    def run() -> None:
+        try:
+            if after is not None:
+                after.join()
+            start = time.perf_counter()
+            _check_cache_is(key[1])
+            read = _read_checked(os.fspath(path), None)
+            report = attrs.evolve(_install_read(read, start, all_or_nothing=False, jits=None), prefetched=True)
+            _check_cache_is(key[1])  # the install wrote where the warm will look
+            future.set_result((report, read.platform.target))
+        except BaseException as exc:  # the warm installs the pack again and reports this
+            log.debug("prefetch could not install %s: %r", path, exc)
+            future.set_exception(exc)
+
+    # not a daemon: an interpreter exiting waits for the entries being published (~0.1 s) rather
+    # than leave temporary files in the cache
+    threading.Thread(target=run, name="warmreg-pack-prefetch").start()
+
+
+def _check_cache_is(directory: str) -> None:
+    if _triton_cache.cache_dir() != directory:
+        raise CacheError(directory, f"is no longer Triton's cache directory ({_triton_cache.cache_dir()} is)", fix="prefetch again")
+
+
+def _prefetched_install(path: str | os.PathLike[str], platform: Platform) -> InstallReport | None:
+    """The report of :func:`prefetch_install` of ``path`` into the current cache, once every prefetch
+    of that pack is done (none writes while the warm installs), if it installed the whole pack for
+    ``platform``'s target; else ``None``: the warm installs it, for the plan's kernels, reporting
+    what is wrong."""
+    real = os.path.realpath(path)
+    with _prefetch_lock:
+        mine = {k: _PREFETCHED.pop(k) for k in [k for k in _PREFETCHED if k[0] == real]}
+    for pending in mine.values():
+        pending.exception()  # waits
+    future = mine.get((real, _triton_cache.cache_dir()))
+    if future is None or future.exception() is not None:
+        return None
+    report, target = future.result()
+    return report if target == platform.target and not report.refused else None
 
 
 def entry_from_result(result: KeyResult, kernel: Any) -> tuple[PackEntry, dict[str, bytes]]:

@@ -90,11 +90,12 @@ class Processes(Stage):
         """Compile the misses among the tasks to compile first (after a distributed warm picked this
         rank's share); returns them unchanged, for the compile step."""
         platform = plan.platform
-        misses = [
-            t
-            for t in tasks
-            if t.launch is not None and not _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform)
-        ]
+        misses = []
+        for t in tasks:
+            if t.launch is not None:
+                t.in_cache = _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform)
+                if not t.in_cache:
+                    misses.append(t)
         affordable = _affordable_forks() if len(misses) >= MIN_MISSES else 0
         share = self.workers // _ranks_on_this_host()  # the ranks of a job on one host all warm at once
         if affordable >= 2 and share >= 2:

@@ -24,7 +24,7 @@ from .bind import OnError, check_on_error
 from .distributed import Shard
 from .errors import CompileFailed, WarmregError
 from .monitoring import KNOWLEDGE, arm
-from .pack import PackInstall
+from .pack import PackInstall, prefetch_install
 from .planning import Plan, plan
 from .platform import Platform
 from .plugins import OnPluginError
@@ -38,13 +38,19 @@ __all__ = ["prefetch", "reset_state", "warm"]
 log = logging.getLogger("warmreg.warmup")
 
 
-def prefetch() -> None:
+def prefetch(pack: str | os.PathLike[str] | None = None) -> None:
     """Start, on background threads, the part of a warm that depends on no config: Triton's hash of
     its own installation (``triton_key()``, which reads the 415 MB ``libtriton.so``: ~0.5 s on the
     H200 host, the largest single cost of a warm from a warm cache or a pack), importing the
     installed plugins with their kernels (~0.4 s there: the first plan's cost), then the modules
     Triton imports at its first specialization and each kernel's source hash, and the CUDA driver's
     utility module Triton compiles into a fresh cache (0.4-0.9 s of a warm from a pack there).
+
+    :param pack: a pack the engine will warm with: installed too, once the plugins are imported,
+        into the cache directory ``TRITON_CACHE_DIR`` names now, for the pack's own target (read,
+        verified and written as :func:`warmreg.pack.install` does). A warm of that pack into that
+        cache then waits for it instead of installing; it installs the pack itself if the
+        prefetch failed, refused an entry, or installed it for another target.
 
     Call it early in an engine's start-up (before loading weights); :func:`warm` starts it too if it
     has not started, and waits for each part only where it needs it. Idempotent; returns at once.
@@ -55,6 +61,8 @@ def prefetch() -> None:
         if _plugins_thread is None:
             _plugins_thread = threading.Thread(target=_import_plugins, name="warmreg-plugins", daemon=True)
             _plugins_thread.start()
+    if pack is not None:
+        prefetch_install(pack, after=_plugins_thread)
 
 
 _plugins_lock = threading.Lock()
