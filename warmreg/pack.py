@@ -218,7 +218,8 @@ def _install_read(read: _Checked, start: float, *, all_or_nothing: bool, jits: M
 class PackInstall(Stage):
     """The warm stage that installs packs into Triton's cache: after every key is bound (its launch
     code ran while Triton's installation was still being hashed), before any cache lookup, on every
-    branch of a warm (local or distributed)."""
+    branch of a warm (local or distributed). A pack :func:`prefetch_install` installed into this
+    cache for this target is waited for, not installed again."""
 
     def __init__(self, paths: Iterable[str | os.PathLike[str]]) -> None:
         self.paths = [os.fspath(p) for p in paths]
