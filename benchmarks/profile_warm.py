@@ -28,6 +28,7 @@ from _common import write
 
 _CHILD = r"""
 import functools, json, sys, threading, time
+CONFIG, WORKERS, TARGET, PREFETCH, PACK = json.loads(sys.argv[1])
 import torch, triton
 import triton.compiler.compiler as cc
 import triton.runtime.cache as rc
@@ -112,11 +113,9 @@ print(json.dumps({"wall": wall, "summary": r.summary(), "plan_seconds": r.plan_s
 
 
 def _run(config: str, workers: int, target: str | None, cache: str, *, prefetch: bool, pack: str | None = None) -> dict:
-    code = _CHILD
-    for name, value in (("CONFIG", config), ("WORKERS", workers), ("TARGET", target), ("PREFETCH", prefetch), ("PACK", pack)):
-        code = code.replace(name, repr(value))
+    settings = json.dumps([config, workers, target, prefetch, pack])  # an argument: no value is pasted into the code
     out = subprocess.run(
-        [sys.executable, "-c", code], env={**os.environ, "TRITON_CACHE_DIR": cache}, capture_output=True, text=True
+        [sys.executable, "-c", _CHILD, settings], env={**os.environ, "TRITON_CACHE_DIR": cache}, capture_output=True, text=True
     )
     if out.returncode:
         raise SystemExit(out.stderr[-4000:])

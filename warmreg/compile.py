@@ -131,12 +131,11 @@ def compile_tasks(
         else:
             pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="warmreg-compile")
             try:  # each key loads on the pool as soon as it compiles
-                _run_async(todo, _TimedExecutor(pool, on_done, _triton.current_device() if load else None), on_error, on_done)
+                _run_async(todo, _TimedExecutor(pool, on_done, _triton.current_device() if platform.local else None), on_error, on_done)
             finally:
                 pool.shutdown(wait=True, cancel_futures=True)
             for task in todo:  # and the hits Triton's async mode found inline
-                if load is not None and task.compiled is not None and task.status != "failed":
-                    load(task)
+                load(task)
     for task in todo:
         if task.precompiled and task.status == "disk_cache":
             task.status = "compiled"
@@ -150,14 +149,13 @@ def remove_failed(tasks: list[Task], platform: Platform) -> None:
 
 
 def _run_serial(
-    tasks: list[Task], on_error: OnError, on_done: Callable[[Task], None] | None, load: Callable[[Task], None] | None
+    tasks: list[Task], on_error: OnError, on_done: Callable[[Task], None] | None, load: Callable[[Task], None]
 ) -> None:
     for task in tasks:
         _compile(task)
         if task.status == "pending":
             task.status = "compiled"
-        if load is not None and task.compiled is not None and task.status != "failed":
-            load(task)
+        load(task)
         if on_done is not None:
             on_done(task)
         if task.status == "failed" and on_error == "stop":
@@ -186,11 +184,11 @@ def _run_async(tasks: list[Task], executor: Executor, on_error: OnError, on_done
 
 
 @contextmanager
-def _loading(platform: Platform, workers: int) -> Iterator[Callable[[Task], None] | None]:
-    """Local GPU: ``load(task)`` loads a key on a pool (while the next key compiles), not at its
-    first launch; every load is done on exit. Off the local GPU ``load`` is ``None``."""
+def _loading(platform: Platform, workers: int) -> Iterator[Callable[[Task], None]]:
+    """Local GPU: ``load(task)`` loads a compiled key on a pool (while the next key compiles), not at
+    its first launch; every load is done on exit. Off the local GPU ``load`` does nothing."""
     if not platform.local:
-        yield None
+        yield lambda task: None
         return
     device, futures = _triton.current_device(), []
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="warmreg-load") as pool:
@@ -203,6 +201,8 @@ def _loading(platform: Platform, workers: int) -> Iterator[Callable[[Task], None
 
 def _load(task: Task, compiled: Any, device: int) -> None:
     """Build the launcher and load the module of one compiled kernel (idempotent), timed."""
+    if compiled is None or task.status == "failed":
+        return
     _triton.set_device(device)  # the CUDA current device is per thread
     start = time.perf_counter()
     try:

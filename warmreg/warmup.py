@@ -50,7 +50,7 @@ def prefetch(pack: str | os.PathLike[str] | None = None) -> None:
         into the cache directory ``TRITON_CACHE_DIR`` names now, for the pack's own target (read,
         verified and written as :func:`warmreg.pack.install` does). A warm of that pack into that
         cache then waits for it instead of installing; it installs the pack itself if the
-        prefetch failed, refused an entry, or installed it for another target.
+        prefetch failed, refused an entry, or installed it for another target or cache directory.
 
     Call it early in an engine's start-up (before loading weights); :func:`warm` starts it too if it
     has not started, and waits for each part only where it needs it. Idempotent; returns at once.
