@@ -7,7 +7,8 @@ raw rounds in its own results file:
 - ``benchmarks/launch_floor.py``: every launch path side by side (and one process's first launch);
 - ``benchmarks/first_launch.py``: the first launch after warm against steady over fresh processes
   (``first_over_steady`` is their median), split into phases, without rehearsal, eager modules;
-- ``benchmarks/warm_time.py --quick`` on the DeepSeek-V4-Flash example: cold with every core (the default,
+- ``benchmarks/warm_time.py --quick --rounds 5`` on the DeepSeek-V4-Flash example (``warm_cold_s``,
+  ``warm_cache_s`` and ``warm_pack_s`` are the median of five processes each): cold with every core (the default,
   misses compiled in forked processes, and on threads only), from a warm disk cache and from a pack,
   each after ``warmreg.prefetch()`` as an engine calls it (at start-up, done while the weights
   load; with the pack: ``prefetch(pack=...)``, which installs it meanwhile, and for comparison the
@@ -66,6 +67,7 @@ def main() -> None:
     ap.add_argument("--pack", required=True, help="a pack of examples/deepseek_v4_flash.json for this GPU and release")
     ap.add_argument("--only", default="launch,first,warm,sweep", help="comma-separated: launch, first, warm, sweep")
     ap.add_argument("--step-timeout", type=float, default=300.0)
+    ap.add_argument("--warm-rounds", type=int, default=5, help="processes for each headline warm time (cold, warm cache, pack): the median")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("summary.py measures on a CUDA GPU")
@@ -105,7 +107,7 @@ def main() -> None:
             files["first"] = f"{stem}.json"
         if "warm" in only:
             stem = f"warm_time_{tag}"
-            cmd = [py, "benchmarks/warm_time.py", CONFIGS[0], "--quick", "--pack", args.pack, "--tag", tag]
+            cmd = [py, "benchmarks/warm_time.py", CONFIGS[0], "--quick", "--rounds", str(args.warm_rounds), "--pack", args.pack, "--tag", tag]
             v = _step(cmd, stem, env, args.step_timeout)["variants"]
             entry.update(
                 warm_pack_s=v["from_pack_prefetched"]["wall"], warm_pack_install=v["from_pack_prefetched"]["pack"],

@@ -5,9 +5,12 @@ Each variant runs in a fresh subprocess with its own empty Triton cache, so in-m
 leaks between them. A prefetched variant starts as an engine does: ``warmreg.prefetch()`` (with a
 pack variant's pack: ``prefetch(pack=...)``, which installs it meanwhile; ``from_pack_installed_in_warm``
 leaves the install to the warm), CUDA up, the prefetch done while the weights load; the timer
-starts at ``warm()``, and the pack note says how long the install took and where. Writes benchmarks/results/warm_time_<machine>.json.
+starts at ``warm()``, and the pack note says how long the install took and where. With ``--quick
+--rounds N`` the prefetched cold, warm-cache and pack variants run N times each (a fresh process, and
+for cold and pack a fresh cache, each time) and report the median run with every round's wall.
+Writes benchmarks/results/warm_time_<machine>.json.
 
-    python benchmarks/warm_time.py examples/deepseek_v4_flash.json [--target cuda:90] [--pack PACK] [--tag NAME]
+    python benchmarks/warm_time.py examples/deepseek_v4_flash.json [--target cuda:90] [--pack PACK] [--tag NAME] [--quick [--rounds N]]
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -66,6 +70,7 @@ def main() -> None:
     ap.add_argument("--pack", default=None, help="a pack built elsewhere (e.g. on a CPU-only machine)")
     ap.add_argument("--tag", default=None)
     ap.add_argument("--quick", action="store_true", help="only cold with all cores (processes, then threads only), warm cache and pack (both prefetched; also with hits on the pool, and on 1 thread)")
+    ap.add_argument("--rounds", type=int, default=1, help="with --quick: processes for each of the prefetched cold, warm-cache and pack variants; each keeps every round and reports the median one")
     args = ap.parse_args()
     cpus = len(os.sched_getaffinity(0))
     results: dict = {"config": args.config, "target": args.target or "local", "cpus": cpus, "variants": {}}
@@ -86,15 +91,21 @@ def main() -> None:
             )  # fmt: skip
             return _run(code, cache)
 
+        def median_of(make: Callable[[int], dict]) -> dict:
+            """``args.rounds`` runs of a variant (each in a fresh process): the median one, with every wall."""
+            runs = sorted((make(i) for i in range(args.rounds)), key=lambda r: r["wall"])
+            return {**runs[(len(runs) - 1) // 2], "rounds": [r["wall"] for r in runs]}
+
         threads_cache = fresh("threads")
         if args.quick:
+            results["rounds"] = args.rounds
             results["variants"]["cold_processes"] = warm(cpus, fresh("procs"))
-            results["variants"]["cold_processes_prefetched"] = warm(cpus, fresh("procs2"), prefetch=True)
+            results["variants"]["cold_processes_prefetched"] = median_of(lambda i: warm(cpus, fresh(f"procs2_{i}"), prefetch=True))
             results["variants"]["cold_threads"] = warm(cpus, threads_cache, processes=False)
             results["variants"]["cold_threads_prefetched"] = warm(cpus, fresh("threads2"), prefetch=True, processes=False)
-            results["variants"]["warm_disk_cache_prefetched"] = warm(cpus, threads_cache, prefetch=True)
+            results["variants"]["warm_disk_cache_prefetched"] = median_of(lambda i: warm(cpus, threads_cache, prefetch=True))
             if args.pack:  # the pack installed by prefetch(pack=...) meanwhile, and (before that existed) in the warm
-                results["variants"]["from_pack_prefetched"] = warm(cpus, fresh("pack2"), args.pack, prefetch=True)
+                results["variants"]["from_pack_prefetched"] = median_of(lambda i: warm(cpus, fresh(f"pack2_{i}"), args.pack, prefetch=True))
                 results["variants"]["from_pack_installed_in_warm"] = warm(cpus, fresh("pack3"), args.pack, prefetch=True, prefetch_pack=False)
             # the GIL, not the cores, bounds a warm of cache hits: the same two with the hits on the
             # compile pool (all cores), and with one thread for everything (loads included)

@@ -130,6 +130,20 @@ def test_annotated_int_parameters_are_guarded_as_triton_keys_them() -> None:
                         assert entry.launch((1,), kw) is False, (base, name, value)
 
 
+def test_keys_that_differ_only_in_alignment_share_one_source() -> None:
+    """A warm builds an entry per key; compiling each one's source was most of that (52 sources for
+    the Flash example's 73 keys): alignment is bound as a value, so those keys share the code."""
+    with _triton.cross_target(H100):
+        device = _triton.current_device()
+        a = _kwargs(n=32, x_ptr=_tensor(torch.float32, 0))
+        b = _kwargs(n=17, x_ptr=_tensor(torch.float32, 1))
+        assert _specialization(_probe, a) != _specialization(_probe, b)
+        ea, eb = (_triton_fast.build(_probe, kw, {"num_warps": 4}, _Recorder(), device) for kw in (a, b))
+        assert ea is not None and eb is not None and ea.source == eb.source
+        assert ea.python.__code__ is eb.python.__code__
+        assert ea.launch((1,), a) and eb.launch((1,), b) and not ea.launch((1,), b) and not eb.launch((1,), a)
+
+
 def test_pairs_of_changes_never_slip_through() -> None:
     """Two changes at once (e.g. dtype and alignment) still fail the guard unless Triton agrees."""
     with _triton.cross_target(H100):

@@ -109,6 +109,33 @@ def test_compile_listener_reports_compiles_and_cache_hits(triton_cache: Path) ->
     assert triton.knobs.compilation.listener is None
 
 
+def test_kernels_share_one_metadata_class_inside_the_block_only(triton_cache: Path) -> None:
+    import collections
+
+    x = warmreg.meta((64,), torch.float16)
+
+    def compiled(n: int) -> object:
+        return _triton.warmup(_scale_kernel, (1,), dict(x_ptr=x, out_ptr=x, n=n, scale=1.0, BLOCK=64), {})
+
+    original = collections.namedtuple
+    with _triton.cross_target(H100):
+        apart = compiled(16), compiled(17)  # two binaries (n divisible by 16 or not)
+        _triton.forget_compiled()
+        with _triton.shared_kernel_metadata():
+            with _triton.shared_kernel_metadata():  # nested: still shared after the inner block
+                first = compiled(16)
+            second = compiled(17)  # a cache hit: Triton's CompiledKernel.__init__ makes the class
+            point = collections.namedtuple("Point", "x y")  # anyone else's namedtuple is untouched
+        _triton.forget_compiled()
+        after = compiled(16), compiled(17)
+    assert collections.namedtuple is original
+    assert first.hash != second.hash and type(first.metadata) is type(second.metadata)
+    assert first.metadata == apart[0].metadata and second.metadata == apart[1].metadata
+    assert type(first.metadata).__module__ == "triton.compiler.compiler"
+    assert type(apart[0].metadata) is not type(apart[1].metadata) and type(after[0].metadata) is not type(after[1].metadata)
+    assert point.__module__ == __name__ and point(1, 2).y == 2 and point is not collections.namedtuple("Point", "x y")
+
+
 def test_cross_target_swaps_and_restores_the_driver() -> None:
     from triton.runtime.driver import driver
 

@@ -12,6 +12,7 @@ refuses an unsupported release with one readable line.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import logging
@@ -44,7 +45,7 @@ __all__ = [
     "cache_files", "check_version", "compile_listener", "compile_worker", "cross_target", "current_device", "device_name", "finish_load", "forget_compiled",
     "full_name", "get_jit_cache_hook", "gpu_target", "in_memory", "install_compile_hook", "is_future_kernel", "is_jit",
     "knob", "load_hooks", "param_names", "preimport", "parse_specialization_key", "remove_compile_hook", "remove_load_hook",
-    "retrying_ast_race", "run_kwargs", "set_device", "set_jit_cache_hook", "source_hash", "specialization_key",
+    "retrying_ast_race", "run_kwargs", "set_device", "set_jit_cache_hook", "shared_kernel_metadata", "source_hash", "specialization_key",
     "specialize", "torch_device", "unwrap_autotuner_bench", "warmup", "wrap_autotuner_bench",
 ]  # fmt: skip
 
@@ -253,6 +254,54 @@ def compile_listener(on_compiled: Callable[[bool, Any], None]) -> Iterator[None]
         yield
     finally:
         triton.knobs.compilation.listener = previous
+
+
+#: ``collections.namedtuple`` as it was when the outermost :func:`shared_kernel_metadata` block began
+_namedtuple = collections.namedtuple
+_metadata_classes: dict[tuple[str, ...], type] = {}
+_shared_depth = 0
+
+
+def _namedtuple_sharing_kernel_metadata(typename: str, field_names: Any, **kwargs: Any) -> type:
+    """``collections.namedtuple``, except that Triton's compiler gets one ``KernelMetadata`` class per
+    set of fields instead of a new one per kernel. Anyone else gets exactly what ``namedtuple`` gives
+    (with the caller's module, which ``namedtuple`` would otherwise read off this frame)."""
+    module = sys._getframe(1).f_globals.get("__name__", "__main__")
+    if typename != "KernelMetadata" or kwargs or module != "triton.compiler.compiler":
+        kwargs.setdefault("module", module)
+        return _namedtuple(typename, field_names, **kwargs)
+    fields = tuple(field_names)
+    cls = _metadata_classes.get(fields)
+    if cls is None:
+        cls = _metadata_classes[fields] = _namedtuple(typename, fields, module=module)
+    return cls
+
+
+@contextlib.contextmanager
+def shared_kernel_metadata() -> Iterator[None]:
+    """While the block runs, Triton builds one ``KernelMetadata`` class per set of metadata fields.
+
+    ``CompiledKernel.__init__`` (3.6.0-3.9.0) makes a new ``namedtuple`` class for every kernel it
+    compiles or finds in the disk cache: ``exec`` of its generated source and a descriptor per field,
+    0.5 ms a kernel, a third of a disk-cache hit (a Flash warm from a pack: 0.036 of 0.105 s). Its
+    classes differ only by identity (same name, fields and module), so warm shares one. The function
+    resolves ``namedtuple`` from ``collections`` at each call, so the block swaps the attribute there
+    (nested and concurrent blocks keep it swapped until the last one leaves); a module importing
+    ``namedtuple`` meanwhile keeps the replacement, which then behaves as ``namedtuple`` does.
+    """
+    global _shared_depth, _namedtuple
+    with _ids_lock:
+        if not _shared_depth:
+            _namedtuple = collections.namedtuple
+        _shared_depth += 1
+        collections.namedtuple = _namedtuple_sharing_kernel_metadata  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        with _ids_lock:
+            _shared_depth -= 1
+            if not _shared_depth:
+                collections.namedtuple = _namedtuple  # type: ignore[assignment]
 
 
 def specialization_key(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> str:

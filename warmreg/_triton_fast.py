@@ -310,12 +310,15 @@ def _condition(var: str, i: int, guard: tuple[int, int, int, Any], env: dict[str
     if kind == _CONST:
         env[f"_c{i}"], env[f"_cc{i}"] = obj, type(obj)
         return f"{var}.__class__ is _cc{i} and {var} == _c{i}"
+    # whether a value is 16-aligned is bound in env (``_z{i}``), not written into the source, so keys
+    # that differ only in it share one source and its compiled code (:func:`_code`)
     if kind == _PTR:
         env[f"_dt{i}"] = obj
         cond = f"{var}.dtype is _dt{i}"
-        if mode == _ALIGNED:
-            return cond + f" and not ({var}.data_ptr() & 15)"
-        return cond + (f" and ({var}.data_ptr() & 15)" if mode == _UNALIGNED else "")
+        if mode == _ANY_ALIGNMENT:
+            return cond
+        env[f"_z{i}"] = mode == _ALIGNED
+        return cond + f" and (({var}.data_ptr() & 15) == 0) is _z{i}"
     if kind == _INT:
         cond = f"{var}.__class__ is int and " + _WIDTH_COND[mode].format(v=var)
         if flags & _EQ:
@@ -323,9 +326,8 @@ def _condition(var: str, i: int, guard: tuple[int, int, int, Any], env: dict[str
             cond += f" and {var} == _c{i}"
         if flags & _NE1:
             cond += f" and {var} != 1"
-        if flags & _DIV16:
-            cond += f" and not ({var} & 15)"
-        if flags & _NDIV16:
-            cond += f" and ({var} & 15)"
+        if flags & (_DIV16 | _NDIV16):
+            env[f"_z{i}"] = bool(flags & _DIV16)
+            cond += f" and (({var} & 15) == 0) is _z{i}"
         return cond
     return f"{var}.__class__ is {'float' if kind == _F32 else 'bool'}"
