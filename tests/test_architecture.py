@@ -4,7 +4,7 @@
 - the layers: the contract and the pipeline never import an add-on (packs, distributed, monitor) nor
   an entry point (``warmup``, the CLI, the pytest plugin); add-ons never import an entry point; the
   adapters (Triton's, and the engines' config readers) import nothing above the contract's values;
-- the core (contract + pipeline) stays within 2,740 lines (2,461 before autotune support, which added 155; `warmreg.output`, the one check of an op's out= buffer, and the kernels' `rehearse` flag added 45; a launch that keeps its launch code's signature, instead of a ``*args, **kwargs`` forwarder costing ~0.8 µs a launch, 20; a stage finishing keys itself, for the forked compile of the misses: its progress and the precompiled status, 20) and ``warm()`` within 40;
+- the core (contract + pipeline) stays within 2,750 lines (2,461 before autotune support, which added 155; `warmreg.output`, the one check of an op's out= buffer, and the kernels' `rehearse` flag added 45; a launch that keeps its launch code's signature, instead of a ``*args, **kwargs`` forwarder costing ~0.8 µs a launch, 20; a stage finishing keys itself, for the forked compile of the misses: its progress and the precompiled status, 20; a warm of hits loading its modules on one thread and only C-launcher builds on the pool, 10) and ``warm()`` within 40;
 - every module's ``__all__`` lists exactly its public names (re-exports allowed, nothing missing).
 """
 
@@ -132,7 +132,7 @@ def _lines(modules: set[str]) -> int:
 
 
 def test_the_core_reads_in_one_sitting() -> None:
-    assert _lines(CONTRACT | PIPELINE) <= 2740
+    assert _lines(CONTRACT | PIPELINE) <= 2750
 
 
 def test_warm_is_short() -> None:

@@ -42,7 +42,7 @@ log = logging.getLogger("warmreg.compile")
 
 __all__ = [
     "CompileRequest", "HookHandle", "SUPPORTED_TRITON", "UnsupportedTriton", "add_load_hook", "async_compile", "benchmark",
-    "cache_files", "check_version", "compile_listener", "compile_worker", "cross_target", "current_device", "device_name", "finish_load", "forget_compiled",
+    "builds_on_load", "cache_files", "check_version", "compile_listener", "compile_worker", "cross_target", "current_device", "device_name", "finish_load", "forget_compiled",
     "full_name", "get_jit_cache_hook", "gpu_target", "in_memory", "install_compile_hook", "is_future_kernel", "is_jit",
     "knob", "load_hooks", "param_names", "preimport", "parse_specialization_key", "remove_compile_hook", "remove_load_hook",
     "retrying_ast_race", "run_kwargs", "set_device", "set_jit_cache_hook", "shared_kernel_metadata", "source_hash", "specialization_key",
@@ -393,6 +393,24 @@ def finish_load(compiled: Any) -> None:
         lock = _launcher_locks.setdefault(identity, threading.Lock())
     with lock:
         compiled._init_handles()
+
+
+def builds_on_load(compiled: Any) -> bool:
+    """Whether :func:`finish_load` of ``compiled`` may run the C compiler: on Triton 3.6 when the
+    cache lacks its CUDA launcher (or it is not a CUDA kernel of an ``ASTSource``, or its launcher
+    cannot be looked up: where that cannot be told); never from 3.7 on, nor for a kernel already
+    loaded or failed (``None``). Never raises."""
+    if compiled is None or not RELEASE.per_signature_launcher or getattr(compiled, "module", None) is not None:
+        return False
+    src = getattr(compiled, "src", None)
+    if getattr(src, "signature", None) is None or getattr(src, "constants", None) is None:
+        return True
+    if getattr(getattr(getattr(compiled, "metadata", None), "target", None), "backend", None) != "cuda":
+        return True
+    try:
+        return not _triton_launchers.is_built(compiled)
+    except Exception:  # the load itself reports what is wrong with the kernel
+        return True
 
 
 def _launcher_identity(compiled: Any, signature: Any, constants: Any) -> str:

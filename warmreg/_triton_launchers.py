@@ -41,7 +41,7 @@ from ._triton_release import RELEASE
 from .errors import WarmregError
 
 __all__ = [
-    "Launcher", "LauncherError", "PER_KERNEL", "PythonABI", "build", "built_here", "fits_here", "install",
+    "Launcher", "LauncherError", "PER_KERNEL", "PythonABI", "build", "built_here", "fits_here", "install", "is_built",
     "launcher_source", "local_abi", "platform_key", "prebuild", "python_abi",
 ]  # fmt: skip
 
@@ -232,13 +232,24 @@ def prebuild(compiled: Any, claim: Callable[[str], bool]) -> bool:
     if not PER_KERNEL:
         return False
     from triton.backends.nvidia.driver import CudaLauncher
-    from triton.runtime.cache import get_cache_manager
 
     key, _ = launcher_source(compiled)
-    if get_cache_manager(key).get_file(f"{_NAME}{local_abi().ext_suffix}") is not None or not claim(key):
+    if is_built(compiled, key) or not claim(key):
         return False
     CudaLauncher(compiled.src, compiled.metadata)
     return True
+
+
+def is_built(compiled: Any, key: str | None = None) -> bool:
+    """Whether Triton's cache holds the C launcher of a compiled CUDA kernel for this Python ABI
+    (its first load then builds nothing); always true from Triton 3.7 on. ``key``: its
+    :func:`launcher_source` cache key, if known."""
+    if not PER_KERNEL:
+        return True
+    from triton.runtime.cache import get_cache_manager
+
+    key = key if key is not None else launcher_source(compiled)[0]
+    return get_cache_manager(key).get_file(f"{_NAME}{local_abi().ext_suffix}") is not None
 
 
 def install(cache_key: str, name: str, data: bytes) -> bool:

@@ -1,12 +1,11 @@
 """Compiling bound keys: in parallel on a bounded pool, each key isolated, each timed; then loading.
 
 Each bound key's captured launch (:mod:`warmreg.bind`) becomes ``JITFunction.warmup``, whose
-compiles run on a thread pool through Triton's async compile mode (inline when every key is a hit
-in Triton's disk cache: :data:`INLINE_HITS`). Triton's compilation listener
-says whether each binary came from its disk cache. On the local GPU each binary is loaded (launcher
-built, module loaded) on a pool as soon as it is compiled or found, while the next key compiles,
-and each key's guarded fast launch is prepared.
-(All through the adapter, :mod:`warmreg._triton`.)
+compiles run on a thread pool through Triton's async compile mode (inline when every key is a hit in
+Triton's disk cache: :data:`INLINE_HITS`). Triton's compilation listener says whether each binary came
+from its disk cache. On the local GPU each binary is loaded (launcher built, module loaded) on a pool
+as soon as it is compiled or found, while the next key compiles, and each key's guarded fast launch
+is prepared (all through the adapter, :mod:`warmreg._triton`).
 """
 
 from __future__ import annotations
@@ -56,9 +55,7 @@ class _TimedExecutor(Executor):
     """Wraps a pool so each compile knows its task (for the listener) and is timed in its worker."""
 
     def __init__(self, inner: Executor, on_done: Callable[[Task], None] | None, load_device: int | None = None) -> None:
-        self.inner = inner
-        self.on_done = on_done
-        self.load_device = load_device  # local GPU: load each binary as soon as it is compiled
+        self.inner, self.on_done, self.load_device = inner, on_done, load_device  # local GPU: load once compiled
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         task = _tls.task
@@ -66,8 +63,7 @@ class _TimedExecutor(Executor):
 
         def run() -> Any:
             _tls.task = task
-            start = time.perf_counter()
-            compiled = None
+            start, compiled = time.perf_counter(), None
             try:
                 compiled = _triton.retrying_ast_race(fn, *args, **kwargs)
                 return compiled
@@ -92,8 +88,7 @@ class _TimedExecutor(Executor):
 
 def _on_compiled(cache_hit: bool, metadata: Any) -> None:
     """Triton produced (or found in its disk cache) the binary of the task compiling on this thread."""
-    task = getattr(_tls, "task", None)
-    if task is not None:
+    if (task := getattr(_tls, "task", None)) is not None:
         task.status = "disk_cache" if cache_hit else "compiled"
         task.binary_hash = metadata.get("hash") if isinstance(metadata, dict) else None
 
@@ -125,7 +120,7 @@ def compile_tasks(
         t.launch and (t.in_cache or t.precompiled or _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform))
         for t in todo
     )
-    with _loading(platform, workers) as load:
+    with _loading(platform, workers, hits) as load:
         if workers <= 1 or hits:
             _run_serial(todo, on_error, on_done, load)
         else:
@@ -173,8 +168,7 @@ def _run_async(tasks: list[Task], executor: Executor, on_error: OnError, on_done
                 cancel_rest(tasks, task)
                 break
     for task in tasks:
-        compiled = task.compiled
-        if hasattr(compiled, "result"):  # FutureKernel: resolved (or failed) when the mode exited
+        if hasattr(compiled := task.compiled, "result"):  # FutureKernel: resolved (or failed) when the mode exited
             try:
                 task.compiled = compiled.result()
             except Exception as exc:
@@ -184,25 +178,31 @@ def _run_async(tasks: list[Task], executor: Executor, on_error: OnError, on_done
 
 
 @contextmanager
-def _loading(platform: Platform, workers: int) -> Iterator[Callable[[Task], None]]:
-    """Local GPU: ``load(task)`` loads a compiled key on a pool (while the next key compiles), not at
-    its first launch; every load is done on exit. Off the local GPU ``load`` does nothing."""
+def _loading(platform: Platform, workers: int, hits: bool) -> Iterator[Callable[[Task], None]]:
+    """Local GPU: ``load(task)`` loads a compiled key on a pool (while the next key compiles), not at its first
+    launch; every load is done on exit; off the local GPU it does nothing. If every key is a hit, loads take one
+    thread (more only contend with the hits for the GIL), those that build a C launcher move on to the pool."""
     if not platform.local:
         yield lambda task: None
         return
     device, futures = _triton.current_device(), []
-    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="warmreg-load") as pool:
+    with ThreadPoolExecutor(max(1, workers), "warmreg-load") as pool, ThreadPoolExecutor(1, "warmreg-load-hits") as one:
+        via, wide = (one, pool) if hits else (pool, None)
         try:
-            yield lambda task: futures.append(pool.submit(contextvars.copy_context().run, _load, task, task.compiled, device))
+            yield lambda task: futures.append(via.submit(contextvars.copy_context().run, _load, task, task.compiled, device, wide))
         finally:
             for future in futures:
-                future.result()
+                if (moved := future.result()) is not None:
+                    moved.result()
 
 
-def _load(task: Task, compiled: Any, device: int) -> None:
-    """Build the launcher and load the module of one compiled kernel (idempotent), timed."""
+def _load(task: Task, compiled: Any, device: int, wide: Executor | None = None) -> Future[Any] | None:
+    """Build the launcher and load the module of one compiled kernel (idempotent), timed; with
+    ``wide``, a load that builds a C launcher moves to that pool (the future of it is returned)."""
     if compiled is None or task.status == "failed":
-        return
+        return None
+    if wide is not None and _triton.builds_on_load(compiled):
+        return wide.submit(contextvars.copy_context().run, _load, task, compiled, device)
     _triton.set_device(device)  # the CUDA current device is per thread
     start = time.perf_counter()
     try:
@@ -210,6 +210,7 @@ def _load(task: Task, compiled: Any, device: int) -> None:
     except Exception as exc:
         task.status, task.error = "failed", describe(exc)
     task.load_seconds += time.perf_counter() - start
+    return None
 
 
 def prepare_fast_launches(tasks: list[Task]) -> None:
