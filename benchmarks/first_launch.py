@@ -17,7 +17,11 @@ synchronize, as ``launch_floor.py`` does) once, then ``--steady`` more times. Va
   other start-up work does (how much of the gap is the CPU cache state, not an initialization);
 - ``walk_each``: ``op`` with the same 64 MiB walk before the first call and before each steady one:
   the first launch against steady ones in the same CPU cache state (what a one-time cost left
-  after warm would show as: a ratio above 1).
+  after warm would show as: a ratio above 1);
+- ``inputs_each``: ``op`` with fresh inputs built (and the GPU synchronized) before the first call
+  and before each steady one, the work that precedes the first call in ``op``: the first launch
+  against steady launches that each follow the same work, as in a serving loop where other
+  work runs between two calls of one op (``first_over_steady_same_work`` in ``summary.json``).
 
     python benchmarks/first_launch.py [examples/deepseek_v4_flash.json] [--processes 5] [--tag NAME]
 """
@@ -68,6 +72,10 @@ fn = phases if variant == "phases" else whole
 if variant == "walk_each":  # every call, the first and each steady one, after the same 64 MiB walk
     def fn(inner=fn):
         memory_walk(64); return inner()
+if variant == "inputs_each":  # every call, the first and each steady one, on inputs built just before it
+    def fn(inner=fn):
+        global a, b, qw, kvw
+        a, b, qw, kvw = qkv_decode_inputs(op, dev); torch.cuda.synchronize(); return inner()
 first = fn()
 steady = [fn() for _ in range(steady_n)]
 print(json.dumps({"first": first, "steady": {k: sorted(s[k] for s in steady)[len(steady) // 2] for k in first}}))
@@ -83,7 +91,7 @@ def main() -> None:
     args = ap.parse_args()
     variants = {
         "op": {}, "phases": {}, "no_rehearsal": {}, "eager_modules": {"CUDA_MODULE_LOADING": "EAGER"},
-        "touch": {}, "touch_then_memory_walk": {}, "walk_each": {},
+        "touch": {}, "touch_then_memory_walk": {}, "walk_each": {}, "inputs_each": {},
     }  # fmt: skip
     out: dict[str, object] = {"config": args.config, "processes": args.processes, "steady_calls": args.steady, "variants": {}}
     with tempfile.TemporaryDirectory() as cache:

@@ -233,6 +233,7 @@ _SUMMARY_COLUMNS = [
     ("launch_op_us", "op µs", "op ≤ 0.6 x Triton same alloc"),
     ("launch_triton_same_alloc_us", "Triton same alloc µs", None),
     ("first_over_steady", "first / steady", "≤ 1.1"),
+    ("first_over_steady_same_work", "first / steady, same work before each", None),
     ("warm_pack_s", "warm from pack s", "≤ 0.2"),
     ("warm_cache_s", "warm cache s", None),
     ("warm_cold_s", "warm cold s", "≤ 2.0"),

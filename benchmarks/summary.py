@@ -6,7 +6,8 @@ raw rounds in its own results file:
 
 - ``benchmarks/launch_floor.py``: every launch path side by side (and one process's first launch);
 - ``benchmarks/first_launch.py``: the first launch after warm against steady over fresh processes
-  (``first_over_steady`` is their median), split into phases, without rehearsal, eager modules;
+  (``first_over_steady`` is their median), split into phases, without rehearsal, eager modules, and
+  against steady launches that each follow the same work as the first (``first_over_steady_same_work``);
 - ``benchmarks/warm_time.py --quick --rounds 5`` on the DeepSeek-V4-Flash example (``warm_cold_s``,
   ``warm_cache_s`` and ``warm_pack_s`` are the median of five processes each): cold with every core (the default,
   misses compiled in forked processes, and on threads only), from a warm disk cache and from a pack,
@@ -103,6 +104,7 @@ def main() -> None:
             entry.update(
                 first_over_steady=fl["first_over_steady"],
                 first_over_steady_by_variant={k: v["median_first_over_steady"] for k, v in fl["variants"].items()},
+                first_over_steady_same_work=fl["variants"]["inputs_each"]["median_first_over_steady"],
             )  # fmt: skip
             files["first"] = f"{stem}.json"
         if "warm" in only:

@@ -6,9 +6,9 @@ what only a launch does: the driver's first launch of the function, the first ru
 code and the C launch path on real tensors, the allocator's first block of an output size. The
 :class:`Rehearse` stage (after tuning, so a tuned kernel launches its chosen candidate) moves that
 into warm: each kernel's own launch code runs once per key on :meth:`~warmreg.TritonKernel.tuning_inputs`
-(by default its warmup inputs as zero-filled device tensors: every index 0, every length 0), twice
-(CPython specializes bytecode at a function's second run), then the GPU is synchronized, so a
-kernel that faults on them fails the warm, not the first request.
+(by default its warmup inputs as zero-filled device tensors: every index 0, every length 0), as
+often as CPython needs before a function runs specialized bytecode (``_RUNS``), then the GPU is
+synchronized, so a kernel that faults on them fails the warm, not the first request.
 
 The launches are warmreg's own (the monitor ignores them, as it does compiles in warm). A launch
 whose inputs would not give back the key is not made (a contract error, logged); a kernel whose
@@ -18,6 +18,7 @@ launch is unsafe on zeros overrides ``tuning_inputs`` or sets ``rehearse = False
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
 __all__ = ["Rehearse"]
 
 log = logging.getLogger("warmreg.rehearsal")
+
+#: Launches of each key after the contract check: CPython 3.12+ specializes bytecode at its 2nd run,
+#: 3.11 only once a function's 8th call quickened it (``QUICKENING_WARMUP_DELAY``); 3.10 never.
+_RUNS = 9 if sys.version_info[:2] == (3, 11) else 2
 
 
 class Rehearse(Stage):
@@ -84,7 +89,7 @@ class Rehearse(Stage):
                 if probe.key != key:
                     self.skipped.append((task.kp.name, str(key), f"its inputs launch {probe.key}"))
                     continue
-                for _ in range(2):  # CPython specializes a function's bytecode at its second run
+                for _ in range(_RUNS):
                     launcher(**inputs)
                 self.launched += 1
             except Exception as exc:  # inputs the launch code refuses: the key serves as it is
