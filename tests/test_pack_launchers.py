@@ -186,3 +186,44 @@ def test_without_per_kernel_launchers_a_pack_carries_none_and_says_so(tmp_path: 
     shown = subprocess.run([sys.executable, "-m", "warmreg", "pack", "inspect", str(out)], capture_output=True, text=True, timeout=120)
     assert shown.returncode == 0 and f"no C launchers: Triton {triton.__version__} builds none per kernel" in shown.stdout
     assert _triton_launchers.built_here([]) == [] and _triton_launchers.build([], [None]) == []
+
+
+@ONLY_36
+def test_inside_the_block_each_launcher_source_is_generated_and_loaded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a warm's loads do (CudaLauncher per kernel), with Triton's generation and module load counted."""
+    import torch
+
+    with _triton.cross_target(H100):
+        x, h = torch.empty(64, device="meta"), torch.empty(64, device="meta", dtype=torch.float16)
+        compiled = [_scale_kernel.warmup(*a, 2.0, BLOCK=b, grid=(1,)) for a, b in [((x, x, 64), 64), ((h, h, 17), 64), ((x, x, 1), 64), ((x, x, 64), 128)]]
+    made: list[str] = []
+    loaded: list[tuple[str, str]] = []
+    original_make = nvd.make_launcher
+
+    def make(constants: dict, signature: dict, tensordesc_meta: object) -> str:
+        made.append(original_make(constants, signature, tensordesc_meta))
+        return made[-1]
+
+    def load(src: str, name: str, **_: object) -> object:
+        loaded.append((src, name))
+        return type("Module", (), {"launch": staticmethod(lambda *a: None), "src": src})
+
+    monkeypatch.setattr(nvd, "make_launcher", make)
+    monkeypatch.setattr(nvd, "compile_module_from_src", load)
+    monkeypatch.setattr(nvd, "library_dirs", lambda: [])  # it looks for libcuda.so.1, absent without a GPU
+    monkeypatch.setattr(_triton_launchers, "_SOURCES", {})
+    expected = [_triton_launchers.launcher_source(c)[1] for c in compiled]
+    assert len(set(expected)) == 2  # fp32/fp16, 64/17 and BLOCK 64/128 share one source; n == 1 is a constant
+    assert len(made) == 4  # generated once per distinct arguments (constants and signature)
+    assert [_triton_launchers.launcher_source(c)[1] for c in compiled] == expected and len(made) == 4
+    with _triton.shared_kernel_objects():
+        with _triton.shared_kernel_objects():  # nested, as a warm inside a warm's scope
+            launchers = [nvd.CudaLauncher(c.src, c.metadata) for c in compiled]
+        assert nvd.make_launcher is not make  # still shared until the outer block ends
+    assert (nvd.make_launcher, nvd.compile_module_from_src) == (make, load)  # Triton as it was
+    assert len(made) == 4 and len(loaded) == 2  # the sources already generated, one load per source
+    assert sorted(src for src, _ in loaded) == sorted(set(expected))
+    same = [launchers[i] for i, src in enumerate(expected) if src == expected[0]]
+    assert len(same) == 3 and all(launcher.launch is same[0].launch for launcher in same)  # one module serves them
+    again = nvd.CudaLauncher(compiled[0].src, compiled[0].metadata)  # outside the block: Triton's own path
+    assert len(made) == 5 and len(loaded) == 3 and again.launch is not same[0].launch

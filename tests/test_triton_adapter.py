@@ -121,8 +121,8 @@ def test_kernels_share_one_metadata_class_inside_the_block_only(triton_cache: Pa
     with _triton.cross_target(H100):
         apart = compiled(16), compiled(17)  # two binaries (n divisible by 16 or not)
         _triton.forget_compiled()
-        with _triton.shared_kernel_metadata():
-            with _triton.shared_kernel_metadata():  # nested: still shared after the inner block
+        with _triton.shared_kernel_objects():
+            with _triton.shared_kernel_objects():  # nested: still shared after the inner block
                 first = compiled(16)
             second = compiled(17)  # a cache hit: Triton's CompiledKernel.__init__ makes the class
             point = collections.namedtuple("Point", "x y")  # anyone else's namedtuple is untouched

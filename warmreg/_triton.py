@@ -45,7 +45,7 @@ __all__ = [
     "builds_on_load", "cache_files", "check_version", "compile_listener", "compile_worker", "cross_target", "current_device", "device_name", "finish_load", "forget_compiled",
     "full_name", "get_jit_cache_hook", "gpu_target", "in_memory", "install_compile_hook", "is_future_kernel", "is_jit",
     "knob", "load_hooks", "param_names", "preimport", "parse_specialization_key", "remove_compile_hook", "remove_load_hook",
-    "retrying_ast_race", "run_kwargs", "set_device", "set_jit_cache_hook", "shared_kernel_metadata", "source_hash", "specialization_key",
+    "retrying_ast_race", "run_kwargs", "set_device", "set_jit_cache_hook", "shared_kernel_objects", "source_hash", "specialization_key",
     "specialize", "torch_device", "unwrap_autotuner_bench", "warmup", "wrap_autotuner_bench",
 ]  # fmt: skip
 
@@ -256,7 +256,7 @@ def compile_listener(on_compiled: Callable[[bool, Any], None]) -> Iterator[None]
         triton.knobs.compilation.listener = previous
 
 
-#: ``collections.namedtuple`` as it was when the outermost :func:`shared_kernel_metadata` block began
+#: ``collections.namedtuple`` as it was when the outermost :func:`shared_kernel_objects` block began
 _namedtuple = collections.namedtuple
 _metadata_classes: dict[tuple[str, ...], type] = {}
 _shared_depth = 0
@@ -278,8 +278,10 @@ def _namedtuple_sharing_kernel_metadata(typename: str, field_names: Any, **kwarg
 
 
 @contextlib.contextmanager
-def shared_kernel_metadata() -> Iterator[None]:
-    """While the block runs, Triton builds one ``KernelMetadata`` class per set of metadata fields.
+def shared_kernel_objects() -> Iterator[None]:
+    """While the block runs, Triton builds one ``KernelMetadata`` class per set of metadata fields
+    and, on 3.6, one C-launcher source and module per distinct launcher
+    (:func:`warmreg._triton_launchers.shared_launchers`).
 
     ``CompiledKernel.__init__`` (3.6.0-3.9.0) makes a new ``namedtuple`` class for every kernel it
     compiles or finds in the disk cache: ``exec`` of its generated source and a descriptor per field,
@@ -296,7 +298,8 @@ def shared_kernel_metadata() -> Iterator[None]:
         _shared_depth += 1
         collections.namedtuple = _namedtuple_sharing_kernel_metadata  # type: ignore[assignment]
     try:
-        yield
+        with _triton_launchers.shared_launchers():
+            yield
     finally:
         with _ids_lock:
             _shared_depth -= 1

@@ -23,6 +23,8 @@ Triton logs it and rebuilds, as for any damaged cache file.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -31,7 +33,9 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Callable, Iterable
+import threading
+import weakref
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -42,7 +46,7 @@ from .errors import WarmregError
 
 __all__ = [
     "Launcher", "LauncherError", "PER_KERNEL", "PythonABI", "build", "built_here", "fits_here", "install", "is_built",
-    "launcher_source", "local_abi", "platform_key", "prebuild", "python_abi",
+    "launcher_source", "local_abi", "platform_key", "prebuild", "python_abi", "shared_launchers",
 ]  # fmt: skip
 
 #: Whether the installed Triton builds a C launcher per kernel signature (3.6 only).
@@ -84,21 +88,98 @@ def platform_key() -> str:
 
 def launcher_source(compiled: Any) -> tuple[str, str]:
     """``(cache key, C source)`` of the launcher Triton builds for a compiled CUDA kernel, computed as
-    ``CudaLauncher.__init__`` and ``compile_module_from_src`` do (Triton 3.6.0).
+    ``CudaLauncher.__init__`` and ``compile_module_from_src`` do (Triton 3.6.0); each distinct
+    source is generated once per process (:func:`_source`).
 
     :raises LauncherError: on a Triton that builds no launcher per kernel (3.7+).
     """
     if not PER_KERNEL:
         raise LauncherError(f"Triton {RELEASE.series} builds no C launcher per kernel", fix="nothing to build on this release")
-    from triton.backends.nvidia.driver import make_launcher
+    found = _BY_KERNEL.get(compiled)
+    if found is None:
+        src = compiled.src
+        arg_names = src.fn.arg_names
+        constants = {((arg_names.index(k),) if isinstance(k, str) else k): v for k, v in src.constants.items()}
+        found = _BY_KERNEL[compiled] = _source(constants, dict(src.signature), getattr(compiled.metadata, "tensordesc_meta", None))
+    return found
 
-    src = compiled.src
-    arg_names = src.fn.arg_names
-    constants = {((arg_names.index(k),) if isinstance(k, str) else k): v for k, v in src.constants.items()}
-    text = make_launcher(constants, dict(src.signature), getattr(compiled.metadata, "tensordesc_meta", None))
-    return hashlib.sha256((text + platform_key()).encode("utf-8")).hexdigest(), text
+
+#: ``make_launcher``'s ``(cache key, source)`` by its arguments, and by compiled kernel: Triton 3.6
+#: generates a launcher's C source (about 12 KB, 0.28 ms with its hash on the CPU machine) at every
+#: kernel's load, and a warm asks for it up to three times a key (whether the load builds, which
+#: loads take turns, the load itself) for 25 distinct sources among the Flash example's 73 keys.
+_SOURCES: dict[str, tuple[str, str]] = {}
+_BY_KERNEL: weakref.WeakKeyDictionary[Any, tuple[str, str]] = weakref.WeakKeyDictionary()
+#: Triton's ``make_launcher`` and ``compile_module_from_src`` as the outermost :func:`shared_launchers` block found them
+_ORIGINAL: dict[str, Any] = {}
+_MODULES: dict[str, Any] = {}  # launcher modules loaded in the current shared_launchers block, by cache key
+_shared_depth = 0
+_lock = threading.Lock()
 
 
+def _source(constants: dict[Any, Any], signature: dict[Any, Any], tensordesc_meta: Any) -> tuple[str, str]:
+    """``(cache key, source)`` of ``make_launcher(constants, signature, tensordesc_meta)``, generated once."""
+    memo = repr((sorted(constants.items(), key=repr), sorted(signature.items(), key=repr), tensordesc_meta))
+    found = _SOURCES.get(memo)
+    if found is None:
+        from triton.backends.nvidia import driver
+
+        make = _ORIGINAL["make_launcher"] if _shared_depth else driver.make_launcher
+        text = make(constants, signature, tensordesc_meta)
+        found = (hashlib.sha256((text + platform_key()).encode("utf-8")).hexdigest(), text)
+        if len(_SOURCES) < 4096:
+            _SOURCES[memo] = found
+    return found
+
+
+def _shared_make_launcher(constants: dict[Any, Any], signature: dict[Any, Any], tensordesc_meta: Any) -> str:
+    return _source(constants, signature, tensordesc_meta)[1]
+
+
+def _shared_module(src: str, name: str, *args: Any, **kwargs: Any) -> Any:
+    """``compile_module_from_src``, except that a launcher module loaded once in the block serves every
+    kernel of that source (the module holds only the stateless ``launch`` function)."""
+    if name != _NAME:
+        return _ORIGINAL["compile_module_from_src"](src, name, *args, **kwargs)
+    key = hashlib.sha256((src + platform_key()).encode("utf-8")).hexdigest()
+    module = _MODULES.get(key)
+    if module is None:
+        module = _MODULES[key] = _ORIGINAL["compile_module_from_src"](src, name, *args, **kwargs)
+    return module
+
+
+@contextlib.contextmanager
+def shared_launchers() -> Iterator[None]:
+    """While the block runs, Triton 3.6's ``CudaLauncher`` (a kernel's first load) generates each
+    distinct launcher source once and loads each launcher module once, instead of per kernel: a warm
+    loads 73 Flash keys through 25 launchers. Outside the block (and on 3.7+, where there is no
+    launcher per kernel) Triton is untouched; nested and concurrent blocks keep the sharing until the
+    last one leaves. Checked against Triton 3.6.0 (``triton/backends/nvidia/driver.py`` binds both
+    names at import and ``CudaLauncher.__init__`` looks them up at each call).
+    """
+    global _shared_depth
+    if not PER_KERNEL:
+        yield
+        return
+    from triton.backends.nvidia import driver
+
+    with _lock:
+        if not _shared_depth:
+            _ORIGINAL.update(make_launcher=driver.make_launcher, compile_module_from_src=driver.compile_module_from_src)
+            driver.make_launcher, driver.compile_module_from_src = _shared_make_launcher, _shared_module
+        _shared_depth += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _shared_depth -= 1
+            if not _shared_depth:
+                driver.make_launcher = _ORIGINAL["make_launcher"]
+                driver.compile_module_from_src = _ORIGINAL["compile_module_from_src"]
+                _MODULES.clear()
+
+
+@functools.cache
 def local_abi() -> PythonABI:
     """This interpreter's ABI, with the header directory Triton's own build uses."""
     scheme = sysconfig.get_default_scheme()

@@ -96,10 +96,10 @@ def _on_compiled(cache_hit: bool, metadata: Any) -> None:
 @contextmanager
 def compile_scope(platform: Platform) -> Iterator[None]:
     """The scope of a warm's binding and compiling: warmreg's own compiles (``IN_WARMUP``), Triton's compilation
-    listener, one ``KernelMetadata`` class per field set, for a cross target Triton's stand-in driver."""
+    listener, per-kernel objects Triton shares (``shared_kernel_objects``), for a cross target its stand-in driver."""
     token = IN_WARMUP.set(True)
     try:
-        with _triton.compile_listener(_on_compiled), _triton.shared_kernel_metadata(), _triton.cross_target(platform):
+        with _triton.compile_listener(_on_compiled), _triton.shared_kernel_objects(), _triton.cross_target(platform):
             yield
     finally:
         IN_WARMUP.reset(token)
