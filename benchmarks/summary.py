@@ -104,7 +104,7 @@ def main() -> None:
             entry.update(
                 first_over_steady=fl["first_over_steady"],
                 first_over_steady_by_variant={k: v["median_first_over_steady"] for k, v in fl["variants"].items()},
-                first_over_steady_same_work=fl["variants"]["inputs_each"]["median_first_over_steady"],
+                first_over_steady_same_work=fl["variants"]["plan_each"]["median_first_over_steady"],
             )  # fmt: skip
             files["first"] = f"{stem}.json"
         if "warm" in only:
