@@ -112,7 +112,7 @@ _SOURCES: dict[str, tuple[str, str]] = {}
 _BY_KERNEL: weakref.WeakKeyDictionary[Any, tuple[str, str]] = weakref.WeakKeyDictionary()
 #: Triton's ``make_launcher`` and ``compile_module_from_src`` as the outermost :func:`shared_launchers` block found them
 _ORIGINAL: dict[str, Any] = {}
-_MODULES: dict[str, Any] = {}  # launcher modules loaded in the current shared_launchers block, by cache key
+_MODULES: dict[str, Any] = {}  # launcher modules loaded in the current shared_launchers block, by source
 _shared_depth = 0
 _lock = threading.Lock()
 
@@ -141,10 +141,9 @@ def _shared_module(src: str, name: str, *args: Any, **kwargs: Any) -> Any:
     kernel of that source (the module holds only the stateless ``launch`` function)."""
     if name != _NAME:
         return _ORIGINAL["compile_module_from_src"](src, name, *args, **kwargs)
-    key = hashlib.sha256((src + platform_key()).encode("utf-8")).hexdigest()
-    module = _MODULES.get(key)
+    module = _MODULES.get(src)  # keyed by the source itself: the memo's one string, whose hash Python keeps
     if module is None:
-        module = _MODULES[key] = _ORIGINAL["compile_module_from_src"](src, name, *args, **kwargs)
+        module = _MODULES[src] = _ORIGINAL["compile_module_from_src"](src, name, *args, **kwargs)
     return module
 
 
