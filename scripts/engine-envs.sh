@@ -7,11 +7,14 @@
 # Usage: bash scripts/engine-envs.sh COMMAND [ENGINE ...]        ENGINE: vllm, sglang (default: both)
 #   build   make DIR/ENGINE (kept if already built) with the engine, pytest, and this checkout
 #           installed editable without dependencies (warmreg and both plugins)
-#   test    build, then run tests/engines in each venv (each engine's module skips, naming why, where
-#           its engine does not import)
+#   test    build, then run tests/engines in each venv: the config tests (test_ENGINE.py), then, in a
+#           process of their own, the differential kernel tests (test_ENGINE_kernels*.py: the engine's own
+#           Triton kernels against warmreg's ops under Triton's interpreter)
 #   record  build, then write tests/engines/snapshots/ENGINE*.json from the real objects
 #           (scripts/record_engine_snapshots.py), the data tests/test_engine_configs.py reads
-# DIR is $WARMREG_ENGINE_VENVS, default build/engine-venvs/ in this checkout (git-ignored as build/).
+# DIR is $WARMREG_ENGINE_VENVS, default build/engine-venvs/ in this checkout (git-ignored as build/); CI keeps
+# it outside the clone so a later run reuses it. A venv is rebuilt when its package lists below change (their
+# hash is kept in DIR/ENGINE/.built).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 repo=$(pwd)
@@ -35,8 +38,9 @@ sglang_deps=(numpy orjson psutil pybase64 requests packaging pillow starlette ms
   "openai==2.8.0" partial-json-parser einops)  # the last three: DSPARK speculation's resolution
 
 build() {  # ENGINE
-    local e=$1 venv="$root/$1" start=$SECONDS
-    if [ -f "$venv/.built" ]; then
+    local e=$1 venv="$root/$1" start=$SECONDS stamp
+    stamp=$(printf '%s\n' "$e" "${vllm_deps[@]}" "${sglang_deps[@]}" "$(declare -f build)" | sha256sum | cut -c1-16)
+    if [ "$(cat "$venv/.built" 2>/dev/null)" = "$stamp" ]; then
         echo "== $e: $venv (already built)"
     else
         echo "== $e: building $venv"
@@ -54,7 +58,7 @@ build() {  # ENGINE
             "${pip[@]}" "${sglang_deps[@]}"
         fi
         "${pip[@]}" attrs pluggy rich typing-extensions numpy "pytest>=8"
-        touch "$venv/.built"
+        echo "$stamp" > "$venv/.built"
     fi
     # warmreg from this checkout, every time (cheap): --no-deps keeps the engine's transformers pin.
     "$venv/bin/pip" install -q --no-deps -e "$repo" -e "$repo/plugins/deepseek_v4" -e "$repo/plugins/kimi_k3"
@@ -75,6 +79,10 @@ for e in "${engines[@]}"; do
         test)
             start=$SECONDS
             env "$(engine_env "$e")" "$py" -m pytest -q -p no:cacheprovider "tests/engines/test_$e.py" || status=1
+            kernels=(tests/engines/test_"$e"_kernels*.py)
+            if [ -e "${kernels[0]}" ]; then  # own process: they set TRITON_INTERPRET before the engine imports
+                env "$(engine_env "$e")" "$py" -m pytest -q -p no:cacheprovider "${kernels[@]}" || status=1
+            fi
             echo "== $e: tests in $((SECONDS - start)) s"
             ;;
         record)

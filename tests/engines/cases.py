@@ -105,11 +105,11 @@ SGLANG_CASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
          "speculative_num_steps": 1, "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 2},
         {"num_speculative_tokens": 1, "speculative_method": "mtp"},
     ),
-    # DSPARK with gamma 3: a verify window of 4 tokens
+    # DSPARK with gamma 3 (a verify window of 4 tokens) on the DSpark checkpoint (its dspark_* fields)
     "flash_dspark": (
-        "deepseek_v4_flash",
+        "deepseek_v4_flash_0731_dspark",
         {**FLASH_SGLANG, "device": "cuda", "speculative_algorithm": "DSPARK", "speculative_dspark_block_size": 3},
-        {"num_speculative_tokens": 3, "speculative_method": "dspark"},
+        {"num_speculative_tokens": 3},
     ),
     # SGLang's defaults: context_length and dtype resolve from the model config, no speculation
     "flash_defaults": (

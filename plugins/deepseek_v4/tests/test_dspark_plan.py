@@ -63,6 +63,25 @@ def test_mtp_norms_only_when_the_mtp_layers_draft(method: str | None, mtp: bool)
     assert (MTP <= set(got)) == mtp and not set(SPARK) & set(got)
 
 
+def test_draft_layers_plan_as_vllm_builds_them() -> None:
+    """The draft layers are SWA-only whatever compress_ratios lists past num_hidden_layers (vLLM's
+    DeepseekV4Attention): a real DeepseekV4Config's 43 + 1 entries plan what the legacy 46-entry list plans."""
+    full = example_config(DSPARK)
+    short = example_config(DSPARK)
+    short["model"]["compress_ratios"] = short["model"]["compress_ratios"][:44]
+    compressed = example_config(DSPARK)
+    compressed["model"]["compress_ratios"] = [*compressed["model"]["compress_ratios"][:43], 4, 128, 4]
+
+    def keys(config: Any) -> set[tuple[str, Any]]:
+        plan = warmreg.plan(config, target="cuda:90", plugins=[plugin], entry_points=False)
+        return {(kp.name, key) for kp, key in plan.items()}
+
+    assert keys(short) == keys(full) == keys(compressed)
+    cfg = warmreg.WarmConfig.load(compressed)
+    draft = DSparkDraft.from_config(cfg, DSV4.from_config(cfg))
+    assert draft is not None and draft.ratios == (1, 1, 1)
+
+
 def test_config_errors() -> None:
     with pytest.raises(warmreg.ConfigError, match=r"speculative_method.*accepted: mtp, dspark"):
         _keys(example_config(DSPARK, speculative_method="medusa"), "cuda:90")
@@ -71,10 +90,6 @@ def test_config_errors() -> None:
     with pytest.raises(warmreg.ConfigError, match="dspark_block_size"):
         _keys(config, "cuda:90")
     assert "deepseek_v4.prepare_dspark_inputs" in _keys(example_config(DSPARK, num_speculative_tokens=3), "cuda:90")
-    config = example_config(DSPARK)
-    config["model"]["compress_ratios"] = config["model"]["compress_ratios"][:44]
-    with pytest.raises(warmreg.ConfigError, match="num_hidden_layers \\+ n_mtp_layers = 46"):
-        _keys(config, "cuda:90")
     config = example_config(DSPARK)
     del config["model"]["dspark_noise_token_id"]
     with pytest.raises(warmreg.ConfigError, match="dspark_noise_token_id"):

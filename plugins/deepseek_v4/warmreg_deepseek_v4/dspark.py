@@ -3,8 +3,9 @@
 
 DSpark is on only when ``serving.speculative_method`` is ``"dspark"`` (vLLM's ``SpeculativeConfig.method``); the
 ``dspark_*`` fields of a DeepSeek-V4 ``config.json`` give its sizes, never the switch. A draft step then runs
-``n_mtp_layers`` (default 3) decoder layers named ``layers.{num_hidden_layers + i}``, whose compress ratios are
-the trailing ``compress_ratios`` entries (``...,4,0,0,0`` in DeepSeek-V4-Flash-0731: three SWA-only layers), on
+``n_mtp_layers`` (default 3) decoder layers named ``layers.{num_hidden_layers + i}``, each SWA-only (compress ratio
+1: vLLM's ``DeepseekV4Attention`` gives every layer past ``num_hidden_layers`` ratio 1, whatever ``compress_ratios``
+lists; a real ``DeepseekV4Config`` lists 43 + 1 MTP entries, the legacy list of DeepSeek-V4-Flash-0731 ends ``4,0,0,0``), on
 ``N`` query tokens per request (the anchor and ``N - 1`` noise tokens, ``sample_from_anchor`` True by default;
 ``1 + N`` without it), ``N = num_speculative_tokens``, which defaults to ``dspark_block_size``. Its attention
 metadata is built non-causal: every query token of a request sees the ``window`` context tokens before the block
@@ -97,7 +98,7 @@ class DSparkDraft:
     sample_from_anchor: bool
     #: the input id of the non-anchor query slots (vLLM's ``parallel_drafting_token_id``)
     noise_token_id: int
-    #: compress ratios of the draft layers (0 read as 1), in layer order
+    #: compress ratios of the draft layers, in layer order: all 1 (sliding window only), as vLLM builds them
     ratios: tuple[int, ...]
     #: the sliding window and the non-causal row width ``round_up(window + N, 64)``
     window: int
@@ -117,15 +118,7 @@ class DSparkDraft:
             raise warmreg.ConfigError(
                 "serving.num_speculative_tokens", f"must be >= 1 with DSpark (got {n})", plugin=PLUGIN
             )
-        layers = config.get("model.num_hidden_layers", int, plugin=PLUGIN, check=_positive)
         drafts = config.get("model.n_mtp_layers", int, plugin=PLUGIN, default=3, check=_positive)
-        if len(model.ratios) < layers + drafts:
-            raise warmreg.ConfigError(
-                "model.compress_ratios",
-                f"has {len(model.ratios)} entries; DSpark needs num_hidden_layers + n_mtp_layers = {layers + drafts}",
-                plugin=PLUGIN,
-                fix="list the draft layers' ratios after the main layers' (DeepSeek-V4-Flash-0731: ...,4,0,0,0)",
-            )
         anchor = config.get("model.sample_from_anchor", bool, plugin=PLUGIN, default=True)
         if config.model.get("mask_token_id") is not None:  # get_parallel_drafting_token_id's order
             noise = config.get("model.mask_token_id", int, plugin=PLUGIN)
@@ -136,7 +129,11 @@ class DSparkDraft:
             num_query_per_req=n if anchor else 1 + n,
             sample_from_anchor=anchor,
             noise_token_id=noise,
-            ratios=tuple(model.ratios[layers : layers + drafts]),
+            # vLLM builds the draft layers as layers num_hidden_layers + i, and DeepseekV4Attention gives every layer
+            # at or past num_hidden_layers compress ratio 1 (vllm/models/deepseek_v4/attention.py), whatever the
+            # config lists there: transformers' DeepseekV4Config lists no draft layers at all (get_compress_ratios
+            # appends one 0 per MTP layer), the legacy compress_ratios list may.
+            ratios=(1,) * drafts,
             window=model.sliding_window,
             index_width=dspark_swa_index_width(model.sliding_window, n),
         )
