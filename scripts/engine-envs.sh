@@ -6,8 +6,9 @@
 #
 # Usage: bash scripts/engine-envs.sh COMMAND [ENGINE ...]        ENGINE: vllm, sglang (default: both)
 #   build   make DIR/ENGINE (kept if already built) with the engine, pytest, and this checkout
-#           installed editable without dependencies (warmreg and both plugins)
-#   test    build, then run tests/engines in each venv: the config tests (test_ENGINE.py), then, in a
+#           installed editable without dependencies (warmreg, both plugins, integrations/ENGINE)
+#   test    build, then run tests/engines in each venv: the config and integration tests
+#           (test_ENGINE.py, test_ENGINE_integration.py: the engine loads warmreg's plugin itself), then, in a
 #           process of their own, the differential kernel tests (test_ENGINE_kernels*.py: the engine's own
 #           Triton kernels against warmreg's ops under Triton's interpreter)
 #   record  build, then write tests/engines/snapshots/ENGINE*.json from the real objects
@@ -35,7 +36,8 @@ vllm_deps=(packaging pydantic regex numpy cbor2 psutil pyzmq urllib3 aiohttp req
 sglang_deps=(numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic
   pyzmq tqdm IPython aiohttp torchvision dill gguf "apache-tvm-ffi==0.1.11" "sentencepiece==0.2.1"
   "compressed-tensors==0.18.0" "transformers==5.19.0" "tokenizers==0.23.2"
-  "openai==2.8.0" partial-json-parser einops)  # the last three: DSPARK speculation's resolution
+  "openai==2.8.0" partial-json-parser einops  # these three: DSPARK speculation's resolution
+  fastapi "uvicorn>=0.51")  # these two: importing the model runner, whose methods warmreg-sglang hooks
 
 build() {  # ENGINE
     local e=$1 venv="$root/$1" start=$SECONDS stamp
@@ -60,8 +62,10 @@ build() {  # ENGINE
         "${pip[@]}" attrs pluggy rich typing-extensions numpy "pytest>=8"
         echo "$stamp" > "$venv/.built"
     fi
-    # warmreg from this checkout, every time (cheap): --no-deps keeps the engine's transformers pin.
-    "$venv/bin/pip" install -q --no-deps -e "$repo" -e "$repo/plugins/deepseek_v4" -e "$repo/plugins/kimi_k3"
+    # warmreg from this checkout, every time (cheap): --no-deps keeps the engine's transformers pin; the engine's
+    # own integration (integrations/ENGINE: its plugin entry point) too.
+    "$venv/bin/pip" install -q --no-deps -e "$repo" -e "$repo/plugins/deepseek_v4" -e "$repo/plugins/kimi_k3" \
+        -e "$repo/integrations/$e"
     echo "== $e: ready in $((SECONDS - start)) s"
 }
 
@@ -78,7 +82,8 @@ for e in "${engines[@]}"; do
     case "$cmd" in
         test)
             start=$SECONDS
-            env "$(engine_env "$e")" "$py" -m pytest -q -p no:cacheprovider "tests/engines/test_$e.py" || status=1
+            env "$(engine_env "$e")" "$py" -m pytest -q -p no:cacheprovider "tests/engines/test_$e.py" \
+                "tests/engines/test_${e}_integration.py" || status=1
             kernels=(tests/engines/test_"$e"_kernels*.py)
             if [ -e "${kernels[0]}" ]; then  # own process: they set TRITON_INTERPRET before the engine imports
                 env "$(engine_env "$e")" "$py" -m pytest -q -p no:cacheprovider "${kernels[@]}" || status=1

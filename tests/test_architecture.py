@@ -25,7 +25,7 @@ ADDONS = {
     "pack", "_pack_format", "_pack_install", "_pack_reader", "_pack_wheel", "distributed", "monitoring", "replay", "coverage",
     "tuning", "rehearsal", "processes",
 }  # fmt: skip
-ENTRY = {"warmup", "cli", "_cli_common", "cli_pack", "cli_monitor", "pytest_plugin", "__init__", "__main__"}
+ENTRY = {"warmup", "startup", "cli", "_cli_common", "cli_pack", "cli_monitor", "pytest_plugin", "__init__", "__main__"}
 #: what each layer may import (besides itself)
 ALLOWED = {
     "support": {"errors"},

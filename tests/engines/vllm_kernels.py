@@ -40,13 +40,13 @@ if "vllm" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
 os.environ["TRITON_INTERPRET"] = "1"
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import torch
+import triton
+import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plans import engine_or_skip  # noqa: E402
+from plans import engine_or_skip
 
 __all__ = ["assert_same", "assert_within_ulps", "clones", "engine", "seeded"]
 
