@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# The two serving engines' real config classes, each in its own venv (their pins clash: transformers,
+# The serving engines' real config classes and kernels, each in its own venv (their pins clash: transformers,
 # xgrammar, compressed-tensors, tokenizers), built as shared/notes/engine-configs.md found works on a
-# CPU-only machine: vLLM 0.33.0 (VllmConfig) and SGLang 0.5.23 (ServerArgs), on torch 2.14.1 (the build
-# that lies on disk; it runs on CPU). Each venv is about 6 GB; vLLM's takes about 4 min, SGLang's about 3.
+# CPU-only machine: vLLM 0.33.0 and 0.34.0 (VllmConfig) and SGLang 0.5.23 (ServerArgs), on torch 2.14.1 (the
+# build that lies on disk; it runs on CPU). Each venv is about 6 GB; vLLM's takes about 4 min, SGLang's about 3.
 #
-# Usage: bash scripts/engine-envs.sh COMMAND [ENGINE ...]        ENGINE: vllm, sglang (default: both)
+# Usage: bash scripts/engine-envs.sh COMMAND [ENGINE ...]
+#   ENGINE: vllm (0.33.0), vllm-0.34 (0.34.0), sglang (0.5.23); default: all three
 #   build   make DIR/ENGINE (kept if already built) with the engine, pytest, and this checkout
 #           installed editable without dependencies (warmreg, both plugins, integrations/ENGINE)
 #   test    build, then run tests/engines in each venv: the config and integration tests
@@ -22,7 +23,7 @@ repo=$(pwd)
 cmd=${1:-}
 [ $# -gt 0 ] && shift
 engines=("$@")
-[ ${#engines[@]} -gt 0 ] || engines=(vllm sglang)
+[ ${#engines[@]} -gt 0 ] || engines=(vllm vllm-0.34 sglang)
 root=${WARMREG_ENGINE_VENVS:-$repo/build/engine-venvs}
 PY=${PYTHON:-python3}
 case "$cmd" in build|test|record) ;; *) sed -n '2,14p' "$0"; exit 2 ;; esac
@@ -41,7 +42,7 @@ sglang_deps=(numpy orjson psutil pybase64 requests packaging pillow starlette ms
 
 build() {  # ENGINE
     local e=$1 venv="$root/$1" start=$SECONDS stamp
-    stamp=$(printf '%s\n' "$e" "${vllm_deps[@]}" "${sglang_deps[@]}" "$(declare -f build)" | sha256sum | cut -c1-16)
+    stamp=$(printf '%s\n' "$e" "$(release "$e")" "${vllm_deps[@]}" "${sglang_deps[@]}" "$(declare -f build)" | sha256sum | cut -c1-16)
     if [ "$(cat "$venv/.built" 2>/dev/null)" = "$stamp" ]; then
         echo "== $e: $venv (already built)"
     else
@@ -52,11 +53,11 @@ build() {  # ENGINE
         # pip warns about each engine requirement left out (flashinfer, sgl-kernel, ...), about vLLM's
         # torch==2.14.0 pin and warmreg's triton pin; none of them stops the config from building.
         "${pip[@]}" torch==2.14.1
-        if [ "$e" = vllm ]; then
-            "${pip[@]}" --no-deps vllm==0.33.0
+        if [ "$(family "$e")" = vllm ]; then
+            "${pip[@]}" --no-deps "$(release "$e")"
             "${pip[@]}" "${vllm_deps[@]}"
         else
-            "${pip[@]}" --no-deps sglang==0.5.23
+            "${pip[@]}" --no-deps "$(release "$e")"
             "${pip[@]}" "${sglang_deps[@]}"
         fi
         "${pip[@]}" attrs pluggy rich typing-extensions numpy "pytest>=8"
@@ -65,34 +66,48 @@ build() {  # ENGINE
     # warmreg from this checkout, every time (cheap): --no-deps keeps the engine's transformers pin; the engine's
     # own integration (integrations/ENGINE: its plugin entry point) too.
     "$venv/bin/pip" install -q --no-deps -e "$repo" -e "$repo/plugins/deepseek_v4" -e "$repo/plugins/kimi_k3" \
-        -e "$repo/integrations/$e"
+        -e "$repo/integrations/$(family "$e")"
     echo "== $e: ready in $((SECONDS - start)) s"
 }
 
-engine_env() {  # ENGINE: the environment the engine needs on a CPU-only machine
-    # vLLM detects no platform without it ("RuntimeError: Device string must not be empty").
-    if [ "$1" = vllm ]; then echo VLLM_TARGET_DEVICE=cpu; else echo WARMREG_ENGINE=sglang; fi
+release() {  # ENGINE: the pinned release
+    case "$1" in vllm) echo vllm==0.33.0 ;; vllm-0.34) echo vllm==0.34.0 ;; sglang) echo sglang==0.5.23 ;; esac
+}
+
+family() {  # ENGINE: vllm or sglang (the tests' and the integration's name)
+    echo "${1%%-*}"
+}
+
+engine_env() {  # ENGINE: the environment the engine needs on a CPU-only machine (words for env)
+    # vLLM detects no platform without VLLM_TARGET_DEVICE ("RuntimeError: Device string must not be empty"), and
+    # keeps Triton on without a GPU driver only with CUDA_VISIBLE_DEVICES set and empty (vllm/triton_utils/
+    # importing.py: its distributed-start case): 0.34's CPU platform refuses to start without Triton, and with
+    # Triton 0.33 picks the model runner a GPU host does (V2).
+    if [ "$(family "$1")" = vllm ]; then echo "VLLM_TARGET_DEVICE=cpu CUDA_VISIBLE_DEVICES="; else echo WARMREG_ENGINE=sglang; fi
 }
 
 status=0
 for e in "${engines[@]}"; do
-    case "$e" in vllm|sglang) ;; *) echo "unknown engine: $e (vllm, sglang)"; exit 2 ;; esac
+    case "$e" in vllm|vllm-0.34|sglang) ;; *) echo "unknown engine: $e (vllm, vllm-0.34, sglang)"; exit 2 ;; esac
     build "$e"
     py="$root/$e/bin/python"
     case "$cmd" in
         test)
             start=$SECONDS
-            env "$(engine_env "$e")" "$py" -m pytest -q -p no:cacheprovider "tests/engines/test_$e.py" \
-                "tests/engines/test_${e}_integration.py" || status=1
+            f=$(family "$e")
+            env $(engine_env "$e") "$py" -m pytest -q -p no:cacheprovider "tests/engines/test_$f.py" \
+                "tests/engines/test_${f}_integration.py" || status=1
+            # The differential kernel tests compare with vLLM 0.33's kernels (0.34's are the coverage issue's).
             kernels=(tests/engines/test_"$e"_kernels*.py)
             if [ -e "${kernels[0]}" ]; then  # own process: they set TRITON_INTERPRET before the engine imports
-                env "$(engine_env "$e")" "$py" -m pytest -q -p no:cacheprovider "${kernels[@]}" || status=1
+                env $(engine_env "$e") "$py" -m pytest -q -p no:cacheprovider "${kernels[@]}" || status=1
             fi
             echo "== $e: tests in $((SECONDS - start)) s"
             ;;
         record)
+            [ "$e" != vllm-0.34 ] || { echo "record: the snapshots are of vllm (0.33.0) and sglang"; exit 2; }
             # From /: a folder holding a warmreg/ directory would shadow the editable install (the notes).
-            (cd / && env "$(engine_env "$e")" "$py" "$repo/scripts/record_engine_snapshots.py" "$e" \
+            (cd / && env $(engine_env "$e") "$py" "$repo/scripts/record_engine_snapshots.py" "$e" \
                 "$repo/tests/engines/snapshots") || status=1
             ;;
     esac

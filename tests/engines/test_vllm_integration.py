@@ -23,6 +23,7 @@ import cases
 from plans import differences, engine_or_skip, planned_keys
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # keeps vLLM's Triton on without a driver (0.34 needs it on CPU)
 engine_or_skip("vLLM", "vllm.engine.arg_utils", "vllm.v1.worker.gpu_worker", "warmreg_vllm.plugin")
 
 import vllm.plugins  # noqa: E402
