@@ -265,3 +265,29 @@ def test_combine_clamps_a_bounded_replay_to_the_gathered_rows() -> None:
         assert int(got_len[i]) == pos - gather_start + 1 < min(pos + 1, WINDOW)  # clamped, not the full window
         row = got_idx[i, : int(got_len[i])]
         assert int(row[0]) == 0 and torch.equal(row, torch.arange(int(got_len[i]), dtype=torch.int32))
+
+
+def test_combine_reads_in_image_visibility() -> None:
+    """A vision batch: rows widened by ``image_width``; tokens inside an image span (prefilled whole, in this
+    chunk) see ``left`` tokens back past the window and ``right`` tokens ahead, as vLLM 0.33's
+    ``combine_topk_swa_indices`` does with ``left_visible`` / ``right_visible``."""
+    image, ctx, qlen = 40, 10, 36  # one request: a span over positions 12..43, wider than the window
+    seq = ctx + qlen
+    gather = qlen + min(ctx, WINDOW - 1)
+    qsl, seqs, gathers = (torch.tensor(v, dtype=torch.int32) for v in ([0, qlen], [seq], [gather]))
+    pos = torch.arange(ctx, seq)
+    inside = (pos >= 12) & (pos <= 43)
+    left = torch.where(inside, (pos - 12).clamp(max=image - 1), 0).to(torch.int32)
+    right = torch.where(inside, (43 - pos).clamp(max=image), 0).to(torch.int32)
+    kw: dict[str, Any] = dict(num_tokens=qlen, compress_ratio=1, M=gather, N=0, image_width=image)
+    kernel = CombineTopkSwaIndices(window_size=WINDOW, workers=2)
+    got = kernel(None, qsl, seqs, gathers, **kw, left_visible=left, right_visible=right)
+    want = combine_topk_swa_indices_reference(
+        None, qsl, seqs, gathers, **kw, window_size=WINDOW, left_visible=left, right_visible=right
+    )
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[0].shape[1] == triton.cdiv(WINDOW + image, 128) * 128
+    plain = kernel(None, qsl, seqs, gathers, **kw)
+    assert torch.equal(plain[1][~inside], got[1][~inside]) and bool((got[1][inside] > plain[1][inside]).all())
+    with pytest.raises(warmreg.LaunchError, match="together"):
+        kernel(None, qsl, seqs, gathers, **kw, left_visible=left)

@@ -6,18 +6,23 @@ its compressed entries in rows ``[0, N)`` and its last ``gather_lens[b]`` tokens
 query token ``t`` of request ``b`` (``pos = seq - qlen + i``, ``gather_start = seq - gather_lens[b]``)::
 
     topk_len  = min((pos + 1) // COMPRESS_RATIO, TOP_K)
-    swa_start = max(pos - (W - 1), gather_start);   swa_len = pos - swa_start + 1
+    left_add  = max(left_visible[t] - (W - 1), 0);   right = right_visible[t]       (image spans; else 0)
+    swa_start = max(pos - (W - 1) - left_add, gather_start);   swa_len = pos + right - swa_start + 1
     out[t, j]            = topk[t, j] >= 0 ? topk[t, j] + M*b : -1                  for j < topk_len
     out[t, topk_len + s] = M*b + N + (swa_start - gather_start) + s                 for s < swa_len
-    out[t, rest] = -1;   lens[t] = topk_len + swa_len                 (row width round_up(TOP_K + W + IMAGE_WIDTH, 128))
+    out[t, rest] = -1;   lens[t] = topk_len + swa_len         (row width round_up(TOP_K + W + image_width, 128))
 
-Without bounded replay ``gather_start <= max(pos - (W - 1), 0)``, so ``swa_start`` is the plain window
-start; with it the window starts no earlier than the gathered rows. Bounded replay is the one case
-where this differs from vLLM 0.33's kernel: when a replay starts after ``pos - (W - 1)``, vLLM keeps
-the plain window start, so its first SWA columns index workspace rows before the request's gathered
-ones, which the dequant-gather never wrote; here the window is clamped to the rows that were gathered
-(``test_combine_clamps_a_bounded_replay_to_the_gathered_rows``). Equal outputs everywhere else (the
-H200 comparison on identical inputs).
+A vision model widens every row by ``image_width`` (``vision_max_n_token``); the visibility counts of a
+batch with image spans (``_compute_image_visibility_kernel``'s, chunk-local token index) open the window
+bidirectionally. An image span is prefilled whole, in one chunk, so ``pos - left >= prefix`` and the window
+never starts before the gathered rows.
+
+Where this differs from vLLM 0.33's DeepSeek-V4 kernel, on inputs DeepSeek-V4 never produces, it follows
+vLLM's own DeepSeek-V4.1 copy (``models/deepseek_v41/common/ops/cache_utils.py``): a -1 inside ``topk_len``
+stays -1 (V4: ``M*b - 1``, a row of the previous request), and with SWA bounded replay (V4.1 only: a
+DeepSeek-V4 ``replay_start`` is always 0, so ``gather_start <= max(pos - (W - 1), 0)``) the window starts at
+the first gathered row (V4: rows before it, which the dequant-gather never wrote). Equal outputs everywhere
+else (``tests/engines/test_vllm_kernels.py``, and the H200 comparison on identical inputs).
 
 Every pointer is ``do_not_specialize_on_alignment``: rows are addressed through runtime strides, so
 alignment could not vectorize anything, and chunk slices (``seq_lens[a:b]``) need no second binary.
@@ -47,7 +52,8 @@ __all__ = ["CombineTopkSwaIndices", "CombineTopkSwaIndicesKey", "combine_topk_sw
 @triton.jit(
     do_not_specialize=["topk_stride", "out_stride", "M", "N"],
     do_not_specialize_on_alignment=[
-        "topk_ptr", "query_start_loc_ptr", "seq_lens_ptr", "gather_lens_ptr", "out_ptr", "lens_ptr",
+        "topk_ptr", "query_start_loc_ptr", "seq_lens_ptr", "gather_lens_ptr", "left_visible_ptr",
+        "right_visible_ptr", "out_ptr", "lens_ptr",
     ],
 )  # fmt: skip
 def _combine_topk_swa_indices_kernel(
@@ -55,6 +61,8 @@ def _combine_topk_swa_indices_kernel(
     query_start_loc_ptr,
     seq_lens_ptr,
     gather_lens_ptr,
+    left_visible_ptr,
+    right_visible_ptr,
     out_ptr,
     lens_ptr,
     topk_stride,
@@ -64,8 +72,8 @@ def _combine_topk_swa_indices_kernel(
     TOP_K: tl.constexpr,  # compressed top-k columns (index_topk, the C128 width W, or 0 for SWA-only)
     COMPRESS_RATIO: tl.constexpr,  # the layer's ratio (1 for SWA-only): causal compressed count
     WINDOW_SIZE: tl.constexpr,  # the sliding window: a model constant
-    IMAGE_WIDTH: tl.constexpr,  # extra row columns reserved for image spans (0 for text)
-    WIDTH: tl.constexpr,  # row width round_up(TOP_K + WINDOW_SIZE + IMAGE_WIDTH, 128)
+    HAS_IMAGE: tl.constexpr,  # the batch has image spans: read the visibility counts (else None)
+    WIDTH: tl.constexpr,  # row width round_up(TOP_K + WINDOW_SIZE + image_width, 128)
     PADDED_TOP_K: tl.constexpr,  # next_pow2(WIDTH): one tile covers a row
 ):
     b = tl.program_id(0)
@@ -81,8 +89,14 @@ def _combine_topk_swa_indices_kernel(
         t = (q0 - base_q + i).to(tl.int64)
         pos = seq - qlen + i
         topk_len = tl.minimum((pos + 1) // COMPRESS_RATIO, TOP_K)
-        swa_start = tl.maximum(pos - (WINDOW_SIZE - 1), gather_start)
-        swa_len = pos - swa_start + 1
+        if HAS_IMAGE:
+            left_add = tl.maximum(tl.load(left_visible_ptr + t) - (WINDOW_SIZE - 1), 0)
+            right = tl.load(right_visible_ptr + t)
+        else:
+            left_add = 0
+            right = 0
+        swa_start = tl.maximum(pos - (WINDOW_SIZE - 1) - left_add, gather_start)
+        swa_len = pos + right - swa_start + 1
         vals = tl.full((PADDED_TOP_K,), -1, tl.int64)
         if TOP_K > 0:
             local = tl.load(topk_ptr + t * topk_stride + c, mask=c < topk_len, other=-1)
@@ -101,7 +115,8 @@ class CombineTopkSwaIndicesKey(warmreg.CompileKey):
     top_k: int
     compress_ratio: int
     window_size: int
-    image_width: int
+    image_width: int  # row widening (a vision model's vision_max_n_token)
+    has_image: bool  # visibility counts are read (a batch with image spans)
     width: int
     padded_top_k: int
     num_warps: int
@@ -126,13 +141,16 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
         self.window_size = window_size
         self.workers = workers
 
-    def dispatch(self, *, top_k: int, compress_ratio: int, image_width: int) -> CombineTopkSwaIndicesKey:
+    def dispatch(
+        self, *, top_k: int, compress_ratio: int, image_width: int, has_image: bool = False
+    ) -> CombineTopkSwaIndicesKey:
         width = _combine_width(top_k, self.window_size, image_width)
         return CombineTopkSwaIndicesKey(
             top_k=top_k,
             compress_ratio=compress_ratio,
             window_size=self.window_size,
             image_width=image_width,
+            has_image=has_image,
             width=width,
             padded_top_k=warmreg.next_pow2(width),
             num_warps=4,
@@ -144,7 +162,9 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
         return {
             "compress_ratio": sorted(set(model.ratios)),
             "top_k": sorted({0, model.index_topk, *widths}),
-            "image_width": sorted({0, model.vision_max_n_token}),
+            # a vision model widens every row; its batches with image spans read the visibility counts
+            "image_width": [model.vision_max_n_token],
+            "has_image": [False, True] if model.vision_max_n_token else [False],
             "c4_top_k": [model.index_topk],  # the two below are read by when() only
             "c128_widths": [tuple(widths)],
         }
@@ -158,6 +178,7 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
         return top_k == 0
 
     def warmup_inputs(self, key: CombineTopkSwaIndicesKey) -> Mapping[str, Any]:
+        visible = warmreg.meta((1,), torch.int32) if key.has_image else None
         return {
             "topk_indices": warmreg.meta((1, key.top_k), torch.int32) if key.top_k else None,
             "query_start_loc": warmreg.meta((2,), torch.int32),
@@ -168,6 +189,8 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
             "M": 1,
             "N": 0,
             "image_width": key.image_width,
+            "left_visible": visible,
+            "right_visible": visible,
         }
 
     @warmreg.kernel_launcher
@@ -183,6 +206,8 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
         M: int,
         N: int,
         image_width: int = 0,
+        left_visible: torch.Tensor | None = None,
+        right_visible: torch.Tensor | None = None,
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> warmreg.LaunchSpec[CombineTopkSwaIndicesKey]:
         """Indices of a prefill chunk into the gathered workspace; returns
@@ -196,7 +221,10 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
         :param num_tokens: the chunk's tokens, ``query_start_loc[n] - query_start_loc[0]`` (known on the host).
         :param compress_ratio: the layer's ratio (1 for SWA-only).
         :param M: workspace rows per request; ``N``: rows holding compressed entries before the SWA rows.
-        :param image_width: extra row columns for image spans (0 for text).
+        :param image_width: extra row columns for image spans (a vision model's ``vision_max_n_token``; 0 for text).
+        :param left_visible: int32 ``[>= num_tokens]`` in-image visibility to the left of each of the chunk's tokens
+            (chunk-local index), with ``right_visible``: both for a batch with image spans (needs ``image_width``),
+            or neither.
         :param out: the two outputs to write instead of fresh ones: exactly int32 ``[num_tokens, width]`` (the
             width above) and ``[num_tokens]``, contiguous, 16-byte aligned.
         :raises warmreg.LaunchError: for wrong dtypes, ranks or lengths, or an ``out`` unlike the fresh outputs.
@@ -218,7 +246,8 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
             top_k = topk_indices.shape[1]
         if compress_ratio < 1 or num_tokens < 0 or image_width < 0:
             raise warmreg.LaunchError(self.name, "compress_ratio must be >= 1, num_tokens and image_width >= 0")
-        key = self.dispatch(top_k=top_k, compress_ratio=compress_ratio, image_width=image_width)
+        has_image = _check_visibility(self.name, left_visible, right_visible, num_tokens, image_width)
+        key = self.dispatch(top_k=top_k, compress_ratio=compress_ratio, image_width=image_width, has_image=has_image)
         device = query_start_loc.device
         out_rows, out_lens = out_parts(self.name, out, 2)
         indices = warmreg.output(self.name, "out[0]", out_rows, (num_tokens, key.width), torch.int32, device)
@@ -226,12 +255,27 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
         topk = topk_indices if top_k else None  # constexpr None for SWA-only layers (TOP_K == 0)
         kwargs = dict(
             topk_ptr=topk, query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens, gather_lens_ptr=gather_lens,
+            left_visible_ptr=left_visible if has_image else None, right_visible_ptr=right_visible if has_image else None,
             out_ptr=indices, lens_ptr=lens, topk_stride=topk.stride(0) if topk is not None else 0,
             out_stride=indices.stride(0), M=M, N=N, TOP_K=key.top_k, COMPRESS_RATIO=key.compress_ratio,
-            WINDOW_SIZE=key.window_size, IMAGE_WIDTH=key.image_width, WIDTH=key.width, PADDED_TOP_K=key.padded_top_k,
+            WINDOW_SIZE=key.window_size, HAS_IMAGE=key.has_image, WIDTH=key.width, PADDED_TOP_K=key.padded_top_k,
         )  # fmt: skip
         grid = (n, self.workers) if n and num_tokens else None
         return warmreg.LaunchSpec(key, grid, kwargs, (indices, lens))
+
+
+def _check_visibility(
+    name: str, left: torch.Tensor | None, right: torch.Tensor | None, num_tokens: int, image_width: int
+) -> bool:
+    """Whether the launch reads visibility counts: both given, int32 ``[>= num_tokens]``, with ``image_width``."""
+    if left is None and right is None:
+        return False
+    if left is None or right is None or image_width < 1:
+        raise warmreg.LaunchError(name, "pass left_visible and right_visible together, with image_width >= 1")
+    for t in (left, right):
+        if t.dtype != torch.int32 or t.ndim != 1 or t.shape[0] < num_tokens:
+            raise warmreg.LaunchError(name, f"left_visible and right_visible must be int32 [>= {num_tokens}]")
+    return True
 
 
 def combine_topk_swa_indices_reference(
@@ -246,6 +290,8 @@ def combine_topk_swa_indices_reference(
     N: int,
     window_size: int,
     image_width: int = 0,
+    left_visible: torch.Tensor | None = None,
+    right_visible: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """PyTorch reference of :class:`CombineTopkSwaIndices` (a loop over requests)."""
     top_k = 0 if topk_indices is None else topk_indices.shape[1]
@@ -260,8 +306,10 @@ def combine_topk_swa_indices_reference(
         for i in range(qlen):
             pos, t = seq - qlen + i, q0 + i
             topk_len = min((pos + 1) // compress_ratio, top_k)
-            swa_start = max(pos - (window_size - 1), gather_start)
-            swa_len = pos - swa_start + 1
+            left_add = max(int(left_visible[t]) - (window_size - 1), 0) if left_visible is not None else 0
+            right = int(right_visible[t]) if right_visible is not None else 0
+            swa_start = max(pos - (window_size - 1) - left_add, gather_start)
+            swa_len = pos + right - swa_start + 1
             if topk_len:
                 local = topk_indices[t, :topk_len].long()  # type: ignore[index]
                 out[t, :topk_len] = torch.where(local >= 0, local + M * b, -1)
