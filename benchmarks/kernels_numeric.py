@@ -22,7 +22,7 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -45,7 +45,9 @@ from warmreg_deepseek_v4.mtp_norm import MTPInputRMSNorm, MTPSharedHeadRMSNorm, 
 from warmreg_deepseek_v4.mtp_norm import mtp_shared_head_rmsnorm_reference as mtp_head_ref
 from warmreg_deepseek_v4.sparse_mla import compressed_block_size
 from warmreg_deepseek_v4.state_cache import SavePartialStates, save_partial_states_reference
+from warmreg_kimi_k3.backends import KDALayout
 from warmreg_kimi_k3.kda import KDARecurrent, kda_recurrent_reference
+from warmreg_kimi_k3.kda_packed_decode import KDAPackedDecode
 
 import warmreg
 from warmreg.monitoring import current
@@ -116,6 +118,9 @@ class Case:
     ref: Callable[[], Any]
     compare: Callable[[Any, Any], tuple[bool, float, str]]
     compile: tuple[Callable[..., Any], tuple, dict] | None = None  # (reference, args, kwargs) for torch.compile
+    tokens: int = 0  # > 0: each time is also reported per token (``*_us_per_token``)
+    others: dict[str, Callable[[], Any]] = field(default_factory=dict)  # other ops timed beside it (``<name>_ms``)
+    note: str = ""  # said in the row
 
 
 # -- builders: realistic inputs at one size; the docstring is the bytes formula ------------------------------
@@ -293,29 +298,44 @@ def b_gather(size: tuple[int, int]) -> Case:
 
 
 def b_kda(size: tuple[int, int]) -> Case:
-    """read T*H*(3*K*2 q,k,v + K*2 raw gate + 2 raw beta) + H*4 A_log + H*K*4 dt_bias + N*8 + 4 + N*H*K*V*4 state;
-    write T*H*V*2 o + N*H*K*V*4 state (the raw gate and beta in bf16, as Kimi-K3's projections give them)"""
+    """read T*H*(3*K*2 q,k,v + K*2 raw gate + 2 raw beta) + H*4 A_log + H*K*4 dt_bias + N*(8 + 4*C) + N*H*V*K*4 state;
+    write T*H*V*2 o + T*H*V*K*4 states (one a token; C = state columns of a sequence: 1 + spec, 1 for plain decode)"""
     n, s = size
-    t, h, d = n * s, S.kda_heads, S.kda_dim
-    q, k, v = (randn(t, h, d).to(BF16) for _ in range(3))
-    raw_g, raw_beta = randn(t, h, d).to(BF16), randn(t, h).to(BF16)
-    a_log, dt_bias = 0.5 * torch.rand(h, device=S.dev), 0.1 * randn(h * d)
+    t, h, d, spec = n * s, S.kda_heads, S.kda_dim, s > 1
+    p = h * d
+    conv = randn(t, 3 * p).to(BF16)  # the conv update's output: q, k, v are its rearranged column slices
+    q, k, v = (conv[:, i * p : (i + 1) * p].view(1, t, h, d) for i in range(3))
+    raw_g = randn(1, t, h, d).to(BF16)
+    raw_beta = randn(t, 6288).to(BF16)[:, 6288 - h :].unsqueeze(0)  # a column of the packed projection
+    a_log, dt_bias = torch.rand(h, device=S.dev).mul(1.5).add(0.5).log(), 0.1 * randn(h * d)
     lower_bound = -5.0  # as the example config assumes (a runtime argument: no key depends on it)
-    args = (q, k, v, raw_g, raw_beta, a_log, dt_bias, lower_bound, torch.arange(0, t + 1, s, dtype=I32, device=S.dev))
-    nslots = n + 1 if S.small else S.max_seqs + 1  # a slot per running request + the padding slot
-    pool = 0.1 * randn(nslots, h, d, d)
-    pool_k, slots = pool.clone(), torch.randperm(nslots, device=S.dev)[:n].to(I32)
+    cols = s if spec else 1
+    pool = 0.1 * randn(n * cols + 1, h, d, d)  # [slots, H, V, K]: a slot per state column, slot 0 the null block
+    pool_k, pool_p = pool.clone(), pool.clone()
+    table = torch.randperm(n * cols, device=S.dev).add(1).to(I32).view(n, cols)
+    indices = table if spec else table[:, 0]
+    accepted = torch.randint(1, cols + 1, (n,), device=S.dev, dtype=I32) if spec else None
+    cu = torch.arange(0, t + 1, s, dtype=I32, device=S.dev)
+    args = (q, k, v, raw_g, raw_beta, a_log, dt_bias, lower_bound)
     kern = KDARecurrent(num_heads=h, head_k_dim=d, head_v_dim=d, lower_bound=lower_bound)
+    others: dict[str, Callable[[], Any]] = {}
+    if not spec:  # plain decode: vLLM's layer runs the packed decode on the same rows
+        layout = KDALayout(num_heads=h, head_dim=d, conv_width=4, lower_bound=lower_bound, tensor_parallel_size=1,
+                           num_speculative_tokens=0, dtype="bfloat16")  # fmt: skip
+        packed = KDAPackedDecode(layout=layout)
+        others["kda_packed_decode"] = lambda: packed(conv, raw_g, raw_beta, a_log, dt_bias, lower_bound, pool_p, indices)
     def compare(got: Any, want: Any) -> tuple[bool, float, str]:
         ok_o, err, msg = close([(got[0], want[0])], 1e-2, 1.6e-2)  # tests: bf16 o, one rounding step
         ok_s, err_s, msg_s = close([(got[1], want[1])], 1e-5, 1e-5)  # fp32 state
-        keep = torch.ones(nslots, dtype=torch.bool, device=S.dev)
-        keep[slots.long()] = False
-        same = torch.equal(pool_k[keep], pool[keep])
-        return ok_o and ok_s and same, err, f"state max abs err {err_s:.3g}; other slots untouched {same} {msg} {msg_s}"
-    nbytes = t * h * (3 * d * 2 + d * 2 + 2) + h * 4 + h * d * 4 + n * 8 + 4 + 2 * n * h * d * d * 4 + t * h * d * 2
-    return Case(f"N={n} x {s} tok (T={t})", nbytes, lambda: (kern(*args, pool_k, slots), pool_k),
-                lambda: kda_recurrent_reference(*args, pool, slots), compare)  # fmt: skip
+        return ok_o and ok_s, err, f"state max abs err {err_s:.3g} {msg} {msg_s}"
+    nbytes = t * h * (3 * d * 2 + d * 2 + 2) + h * 4 + h * d * 4 + n * (8 + 4 * cols) + n * h * d * d * 4
+    nbytes += t * h * d * 2 + t * h * d * d * 4
+    what = f"{n} x {s} tok (T={t}, " + (f"{s - 1} draft tokens, [N, {s}] indices)" if spec else "plain decode, [N] indices)")
+    note = "" if spec else ("[N] indices: not a planned key (vLLM's layer runs kimi_k3.kda_packed_decode for plain "
+                            "decode, timed beside it); the op compiles at its first call, before timing")  # fmt: skip
+    return Case(what, nbytes, lambda: (kern(*args, pool_k, cu, indices, accepted), pool_k),
+                lambda: kda_recurrent_reference(*args, pool, cu, indices, accepted), compare,
+                tokens=t, others=others, note=note)  # fmt: skip
 
 
 # -- harness -------------------------------------------------------------------------------------------------
@@ -342,6 +362,21 @@ def time_compiled(case: Case, row: dict[str, Any], state: dict[str, Any]) -> Non
         row["compiled_ref"] = "ok"
     except Exception as exc:
         state["skip"] = row["compiled_ref"] = f"not compiled: {short(exc)}"
+
+
+def time_others(case: Case, row: dict[str, Any]) -> None:
+    """Time the ops compared with the kernel (``<name>_ms``), then every time per token where the case has tokens."""
+    if case.note:
+        row["note"] = case.note
+    for name, fn in case.others.items():
+        try:
+            row[f"{name}_ms"], row[f"{name}_reps"] = bench(fn)
+        except Exception as exc:
+            row[f"{name}_error"] = short(exc)
+    if case.tokens:
+        for src in ("kernel_ms", "eager_ref_ms", "compiled_ref_ms", *(f"{name}_ms" for name in case.others)):
+            if isinstance(row.get(src), float):
+                row[src.removesuffix("_ms") + "_us_per_token"] = row[src] * 1e3 / case.tokens
 
 
 def run_entry(registered: str, sizes: list, build: Callable[[Any], Case], metric: str, tol: str, loop: str = "") -> dict:
@@ -391,6 +426,7 @@ def run_entry(registered: str, sizes: list, build: Callable[[Any], Case], metric
         except Exception as exc:
             row["eager_ref_error"] = short(exc)
         time_compiled(case, row, state)
+        time_others(case, row)
         kms = row.get("kernel_ms")
         if kms:
             row["GBps"] = case.nbytes / (kms * 1e6)
@@ -427,9 +463,9 @@ def entries() -> list[tuple]:
         ("dequant_gather_k_cache[swa]", DequantGatherKCache.name,
           [(1, 1), (2, 4)] if S.small else [(1, 1), (1, 64), (8, 128), (64, 128)], b_gather, "max abs err",
           "bit-exact (tests)", "requests and gathered rows"),
-        ("kda_recurrent", KDARecurrent.name, [(n, s) for n in ((1, 2) if S.small else (1, 64, 256)) for s in (1, 4)],
-          b_kda, "max abs err of o", "o atol 1e-2 rtol 1.6e-2; state atol/rtol 1e-5; other slots untouched (tests)",
-          "sequences and tokens"),
+        ("kda_recurrent", KDARecurrent.name,
+          [(n, s) for n in ((1, 2) if S.small else (1, 64, 256)) for s in (1, 1 + S.kda_spec)], b_kda,
+          "max abs err of o", "o atol 1e-2 rtol 1.6e-2; state atol/rtol 1e-5 (tests)", "sequences and tokens"),
     ]  # fmt: skip
 
 
@@ -451,7 +487,7 @@ def setup(args: argparse.Namespace) -> dict[str, Any]:
     S.m, S.tp, S.max_pos = DSV4.from_config(S.flash), S.flash.serving["tensor_parallel_size"], S.flash.model["max_position_embeddings"]
     lin = S.kimi.text["linear_attn_config"]
     S.kda_heads, S.kda_dim = lin["num_heads"] // S.kimi.serving["tensor_parallel_size"], lin["head_dim"]
-    S.max_seqs = S.kimi.serving["max_num_seqs"]
+    S.max_seqs, S.kda_spec = S.kimi.serving["max_num_seqs"], S.kimi.serving["num_speculative_tokens"]
     plat = warmreg.runtime_platform() if S.dev.type == "cuda" else None  # the launchers' defaults, for the references
     S.fma, S.fp8 = bool(plat and plat.is_rocm), torch.float8_e4m3fnuz if plat and plat.fp8_fnuz else torch.float8_e4m3fn
     S.tma, S.mx = bool(plat and plat.is_cuda and plat.sm >= 100), bool(plat and plat.is_cuda and 100 <= plat.sm < 110)
@@ -472,6 +508,9 @@ def print_table(data: dict[str, Any]) -> None:
             print(f"{name[:30]:30} {r['size'][:24]:24} {r.get('check', '-')[:6]:6} {f(r.get('max_error'), '8.2g', 8)} "
                   f"{f(r.get('kernel_ms'), '9.4f', 9)} {f(r.get('eager_ref_ms'), '9.4f', 9)} {f(r.get('compiled_ref_ms'), '8.4f', 8)} "
                   f"{f(r.get('speedup'), '8.1f', 8)} {f(r.get('GBps'), '7.1f', 7)} {f(frac * 100 if frac else None, '6.1f', 6)}")  # fmt: skip
+            per_token = {k.removesuffix("_us_per_token"): v for k, v in r.items() if k.endswith("_us_per_token")}
+            if per_token:
+                print(f"{'':30} us/token: " + ", ".join(f"{k} {v:.3f}" for k, v in per_token.items()))
 
 
 def main() -> None:

@@ -41,8 +41,8 @@ launch the same keys):
   v, column slices of the packed projection, when the step has prefills; the conv update of the speculative decode
   rows, varlen with accepted counts; the plain-decode update on decode steps of one-token rows where the plan holds
   it, followed by the packed KDA decode step on its output), the initial-state gather of the prefill requests,
-  the recurrent step over the decode requests (q, k, v as
-  separate tensors or views of one projection; prefill requests take the six stages of the chunked KDA prefill (initial states mixed) where vLLM's prefill
+  the speculative recurrent step over the decode requests (vLLM's convention: q, k, v column views of the conv
+  update's output, [N, 1 + spec] state indices with accepted counts, a null slot now and then; prefill requests take the six stages of the chunked KDA prefill (initial states mixed) where vLLM's prefill
   backend is Triton)
   and the gated RMSNorm of the output over every token (the gate a column view of the fused projection, at its
   usual width or the overlap path's).
@@ -112,9 +112,10 @@ from warmreg_kimi_k3.causal_conv1d import causal_conv1d_reference, conv1d_chunks
 from warmreg_kimi_k3.causal_conv1d_update import causal_conv1d_update_reference
 from warmreg_kimi_k3.gated_rmsnorm import gated_rmsnorm_reference, projection_width
 from warmreg_kimi_k3.gather_initial_states import gather_initial_states_reference
-from warmreg_kimi_k3.kda import kda_recurrent_reference
+from warmreg_kimi_k3.kda import KDARecurrent, kda_recurrent_reference
 from warmreg_kimi_k3.kda_chunk import STAGES as KDA_CHUNK_STAGES
 from warmreg_kimi_k3.kda_chunk_base import chunk_metadata
+from warmreg_kimi_k3.kda_chunk_intra import platform_solve_precision
 from warmreg_kimi_k3.kda_chunk_l2norm import l2norm_reference
 from warmreg_kimi_k3.kda_packed_decode import kda_packed_decode_reference
 from warmreg_kimi_k3.kda_spec_metadata import stage_spec_decode_metadata_reference
@@ -1143,10 +1144,13 @@ class KimiSweep(Sweep):
             self.conv_state = packed.transpose(1, 2)
             self.conv_weight = self.randn(3 * lay.projection_size, lay.conv_width, dtype=F32, scale=0.5)
         self.layers += [("kda_chunk", 0)] * (KDA_CHUNK[0] in self.names)
-        if KDA in self.names:
-            kda = self.kernel(KDA)
+        if KDA in self.names or KDA_PACKED in self.names:  # the speculative step's, or the plain decode's, layout
+            kda = self.kernel(KDA) if KDA in self.names else KDARecurrent.from_layout(
+                self.kernel(KDA_PACKED).layout, max_num_seqs=lim.max_seqs)  # fmt: skip
             self.hkv = (kda.num_heads, kda.head_k_dim, kda.head_v_dim)
-            self.pool = self.randn(lim.max_seqs + 1, *self.hkv, dtype=F32, scale=0.1)  # a slot a request + padding
+            # vLLM's recurrent pool [slots, H, V, K]: a slot per state column of a request (1 + spec), slot 0 the null
+            self.pool = self.randn(lim.max_seqs * (1 + lim.spec) + 1, kda.num_heads, kda.head_v_dim, kda.head_k_dim,
+                                   dtype=F32, scale=0.1)  # fmt: skip
             # The layer's fp32 parameters (A_log [H], dt_bias [H * K]) and the configured gate lower bound.
             h, dk = kda.num_heads, kda.head_k_dim
             a_log = torch.rand(h, generator=self.gen, device=self.dev).mul_(1.5).add_(0.5).log_()  # exp in [0.5, 2)
@@ -1328,7 +1332,7 @@ class KimiSweep(Sweep):
             stride = self.rng.choice(sorted({1, 1 + spec}))
             indices = self._conv_lines(lines, stride)
             conv_out = self._conv_update(f"{t} plain decode rows", x, indices)
-            if KDA_PACKED in self.names and KDA in self.names:
+            if KDA_PACKED in self.names:
                 self.kda_packed_decode(proj, width, None if conv_out is None else conv_out[0], indices)
         elif upd is not None and spec and b.num_decodes:
             n, d = b.num_decodes, b.decode_tokens
@@ -1415,35 +1419,43 @@ class KimiSweep(Sweep):
         )
 
     def kda(self, st: Step) -> None:
-        """The KDA decode step over the decode requests; q, k, v separate or views of one fused projection."""
-        b = st.batch
+        """vLLM's speculative-decode step over the decode requests (``kda.py: _forward``; the kernel is planned only
+        under speculation): q, k, v rearranged column slices of the conv update's ``[T, 3P]`` output (for one token
+        the projection row it keeps), the gate projection's rows, beta a column of the packed projection, the
+        ``[N, 1 + spec]`` state indices a view of a wider table (now and then a padded request on the null slot 0,
+        or a column 0: no write), accepted counts ``1 .. 1 + spec``, ``out`` a view of core_attn_out or none."""
+        b, kda = st.batch, self.kernel(KDA)
         if not b.num_decodes:
             return
-        (h, dk, dv), t = self.hkv, b.decode_tokens
-        if self.rng.random() < 0.5:
-            fused = self.randn(t, h * (2 * dk + dv))
-            q, k, v = (fused[:, i * h * dk : i * h * dk + h * w].view(t, h, w) for i, w in enumerate((dk, dk, dv)))
-        else:
-            q, k, v = self.randn(t, h, dk), self.randn(t, h, dk), self.randn(t, h, dv)
-        raw_g = self.randn(t, h, dk, dtype=self.raw_dtypes[0])  # the raw projections: gate and beta in the kernel
-        raw_beta = self.randn(t, h, dtype=self.raw_dtypes[1], scale=2.0)
-        slots = torch.randperm(self.pool.shape[0] - 1, generator=self.gen, device=self.dev)[: b.num_decodes].to(I32)
-        if self.rng.random() < 0.1:
-            slots[-1] = -1  # a padded entry: no state in, nothing written back
-        args = (q, k, v, raw_g, raw_beta, *self.gate, st.qsl[: b.num_decodes + 1], self.pool, slots)
+        (h, dk, dv), t, n, cols = self.hkv, b.decode_tokens, b.num_decodes, 1 + self.lim.spec
+        width = h * (2 * dk + dv)
+        conv = self.randn(t, self.rng.choice(kda.projection_rows) if t == 1 and kda.projection_rows else width)
+        q, k, v = (conv[:, c : c + h * w].view(1, t, h, w) for c, w in ((0, dk), (h * dk, dk), (2 * h * dk, dv)))
+        raw_g = self.randn(1, t, h, dk, dtype=self.raw_dtypes[0])  # the raw projections: gate and beta in the kernel
+        row = max(width + h, *kda.projection_rows)
+        raw_beta = self.randn(t, row, dtype=self.raw_dtypes[1], scale=2.0)[:, row - h :].unsqueeze(0)
+        table = torch.zeros(n, cols + 2, dtype=I32, device=self.dev)
+        slots = torch.randperm(self.pool.shape[0] - 1, generator=self.gen, device=self.dev)[: n * cols].add(1)
+        table[:, :cols] = slots.view(n, cols)  # distinct slots: no two tokens write one
+        if self.rng.random() < 0.2:
+            table[self.rng.randrange(n), self.rng.randrange(cols)] = 0  # the null slot in some column: no state there
+        accepted = torch.randint(1, cols + 1, (n,), generator=self.gen, device=self.dev, dtype=I32)
+        out = torch.empty(1, t + 1, h, dv, dtype=q.dtype, device=self.dev)[:, :t] if self.rng.random() < 0.5 else None
+        args = (q, k, v, raw_g, raw_beta, *self.gate, self.pool, st.qsl[: n + 1], table[:, :cols], accepted)
         self.launch(
             KDA,
-            f"{b.num_decodes} decode sequences",
-            lambda: self.kernel(KDA)(*args),
+            f"{n} speculative sequences, {t} tokens",
+            lambda: kda(*args, out=out),
             ref=lambda: kda_recurrent_reference(*args)[0],
             tol=(1e-2, 1.6e-2),  # the plugin's tests: bf16 o, fp32 recurrences in different orders
         )
 
     def kda_chunk(self, st: Step) -> None:
         """The chunked KDA prefill over the step's prefill requests, stage by stage as
-        ``warmreg_kimi_k3.kda_chunk.chunk_kda_prefill`` chains them; initial states mixed. On the CPU only the
-        L2 norm is checked against its reference: Triton 3.8.0's interpreter multiplies bf16 ``tl.dot`` operands
-        as raw bits, so the bf16 chain is checked by the plugin's GPU test instead."""
+        ``warmreg_kimi_k3.kda_chunk.chunk_kda_prefill`` chains them, between the layer's gather of the initial
+        states from the pool (mixed: zeros without one) and its scatter of the final states back. On the CPU
+        only the L2 norm is checked against its reference: Triton 3.8.0's interpreter multiplies bf16 ``tl.dot``
+        operands as raw bits, so the bf16 chain is checked by the plugin's GPU test instead."""
         b = st.batch
         if not b.num_prefills:
             return
@@ -1455,6 +1467,7 @@ class KimiSweep(Sweep):
         n = b.num_prefills
         slots = torch.randperm(self.pool.shape[0] - 1, generator=self.gen, device=self.dev)[:n].add_(1).to(I32)
         has_state = torch.rand(n, generator=self.gen, device=self.dev) < 0.5  # continuing chunked prefills
+        initial_state = gather_initial_states_reference(self.pool, slots, has_state)  # [N, H, V, K], as vLLM's
         l2, gate, intra, wu, hs, out = (self.kernel(name) for name in KDA_CHUNK)
         what = f"{n} prefill sequences, {t} tokens"
         chunks, offsets = chunk_metadata(cu)
@@ -1466,18 +1479,22 @@ class KimiSweep(Sweep):
         if qn is None or kn is None or gb is None:
             return
         g, beta = gb
-        aa = self.launch(KDA_CHUNK[2], what, lambda: intra(qn, kn, g, beta, cu, chunks))
+        solve = platform_solve_precision(self.plan.platform)  # the planned target's (vLLM: tf32 on sm >= 80)
+        aa = self.launch(
+            KDA_CHUNK[2],
+            what,
+            lambda: intra(qn, kn, g, beta, cu, chunks, safe_gate=self.gate[2] is not None, solve_precision=solve),
+        )
         wuk = self.launch(KDA_CHUNK[3], what, lambda: wu(kn, v, beta, aa[1], g, cu, chunks)) if aa is not None else None
         if wuk is None:
             return
         hv = self.launch(
-            KDA_CHUNK[4],
-            what,
-            lambda: hs(wuk[2], wuk[0], wuk[1], g, cu, offsets, self.pool, slots, has_state, chunks.shape[0]),
+            KDA_CHUNK[4], what, lambda: hs(wuk[2], wuk[0], wuk[1], g, cu, offsets, initial_state, chunks.shape[0])
         )
         if hv is None:
             return
-        self.launch(KDA_CHUNK[5], what, lambda: out(qn, hv[1], g, hv[0], aa[0], cu, chunks))
+        self.pool[slots] = hv[2]  # the layer's scatter: recurrent_state[indices] = final_state
+        self.launch(KDA_CHUNK[5], what, lambda: out(qn, hv[1], g, hv[0], aa[0], cu, chunks, out=v))
 
 
 # -- one config, the CLI -------------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """The chunked KDA prefill (six stages) against the fp32 recurrence and each stage against its own reference,
-under Triton's interpreter (CPU tensors); and which deployments plan the stages.
+under Triton's interpreter (CPU tensors); and which deployments plan the stages. (Bitwise equality with vLLM's
+own kernels: ``tests/engines/test_vllm_kernels_kda_chunk.py``, in the vLLM venv.)
 
 Everything here runs in fp32: Triton 3.8.0's interpreter multiplies bf16 ``tl.dot`` operands as their raw
 uint16 bit patterns (``interpreter.py: create_dot`` converts only fp8), so bf16 runs only on the GPU
@@ -14,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from warmreg_kimi_k3.kda_chunk import STAGES, chunk_kda_prefill, chunk_kda_reference
@@ -29,6 +31,8 @@ import warmreg
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 NAMES = [stage.name for stage in STAGES]
+#: Keys planned per stage: one tuning key, four candidates each, but the L2 norm (untuned, as vLLM's).
+PLANNED = {name: 1 if name == KDAChunkL2Norm.name else 4 for name in NAMES}
 # fp32 end to end: the chunked form and the recurrence differ only in summation order and exp vs exp2 of the
 # cumulative gate (about 1e-7 relative on these sizes, measured); 1e-5 leaves room for other numpy builds
 # while a wrong decay, mask or chunk boundary gives errors of order 1e-2 and more.
@@ -43,22 +47,26 @@ def _batch(
     lens: list[int], *, heads: int = 1, dim: int = 32, lower_bound: float | None = None, seed: int = 0,
     dtype: torch.dtype = torch.float32, device: str = "cpu",
 ) -> dict[str, Any]:  # fmt: skip
-    """A varlen prefill batch: raw projections, parameters, cu_seqlens, a pool with one slot per sequence after a
-    padding slot 0, has_initial_state alternating (first sequence True)."""
+    """A varlen prefill batch as vLLM's layer passes it to ``chunk_kda_with_fused_gate``: ``[1, T, H, D]``
+    activations, raw beta a column block of a wider projection, initial states ``[N, H, V, K]`` as
+    ``gather_initial_states`` returns them (zeros for the sequences without one: every other, the first
+    has one)."""
     gen = torch.Generator().manual_seed(seed)
     t, n = sum(lens), len(lens)
 
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen)
 
+    state = 0.1 * randn(n, heads, dim, dim)
+    state[1::2] = 0.0
     return {
-        "q": randn(t, heads, dim).to(dtype), "k": randn(t, heads, dim).to(dtype), "v": randn(t, heads, dim).to(dtype),
+        "q": randn(1, t, heads, dim).to(dtype), "k": randn(1, t, heads, dim).to(dtype),
+        "v": randn(1, t, heads, dim).to(dtype),
         # raw gate around -1 and exp(A_log) in [0.5, 2): decays mostly in (0.1, 1)
-        "raw_g": (randn(t, heads, dim) - 1.0).to(dtype), "raw_beta": (2 * randn(t, heads)).to(dtype),
-        "A_log": torch.log(0.5 + 1.5 * torch.rand(heads, generator=gen)), "dt_bias": 0.5 * randn(heads * dim),
+        "raw_g": (randn(1, t, heads, dim) - 1.0).to(dtype), "raw_beta": (2 * randn(1, t, heads + 3)).to(dtype)[..., :heads],
+        "A_log": torch.log(0.5 + 1.5 * torch.rand(heads, generator=gen)), "g_bias": 0.5 * randn(heads * dim),
         "lower_bound": lower_bound, "cu_seqlens": torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32),
-        "state_pool": 0.1 * randn(n + 1, heads, dim, dim), "state_slots": torch.arange(1, n + 1, dtype=torch.int32),
-        "has_initial_state": torch.arange(n) % 2 == 0,
+        "initial_state": state, "use_qk_l2norm_in_kernel": True,
     }  # fmt: skip
 
 
@@ -67,12 +75,14 @@ def _to(batch: dict[str, Any], device: str) -> dict[str, Any]:
 
 
 def _check_chain(batch: dict[str, Any], tol: dict[str, Any] = FP32) -> None:
-    expected_o, expected_pool = chunk_kda_reference(**batch)
-    pool = batch["state_pool"].clone()
-    o = chunk_kda_prefill(**{**batch, "state_pool": pool})
-    assert o.shape == batch["v"].shape and o.dtype == batch["v"].dtype
-    torch.testing.assert_close(o.float().cpu(), expected_o.float(), **tol)
-    torch.testing.assert_close(pool.cpu(), expected_pool, **FP32 if tol is FP32 else BF16)
+    expected_o, expected_final = chunk_kda_reference(**batch)
+    v = batch["v"].clone()
+    o, final = chunk_kda_prefill(**{**batch, "v": v}, output_final_state=True)
+    assert o is v  # no out: vLLM writes the output into (contiguous) v
+    assert o.shape == batch["v"].shape and o.dtype == batch["v"].dtype and final is not None
+    torch.testing.assert_close(o.float().cpu(), expected_o, **tol)
+    assert final.dtype == torch.float32 and final.shape == expected_final.shape
+    torch.testing.assert_close(final.cpu(), expected_final, **FP32 if tol is FP32 else BF16)
 
 
 @pytest.mark.parametrize(
@@ -82,29 +92,43 @@ def _check_chain(batch: dict[str, Any], tol: dict[str, Any] = FP32) -> None:
 )
 def test_chain_matches_the_recurrence(lens: list[int], heads: int, lower_bound: float | None) -> None:
     """Lengths around the chunk size (1, 63, 64, 65) and several chunks (200) in one varlen batch, initial states
-    mixed, both gates."""
+    mixed, both gates (the lower bound takes the intra stage's sub-chunk path)."""
     _check_chain(_batch(lens, heads=heads, lower_bound=lower_bound))
 
 
 @pytest.mark.parametrize("config", range(4))
 def test_every_candidate_matches(config: int) -> None:
-    """Each autotune candidate of every stage (all have four), forced with ``warmreg.use_config``."""
-    assert all(len(stage.tune_configs) == 4 for stage in STAGES)
+    """Each autotune candidate of every tuned stage (all have four), forced with ``warmreg.use_config``."""
+    assert all(len(stage.tune_configs) == 4 for stage in STAGES if stage is not KDAChunkL2Norm)
+    assert KDAChunkL2Norm.tune_configs == ()  # vLLM's l2norm_fwd_kernel2 is not autotuned
     with warmreg.use_config(config):
-        _check_chain(_batch([70], lower_bound=-5.0, seed=config))
+        _check_chain(_batch([70], lower_bound=-5.0 if config % 2 else None, seed=config))
 
 
-def test_no_state_slot_and_no_bias() -> None:
-    """A negative slot reads and writes nothing; a layer without dt_bias."""
-    batch = _batch([40, 66])
-    batch.update(dt_bias=None, state_slots=torch.tensor([-1, 2], dtype=torch.int32))
-    batch["has_initial_state"] = torch.tensor([True, True])
-    _check_chain(batch)
+def test_no_initial_state_and_no_bias() -> None:
+    """``initial_state=None`` (zeros, USE_INITIAL_STATE off) and a layer without dt_bias."""
+    _check_chain({**_batch([40, 66]), "initial_state": None, "g_bias": None})
+
+
+def test_out_is_written_and_returned_and_v_left_alone() -> None:
+    """With ``out`` (the layer's ``core_attn_out`` slice) the output lands there and v keeps its values; without
+    final states the second result is None; a non-contiguous v is copied (vLLM's ``v.contiguous()``) and the
+    output lands in the copy."""
+    b = _batch([3, 70], heads=2)
+    expected_o, _ = chunk_kda_reference(**b)
+    out, v = torch.full_like(b["v"], float("nan")), b["v"].clone()
+    o, final = chunk_kda_prefill(**{**b, "v": v}, out=out)
+    assert o is out and final is None and torch.equal(v, b["v"])
+    torch.testing.assert_close(o, expected_o, **FP32)
+    wide = torch.cat([b["v"], torch.zeros_like(b["v"])], -1)[..., :32]
+    o, _ = chunk_kda_prefill(**{**b, "v": wide})
+    assert o.is_contiguous() and o.data_ptr() != wide.data_ptr() and torch.equal(wide, b["v"])
+    torch.testing.assert_close(o, expected_o, **FP32)
 
 
 @pytest.mark.slow
 def test_chain_at_the_real_head_dim() -> None:
-    """K = V = 128 (Kimi-Linear's head_dim): two K tiles in the intra and output stages."""
+    """K = V = 128 (Kimi-Linear's head_dim): two K tiles of 64 in the state stage, four in the output's."""
     _check_chain(_batch([65, 130], dim=128, lower_bound=-5.0))
 
 
@@ -114,28 +138,45 @@ def test_stages_match_their_references() -> None:
     b = _batch([70, 64], heads=2)
     cu = b["cu_seqlens"]
     chunks, offsets = chunk_metadata(cu)
-    q, k = KDAChunkL2Norm()(b["q"]), KDAChunkL2Norm()(b["k"])
-    torch.testing.assert_close(q, l2norm_reference(b["q"]), **FP32)
-    g, beta = KDAChunkGate()(b["raw_g"], b["raw_beta"], b["A_log"], b["dt_bias"], None, cu, chunks)
-    g_ref, beta_ref = chunk_gate_reference(b["raw_g"], b["raw_beta"], b["A_log"], b["dt_bias"], None, cu)
+    q, k = KDAChunkL2Norm()(b["q"][0]), KDAChunkL2Norm()(b["k"][0])
+    torch.testing.assert_close(q, l2norm_reference(b["q"][0]), **FP32)
+    raw_g, raw_beta, v = b["raw_g"][0], b["raw_beta"][0], b["v"][0]
+    g, beta = KDAChunkGate()(raw_g, raw_beta, b["A_log"], b["g_bias"], None, cu, chunks)
+    g_ref, beta_ref = chunk_gate_reference(raw_g, raw_beta, b["A_log"], b["g_bias"], None, cu)
     torch.testing.assert_close(g, g_ref, **FP32)
     torch.testing.assert_close(beta, beta_ref, **FP32)
     aqk, akk = KDAChunkIntra()(q, k, g, beta, cu, chunks)
     aqk_ref, akk_ref = chunk_intra_reference(q, k, g, beta, cu)
     torch.testing.assert_close(torch.where(_on_or_below_diagonal(cu), aqk, 0.0), aqk_ref, **FP32)  # the rest unwritten
     torch.testing.assert_close(akk, akk_ref, **FP32)
-    w, u, kg = KDAChunkWU()(k, b["v"], beta, akk, g, cu, chunks)
-    for got, want in zip((w, u, kg), chunk_wu_reference(k, b["v"], beta, akk, g, cu), strict=True):
+    w, u, kg = KDAChunkWU()(k, v, beta, akk, g, cu, chunks)
+    for got, want in zip((w, u, kg), chunk_wu_reference(k, v, beta, akk, g, cu), strict=True):
         torch.testing.assert_close(got, want, **FP32)
-    pool = b["state_pool"].clone()
-    h, v_new = KDAChunkH()(kg, w, u, g, cu, offsets, pool, b["state_slots"], b["has_initial_state"], chunks.shape[0])
-    h_ref, v_new_ref, pool_ref = chunk_h_reference(
-        kg, w, u, g, cu, b["state_pool"], b["state_slots"], b["has_initial_state"]
-    )
-    for got, want in ((h, h_ref), (v_new, v_new_ref), (pool, pool_ref)):
+    h, v_new, final = KDAChunkH()(kg, w, u, g, cu, offsets, b["initial_state"], chunks.shape[0])
+    for got, want in zip((h, v_new, final), chunk_h_reference(kg, w, u, g, cu, b["initial_state"]), strict=True):
         torch.testing.assert_close(got, want, **FP32)
     o = KDAChunkO()(q, v_new, g, h, aqk, cu, chunks)
     torch.testing.assert_close(o, chunk_o_reference(q, v_new, g, h, aqk, cu), **FP32)
+
+
+def test_lower_bound_intra_and_no_final_state() -> None:
+    """The intra stage's sub-chunk path (a gate lower bound) against its reference; the state stage without
+    initial or final states."""
+    b = _batch([23, 64, 5], heads=2, lower_bound=-5.0, seed=3)
+    cu = b["cu_seqlens"]
+    chunks, offsets = chunk_metadata(cu)
+    q, k = l2norm_reference(b["q"][0]), l2norm_reference(b["k"][0])
+    g, beta = chunk_gate_reference(b["raw_g"][0], b["raw_beta"][0], b["A_log"], b["g_bias"], -5.0, cu)
+    aqk, akk = KDAChunkIntra()(q, k, g, beta, cu, chunks, safe_gate=True)
+    aqk_ref, akk_ref = chunk_intra_reference(q, k, g, beta, cu)
+    torch.testing.assert_close(torch.where(_on_or_below_diagonal(cu), aqk, 0.0), aqk_ref, **FP32)
+    torch.testing.assert_close(akk, akk_ref, **FP32)
+    w, u, kg = chunk_wu_reference(k, b["v"][0], beta, akk_ref, g, cu)
+    h, v_new, final = KDAChunkH()(kg, w, u, g, cu, offsets, None, chunks.shape[0], output_final_state=False)
+    h_ref, v_new_ref, _ = chunk_h_reference(kg, w, u, g, cu, None)
+    assert final is None
+    torch.testing.assert_close(h, h_ref, **FP32)
+    torch.testing.assert_close(v_new, v_new_ref, **FP32)
 
 
 def _on_or_below_diagonal(cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -155,37 +196,43 @@ def test_chunk_metadata() -> None:
 
 def test_empty_batch_launches_nothing() -> None:
     b = _batch([], heads=1)
-    o = chunk_kda_prefill(**b)
-    assert o.shape == (0, 1, 32)
+    o, final = chunk_kda_prefill(**b, output_final_state=True)
+    assert o.shape == (1, 0, 1, 32) and final is not None and final.shape == (0, 1, 32, 32)
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"state_pool": torch.zeros(3, 1, 32, 16)}, "state_pool must be float32"),
-        ({"has_initial_state": torch.ones(2, dtype=torch.int32)}, "has_initial_state must be bool"),
+        ({"initial_state": torch.zeros(2, 1, 32, 16)}, r"initial_state must be a contiguous float \[N, H, V, K\]"),
         ({"A_log": torch.zeros(2)}, "A_log must be float32 with 1"),
         ({"lower_bound": 1.0}, "lower_bound must be < 0"),
+        ({"cu_seqlens": None}, "needs cu_seqlens"),
+        ({"q": torch.zeros(2, 7, 1, 32)}, r"q of shape \[1, T, H, K\]"),
     ],
 )
 def test_launch_errors(change: dict[str, Any], message: str) -> None:
+    """Shapes the chain cannot take are refused, naming the stage (or the chain)."""
     with pytest.raises(warmreg.LaunchError, match=message):
-        chunk_kda_prefill(**{**_batch([3, 4]), **change})
+        chunk_kda_prefill(**{**_batch([3, 4]), **change}, output_final_state=True)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bf16 dots: see the module docstring)")
-def test_bf16_chain_on_gpu() -> None:
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "lower-bound"])
+def test_bf16_chain_on_gpu(lower_bound: float | None) -> None:
     """bf16 activations and intermediates, as vLLM runs the chain, every candidate, against the fp32
-    recurrence of the same inputs; K = V = 128, H = 12 as one rank of the example deployment."""
+    recurrence of the same inputs; K = V = 128, H = 12 as one rank of the example deployment; both gates (the
+    intra stage's two paths), the inverse's tf32 products on sm >= 80."""
     for config in range(4):
-        batch = _to(_batch([1, 63, 64, 65, 1000], heads=12, dim=128, lower_bound=-5.0, dtype=torch.bfloat16), "cuda")
-        expected_o, expected_pool = chunk_kda_reference(**_to(batch, "cpu"))
-        pool = batch["state_pool"].clone()
+        batch = _to(
+            _batch([1, 63, 64, 65, 1000], heads=12, dim=128, lower_bound=lower_bound, dtype=torch.bfloat16), "cuda"
+        )
+        expected_o, expected_final = chunk_kda_reference(**_to(batch, "cpu"))
         with warmreg.use_config(config):
-            o = chunk_kda_prefill(**{**batch, "state_pool": pool})
-        torch.testing.assert_close(o.float().cpu(), expected_o.float(), **BF16)
-        torch.testing.assert_close(pool.cpu(), expected_pool, **BF16)
+            o, final = chunk_kda_prefill(**{**batch, "v": batch["v"].clone()}, output_final_state=True)
+        assert final is not None
+        torch.testing.assert_close(o.float().cpu(), expected_o, **BF16)
+        torch.testing.assert_close(final.cpu(), expected_final, **BF16)
 
 
 # -- plans ------------------------------------------------------------------------------------------------------
@@ -202,25 +249,35 @@ def _stage_keys(plan: warmreg.Plan) -> dict[str, int]:
 
 def test_forced_triton_plans_every_stage_and_candidate() -> None:
     plan = warmreg.plan(_example("kimi_k3_attn_res.json", kda_prefill_backend="triton"), target="cuda:90")
-    assert _stage_keys(plan) == dict.fromkeys(NAMES, 4)  # one tuning key per stage, four candidates each
+    assert _stage_keys(plan) == PLANNED
     gate = plan.kernel(KDAChunkGate.name)
     assert {key.fields()["use_lower_bound"] for key in gate.keys} == {True}  # gate_lower_bound -5.0
     assert sorted(key.fields()["config"] for key in gate.keys) == [0, 1, 2, 3]
     intra = plan.kernel(KDAChunkIntra.name)
-    assert {attrs_fields(k) for k in intra.keys} == {("bfloat16", 12, 128, 64, 16)}
+    # the lower bound takes vLLM's sub-chunk path; sm90 its tf32 solve
+    assert {attrs_fields(k) for k in intra.keys} == {("bfloat16", 12, 128, 64, 16, 128, True, "tf32")}
+    (h,) = {attrs_evolve_none(k) for k in plan.kernel(KDAChunkH.name).keys}
+    fields = h.fields()
+    assert (fields["initial_state_dtype"], fields["initial_state_aligned"], fields["store_final_state"]) == (
+        "float32",
+        True,
+        True,
+    )
 
 
 def attrs_fields(key: warmreg.CompileKey) -> tuple[Any, ...]:
     f = key.fields()
-    return (f["dtype"], f["num_heads"], f["head_dim"], f["chunk_size"], f["sub_chunk"])
+    return tuple(f[n] for n in ("dtype", "num_heads", "head_dim", "chunk_size", "sub_chunk", "block_k_diag",
+                                "safe_gate", "solve_precision"))  # fmt: skip
 
 
 def test_no_lower_bound_resolves_to_triton_under_auto() -> None:
     data = _example("kimi_k3.json")
     del data["model"]["text_config"]["linear_attn_config"]["gate_lower_bound"]
     plan = warmreg.plan(data, target="cuda:90")
-    assert _stage_keys(plan) == dict.fromkeys(NAMES, 4)
+    assert _stage_keys(plan) == PLANNED
     assert {key.fields()["use_lower_bound"] for key in plan.kernel(KDAChunkGate.name).keys} == {False}
+    assert {key.fields()["safe_gate"] for key in plan.kernel(KDAChunkIntra.name).keys} == {False}
 
 
 @pytest.mark.parametrize("target", ["cuda:90", "cuda:100", "cuda:120"])
@@ -231,17 +288,22 @@ def test_flashkda_plans_no_stage(target: str) -> None:
 
 def test_rocm_without_gluon_or_fused_runs_triton() -> None:
     """gfx942: neither aiter's Gluon kernel nor the fused op (gfx950 only), so vLLM's ROCm Triton chain."""
-    assert _stage_keys(warmreg.plan(EXAMPLES / "kimi_k3.json", target="rocm:gfx942")) == dict.fromkeys(NAMES, 4)
+    plan = warmreg.plan(EXAMPLES / "kimi_k3.json", target="rocm:gfx942")
+    assert _stage_keys(plan) == PLANNED
+    assert {key.fields()["solve_precision"] for key in plan.kernel(KDAChunkIntra.name).keys} == {"ieee"}
     assert _stage_keys(warmreg.plan(EXAMPLES / "kimi_k3.json", target="rocm:gfx950")) == {}
 
 
 def test_runtime_shapes_are_planned() -> None:
-    """The chain's launches on a prefill of the deployment's shapes (meta tensors) land on planned tuning keys."""
+    """The chain's launches on a prefill of the deployment's shapes (meta tensors) land on planned tuning keys:
+    the layer's initial states (gather_initial_states' fresh fp32 [N, H, V, K]), the output written into v or
+    the layer's out (aligned views of the activation dtype)."""
     plan = warmreg.plan(_example("kimi_k3.json", kda_prefill_backend="triton"), target="cuda:90")
     base = {kp.name: {attrs_evolve_none(k) for k in kp.keys} for kp in plan.kernels if kp.name in NAMES}
     t, h, d = 3000, 12, 128
     act = warmreg.meta((t, h, d), torch.bfloat16)
-    pool = warmreg.meta((257, h, d, d), torch.float32)
+    state = warmreg.meta((37, h, d, d), torch.float32)
+    out = warmreg.meta((1, t + 5, h, d), torch.bfloat16)[0, 5:]  # core_attn_out[:, non_spec_slice]
     keys = {
         KDAChunkL2Norm.name: KDAChunkL2Norm().dispatch(x=act),
         KDAChunkGate.name: KDAChunkGate().dispatch(
@@ -250,18 +312,19 @@ def test_runtime_shapes_are_planned() -> None:
             dt_bias=warmreg.meta((h * d,), torch.float32),
             lower_bound=-5.0,
         ),
-        KDAChunkIntra.name: KDAChunkIntra().dispatch(q=act),
+        KDAChunkIntra.name: KDAChunkIntra().dispatch(q=act, safe_gate=True, solve_precision="tf32"),
         KDAChunkWU.name: KDAChunkWU().dispatch(k=act, v=act),
-        KDAChunkH.name: KDAChunkH().dispatch(u=act, kg=act, state_pool=pool),
-        KDAChunkO.name: KDAChunkO().dispatch(q=act, v_new=act),
+        KDAChunkH.name: KDAChunkH().dispatch(u=act, kg=act, initial_state=state, output_final_state=True),
     }
     for name, key in keys.items():
         assert key in base[name], name
+    for o in (act, out):
+        assert KDAChunkO().dispatch(q=act, v_new=act, out=o) in base[KDAChunkO.name]
 
 
 def attrs_evolve_none(key: warmreg.CompileKey) -> warmreg.CompileKey:
-    import attrs
-
+    if not hasattr(key, "config"):
+        return key
     return attrs.evolve(key, config=None)  # type: ignore[call-arg]
 
 
@@ -279,16 +342,17 @@ class _Stages:
 
 @pytest.mark.slow
 def test_warm_cross_compiles_the_stages_candidates_for_sm90() -> None:
-    """Each stage compiles for SM90 through Triton's own path, stage i with its candidate i mod 4, so
-    every candidate index and every stage is compiled once (6 binaries; compiling all 24 on this CPU
-    takes about 90 s, and the H200 runs compile all 24 in every warm of examples/kimi_k3_full.json)."""
+    """Each stage compiles for SM90 through Triton's own path, each tuned stage i with its candidate i mod 4,
+    so every candidate index and every stage is compiled once (6 binaries; compiling all 21 on this CPU
+    takes about 90 s, and the H200 runs compile all 21 in every warm of examples/kimi_k3_full.json)."""
     config = _example("kimi_k3.json", kda_prefill_backend="triton")
     plan = warmreg.plan(config, target="cuda:90")
-    assert sum(_stage_keys(plan).values()) == 24
+    assert sum(_stage_keys(plan).values()) == 21
     kernels = []
     for i, name in enumerate(NAMES):
         kernel = copy.copy(plan.kernel(name).kernel)
-        kernel.tune_configs = (type(kernel).tune_configs[i % 4],)  # type: ignore[misc]
+        if kernel.tune_configs:
+            kernel.tune_configs = (type(kernel).tune_configs[i % 4],)  # type: ignore[misc]
         kernels.append(kernel)
     report = warmreg.warm(config, target="cuda:90", workers=2, plugins=[_Stages(kernels)], entry_points=False)
     assert report.ok and report.declared == 6 and {r.kernel for r in report.results} == set(NAMES)

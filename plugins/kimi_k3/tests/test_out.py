@@ -95,10 +95,12 @@ def _gather_initial_states() -> Case:
 
 
 def _kda_recurrent() -> Case:
-    batch = test_kda._batch([1, 3, 2], heads=2, k_dim=16, v_dim=32, lower_bound=-5.0)
-    pool, slots = test_kda._pool(4, 2, 16, 32), torch.tensor([3, -1, 1], dtype=torch.int32)
-    return Case(KDARecurrent(num_heads=2, head_k_dim=16, head_v_dim=32), (),
-                {**batch, "state_pool": pool, "state_slots": slots}, test_kda.TOLERANCES[torch.bfloat16])  # fmt: skip
+    # a speculative step with a null-slot sequence (zero rows for all its tokens): every row is written
+    step = test_kda._step([1, 3, 2], heads=2, k_dim=16, v_dim=32, lower_bound=-5.0)
+    indices = torch.tensor([[3, 4, 5], [0, 6, 7], [1, 2, 0]], dtype=torch.int32)
+    kwargs = {**step, "initial_state": test_kda._pool(8, 2, 16, 32), "ssm_state_indices": indices,
+              "num_accepted_tokens": torch.tensor([1, 1, 2], dtype=torch.int32), "launch_pdl": False}  # fmt: skip
+    return Case(KDARecurrent(num_heads=2, head_k_dim=16, head_v_dim=32), (), kwargs, test_kda.TOLERANCES[torch.bfloat16])
 
 
 def _kda_packed_decode() -> Case:
@@ -118,15 +120,17 @@ def _aligned_state_indices() -> Case:
 
 def _chunk_inputs() -> dict[str, Any]:
     """A two-sequence prefill (a full chunk and a partial one, two heads) and each stage's inputs, from the stage
-    references; fp32 as the chunked-prefill tests (see test_kda_chunk's docstring)."""
+    references; fp32 as the chunked-prefill tests (see test_kda_chunk's docstring). Activations without vLLM's
+    leading batch dim of 1, as the stages take them."""
     b = test_kda_chunk._batch([70, 3], heads=2, lower_bound=-5.0)
+    b = {k: v[0] if k in ("q", "k", "v", "raw_g", "raw_beta") else v for k, v in b.items()}
     cu = b["cu_seqlens"]
     chunks, offsets = chunk_metadata(cu)
     q, k = l2norm_reference(b["q"]), l2norm_reference(b["k"])
-    g, beta = chunk_gate_reference(b["raw_g"], b["raw_beta"], b["A_log"], b["dt_bias"], -5.0, cu)
+    g, beta = chunk_gate_reference(b["raw_g"], b["raw_beta"], b["A_log"], b["g_bias"], -5.0, cu)
     aqk, akk = chunk_intra_reference(q, k, g, beta, cu)
     w, u, kg = chunk_wu_reference(k, b["v"], beta, akk, g, cu)
-    h, v_new, _ = chunk_h_reference(kg, w, u, g, cu, b["state_pool"], b["state_slots"], b["has_initial_state"])
+    h, v_new, _ = chunk_h_reference(kg, w, u, g, cu, b["initial_state"])
     return {**b, "qn": q, "kn": k, "g": g, "beta": beta, "aqk": aqk, "akk": akk, "w": w, "u": u, "kg": kg, "h": h,
             "v_new": v_new, "chunk_indices": chunks, "chunk_offsets": offsets}  # fmt: skip
 
@@ -137,7 +141,7 @@ def _chunk_l2norm() -> Case:
 
 def _chunk_gate() -> Case:
     c = _chunk_inputs()
-    args = (c["raw_g"], c["raw_beta"], c["A_log"], c["dt_bias"], -5.0, c["cu_seqlens"], c["chunk_indices"])
+    args = (c["raw_g"], c["raw_beta"], c["A_log"], c["g_bias"], -5.0, c["cu_seqlens"], c["chunk_indices"])
     return Case(KDAChunkGate(), args, {}, test_kda_chunk.FP32)
 
 
@@ -145,7 +149,7 @@ def _chunk_intra() -> Case:
     c = _chunk_inputs()
     args = (c["qn"], c["kn"], c["g"], c["beta"], c["cu_seqlens"], c["chunk_indices"])
     below = test_kda_chunk._on_or_below_diagonal(c["cu_seqlens"]).expand(-1, 2, -1)  # A_qk's written part
-    return Case(KDAChunkIntra(), args, {}, test_kda_chunk.FP32, masks=(below, None))
+    return Case(KDAChunkIntra(), args, {"safe_gate": True}, test_kda_chunk.FP32, masks=(below, None))
 
 
 def _chunk_wu() -> Case:
@@ -155,9 +159,9 @@ def _chunk_wu() -> Case:
 
 
 def _chunk_h() -> Case:
-    c = _chunk_inputs()  # a fresh pool each build: the stage writes the final states into it
-    args = (c["kg"], c["w"], c["u"], c["g"], c["cu_seqlens"], c["chunk_offsets"], c["state_pool"], c["state_slots"],
-            c["has_initial_state"], c["chunk_indices"].shape[0])  # fmt: skip
+    c = _chunk_inputs()
+    args = (c["kg"], c["w"], c["u"], c["g"], c["cu_seqlens"], c["chunk_offsets"], c["initial_state"],
+            c["chunk_indices"].shape[0])  # fmt: skip
     return Case(KDAChunkH(), args, {}, test_kda_chunk.FP32)
 
 
@@ -202,7 +206,7 @@ def _extra(case: Case, buffers: tuple[torch.Tensor, ...]) -> dict[str, Any]:
     """``out=`` and, for the intra stage, its fp32 scratch ``workspace=`` (garbage too)."""
     extra: dict[str, Any] = {"out": _out_arg(buffers)}
     if isinstance(case.kernel, KDAChunkIntra):
-        extra["workspace"] = torch.full(buffers[0].shape, float("nan"))
+        extra["workspace"] = torch.full((*buffers[0].shape[:2], 16), float("nan"))
     return extra
 
 

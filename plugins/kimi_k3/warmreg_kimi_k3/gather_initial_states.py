@@ -16,8 +16,12 @@ Where it runs: ``KimiK3DeltaAttention._forward`` (``vllm/models/kimi_k3/nvidia/k
 with prefill requests, before the chunked prefill, with ``non_spec_state_indices_tensor`` (a column of the
 block table, or of the aligned state indices) and the builder's ``has_initial_state``
 (``num_computed_tokens > 0``); it does so for every ``kda_prefill_backend`` (FlashKDA, FlashInfer and Triton all
-take its output as their initial state). It is registered whenever there are KDA layers, on CUDA and XPU (vLLM
-asserts one of the two; ROCm's Kimi-K3 KDA in ``models/kimi_k3/amd`` does not call it).
+take its output as their initial state). ROCm's Kimi-K3 KDA (``models/kimi_k3/amd/ops/kda_prefill.py:
+chunk_kda_prefill``) calls it too, on its Triton path: it hands the pool over (``state_cache``) and that function
+gathers, runs ``chunk_kda_with_fused_gate`` and scatters (a ROCm tensor passes vLLM's ``is_cuda`` assertion); its
+``fused`` and ``gluon`` paths read the pool themselves. So it is registered whenever there are KDA layers on CUDA
+and XPU, and on ROCm where the prefill backend resolves to ``"triton"``
+(:func:`~warmreg_kimi_k3.backends.kda_prefill_backend`).
 
 Key: the state dtype, the index dtype (int32 or int64), the row size and tile (constexprs), the integer class of
 the pool's slot stride and the pool's alignment, PDL (``launch_pdl`` on SM >= 90, as vLLM's
@@ -39,7 +43,7 @@ from triton.language.extra import cuda as tl_cuda
 
 import warmreg
 
-from .backends import kda_layout
+from .backends import kda_layout, kda_prefill_backend
 from .model import PLUGIN, KimiK3, local_pdl
 
 __all__ = ["MAX_BLOCK", "GatherInitialStates", "GatherInitialStatesKey", "gather_initial_states_reference", "register"]
@@ -207,7 +211,8 @@ def gather_initial_states_reference(
 
 
 def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
-    """Register the gather on CUDA and XPU when there are KDA layers (every prefill step launches it).
+    """Register the gather when there are KDA layers (every prefill step launches it) on CUDA and XPU, and on
+    ROCm where the prefill backend resolves to ``"triton"`` (the module docstring says why).
 
     :raises warmreg.ConfigError: for a malformed ``linear_attn_config``, or a missing ``serving.max_num_seqs``.
     """
@@ -219,4 +224,7 @@ def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, 
         head_dim=layout.head_dim,
         max_num_seqs=config.get("serving.max_num_seqs", int, plugin=PLUGIN),
     )
-    registry.add(kernel, when=warmreg.is_cuda | warmreg.is_xpu)
+    when = warmreg.is_cuda | warmreg.is_xpu
+    if platform.is_rocm and kda_prefill_backend(m, config, platform) == "triton":
+        when = when | warmreg.is_rocm
+    registry.add(kernel, when=when)

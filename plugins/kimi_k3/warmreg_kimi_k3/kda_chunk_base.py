@@ -4,7 +4,8 @@ base class that holds one deployment's layout and builds the tuning batch.
 vLLM 0.33 runs the stages as ``chunk_kda_with_fused_gate`` (``vllm/models/kimi_k3/nvidia/ops/third_party/kda/
 chunk.py``) with ``FLA_CHUNK_SIZE`` 64 and 16-token sub-chunks (``chunk_intra.py: chunk_kda_fwd_intra``, ``BC``).
 Each stage is one warmreg op (``kda_chunk_l2norm`` ... ``kda_chunk_o``); ``kda_chunk.chunk_kda_prefill`` chains
-them.
+them. The stages take vLLM's tensors without their leading batch dim of 1 (``[T, H, *]`` views of vLLM's
+``[1, T, H, *]``: the same memory); the states are vLLM's ``[.., H, V, K]`` (K contiguous).
 """
 
 from __future__ import annotations
@@ -88,7 +89,6 @@ class ChunkStage(warmreg.TritonKernel[_K], Generic[_K]):
     :param has_dt_bias: whether the layers add a ``dt_bias`` to the raw gate.
     :param lower_bound: the gate's lower bound, or None (the softplus gate); only whether it is set is a key.
     :param max_num_batched_tokens: the most tokens of one step (sizes the tuning batch).
-    :param max_num_seqs: the most sequences of one step (sizes the state pool of the tuning batch).
     :param plugin: the registering plugin.
     """
 
@@ -101,13 +101,12 @@ class ChunkStage(warmreg.TritonKernel[_K], Generic[_K]):
         has_dt_bias: bool = True,
         lower_bound: float | None = None,
         max_num_batched_tokens: int = TUNING_TOKENS,
-        max_num_seqs: int = TUNING_SEQUENCES,
         plugin: str = PLUGIN,
     ) -> None:
         self.num_heads, self.head_dim = num_heads, head_dim
         self.dtype = getattr(torch, dtype)
         self.has_dt_bias, self.lower_bound = has_dt_bias, lower_bound
-        self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.plugin = plugin
 
     def token_counts(self) -> list[int]:

@@ -10,7 +10,9 @@ of the gate. Math, per token ``t`` of chunk ``c`` of a sequence and head ``h``, 
     g[t, h] = sum(gate[s, h] for s from the chunk's first token to t) / ln 2   # exp2(g) = exp(cumsum)
     beta[t, h] = sigmoid(raw_beta[t, h])
 
-``g`` (fp32 ``[T, H, K]``) and ``beta`` (fp32 ``[T, H]``) are new tensors.
+``g`` (fp32 ``[T, H, K]``) and ``beta`` (fp32 ``[T, H]``) are new tensors. The scale is vLLM's ``RCP_LN2``
+(``1.4426950216``, the same float32). vLLM takes any head stride of raw_beta; the layer's is 1 (a column block of
+its fused projection), which is what this stage takes.
 """
 
 from __future__ import annotations
@@ -106,7 +108,9 @@ class KDAChunkGateKey(warmreg.CompileKey):
 
 
 class KDAChunkGate(ChunkStage[KDAChunkGateKey]):
-    """The gate / cumsum / beta stage of the chunked KDA prefill."""
+    """The gate / cumsum / beta stage of the chunked KDA prefill: replaces ``fused_kda_gate_chunk_cumsum(raw_g,
+    raw_beta, A_log, g_bias, cu_seqlens, chunk_indices, chunk_size=64, lower_bound)`` inside vLLM's
+    ``chunk_kda_with_fused_gate`` (module docstring); tensors without vLLM's leading batch dim of 1."""
 
     name = "kimi_k3.kda_chunk_gate"
     key_type = KDAChunkGateKey

@@ -1,17 +1,21 @@
 """Chunked KDA prefill, stage 1: the L2 norm of q and of k, row by row.
 
-vLLM: ``chunk_kda_with_fused_gate(..., use_qk_l2norm_in_kernel=True)`` calls ``l2norm_fwd`` on q and on k
-(``vllm/third_party/flash_linear_attention/ops/l2norm.py: l2norm_fwd_kernel``, autotuned on ``D`` over ``BT``
-and ``num_warps``) before the chunked recurrence. Math, per row ``x`` of ``D`` elements (every ``(token, head)``),
-in fp32, one cast to the input dtype::
+vLLM: ``chunk_kda_with_fused_gate(..., use_qk_l2norm_in_kernel=True)`` calls ``l2norm_fwd(q.contiguous())`` and
+``l2norm_fwd(k.contiguous())`` (``vllm/third_party/flash_linear_attention/ops/l2norm.py``), which with
+``USE_DEFAULT_FLA_NORM`` unset (its default) launches ``l2norm_fwd_kernel2``: 32 rows a program, Triton's
+default launch options, no autotuning. Math, per row ``x`` of ``D`` elements (every ``(token, head)``), in fp32,
+one cast to the input dtype, as that kernel computes it (a product by ``rsqrt``, not a division)::
 
-    y = x / sqrt(sum(x * x) + 1e-6)
+    y = x * rsqrt(sum(x * x) + 1e-6)
+
+Deliberate difference: ``USE_DEFAULT_FLA_NORM=1`` makes vLLM take its autotuned ``l2norm_fwd_kernel``
+(``x / sqrt(..)``); warmreg follows the default only.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 import attrs
 import torch
@@ -23,34 +27,30 @@ import warmreg
 from .kda import L2NORM_EPS
 from .kda_chunk_base import ChunkStage
 
-__all__ = ["L2NORM_TUNE_CONFIGS", "KDAChunkL2Norm", "KDAChunkL2NormKey", "l2norm_reference"]
+__all__ = ["ROWS_PER_PROGRAM", "KDAChunkL2Norm", "KDAChunkL2NormKey", "l2norm_reference"]
 
-#: vLLM tunes 25 candidates (BT 8..128 x 1..16 warps); these four span the same range of tile and warps.
-L2NORM_TUNE_CONFIGS = (
-    warmreg.TuneConfig(constexprs={"BT": 16}, num_warps=2),
-    warmreg.TuneConfig(constexprs={"BT": 32}, num_warps=4),
-    warmreg.TuneConfig(constexprs={"BT": 64}, num_warps=4),
-    warmreg.TuneConfig(constexprs={"BT": 128}, num_warps=8),
-)
+#: Rows per program (vLLM's ``MBLOCK``).
+ROWS_PER_PROGRAM = 32
+_MAX_FUSED_BYTES = 65536  # vLLM's BD = min(65536 // element_size, next_pow2(D))
 
 
 @triton.jit(do_not_specialize=["rows"])
 def _kda_chunk_l2norm_kernel(
     x_ptr,
     y_ptr,
-    rows,  # T * H: varies with every batch
     eps,
+    rows,  # T * H: varies with every batch
     D: tl.constexpr,  # the head dim: a model constant
     BD: tl.constexpr,  # next_pow2(D): one tile holds a row
-    BT: tl.constexpr,  # rows per program (tuned)
+    MBLOCK: tl.constexpr,  # rows per program (32)
 ):
-    offs_r = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    offs_d = tl.arange(0, BD)
-    mask = (offs_r < rows)[:, None] & (offs_d < D)[None, :]
-    offs = offs_r[:, None] * D + offs_d[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = x / tl.sqrt(tl.sum(x * x, axis=1) + eps)[:, None]
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+    row = tl.program_id(0).to(tl.int64) * MBLOCK + tl.arange(0, MBLOCK)[:, None]
+    m_row = row < rows
+    col = tl.arange(0, BD)[None, :]
+    mask = m_row & (col < D)
+    x = tl.load(x_ptr + col + D * row, mask, other=0.0).to(tl.float32)
+    square_sum = tl.sum(tl.where(m_row, tl.broadcast_to(x * x, [MBLOCK, BD]), 0), 1)[:, None]
+    tl.store(y_ptr + col + D * row, x * tl.rsqrt(square_sum + eps), mask)
 
 
 @attrs.frozen(kw_only=True)
@@ -61,21 +61,20 @@ class KDAChunkL2NormKey(warmreg.CompileKey):
     head_dim: int  # D
     block_d: int  # BD
     aligned: bool  # x's 16-byte alignment (y is fresh)
-    config: int | None = None  # the autotune candidate (filled in by the core)
 
 
 class KDAChunkL2Norm(ChunkStage[KDAChunkL2NormKey]):
-    """The L2 norm of the chunked KDA prefill (one launch for q, one for k)."""
+    """The L2 norm of the chunked KDA prefill (one launch for q, one for k): replaces ``l2norm_fwd`` inside
+    ``chunk_kda_with_fused_gate`` (module docstring). Not tuned: vLLM's kernel has one configuration."""
 
     name = "kimi_k3.kda_chunk_l2norm"
     key_type = KDAChunkL2NormKey
     jit = _kda_chunk_l2norm_kernel
-    tune_configs: ClassVar[tuple[warmreg.TuneConfig, ...]] = L2NORM_TUNE_CONFIGS
 
     def dispatch(self, *, x: torch.Tensor) -> KDAChunkL2NormKey:
         return KDAChunkL2NormKey(
-            dtype=warmreg.dtype_name(x.dtype), head_dim=x.shape[-1], block_d=warmreg.next_pow2(x.shape[-1]),
-            aligned=warmreg.is_aligned(x),
+            dtype=warmreg.dtype_name(x.dtype), head_dim=x.shape[-1],
+            block_d=min(_MAX_FUSED_BYTES // x.element_size(), warmreg.next_pow2(x.shape[-1])), aligned=warmreg.is_aligned(x),
         )  # fmt: skip
 
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
@@ -91,8 +90,8 @@ class KDAChunkL2Norm(ChunkStage[KDAChunkL2NormKey]):
 
     @warmreg.kernel_launcher
     def __call__(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> warmreg.LaunchSpec[KDAChunkL2NormKey]:
-        """``x / sqrt(sum(x * x) + 1e-6)`` over the last dim; returns a tensor of x's shape and dtype (``out``, or
-        a fresh one).
+        """``x * rsqrt(sum(x * x) + 1e-6)`` over the last dim; returns a tensor of x's shape and dtype (``out``, or
+        a fresh one), as vLLM's ``l2norm_fwd(x)``.
 
         :param x: ``[..., D]``, contiguous (floating point).
         :param out: a preallocated output, contiguous, x's shape and dtype (then nothing is allocated).
@@ -104,17 +103,18 @@ class KDAChunkL2Norm(ChunkStage[KDAChunkL2NormKey]):
                 f"x must be a contiguous floating tensor (got {x.dtype} strides {x.stride()})", fix="x.contiguous()"
             )
         key = self.dispatch(x=x)
+        if key.head_dim > key.block_d:
+            self.fail(f"the last dim must be at most {key.block_d} elements (got {key.head_dim}), as vLLM's")
         y = warmreg.output(self.name, "out", out, x.shape, x.dtype, x.device)
         rows = x.numel() // max(key.head_dim, 1)
-        kwargs = dict(x_ptr=x, y_ptr=y, rows=rows, eps=L2NORM_EPS, D=key.head_dim, BD=key.block_d)
-
-        def grid(meta: Mapping[str, Any]) -> tuple[int, ...]:
-            return ((rows + meta["BT"] - 1) // meta["BT"],)
-
-        return warmreg.LaunchSpec(key, grid if rows else None, kwargs, y)
+        kwargs = dict(
+            x_ptr=x, y_ptr=y, eps=L2NORM_EPS, rows=rows, D=key.head_dim, BD=key.block_d, MBLOCK=ROWS_PER_PROGRAM
+        )
+        grid = ((rows + ROWS_PER_PROGRAM - 1) // ROWS_PER_PROGRAM,) if rows else None
+        return warmreg.LaunchSpec(key, grid, kwargs, y)
 
 
 def l2norm_reference(x: torch.Tensor) -> torch.Tensor:
-    """PyTorch reference: in fp32, ``x / sqrt(sum(x^2) + 1e-6)`` over the last dim, one cast back."""
+    """PyTorch reference: in fp32, ``x * rsqrt(sum(x^2) + 1e-6)`` over the last dim, one cast back."""
     xf = x.float()
-    return (xf / torch.sqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)).to(x.dtype)

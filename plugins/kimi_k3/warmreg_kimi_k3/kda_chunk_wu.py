@@ -1,15 +1,17 @@
 """Chunked KDA prefill, stage 4: the WY factors ``w``, ``u`` and the decayed keys ``kg``.
 
-vLLM: ``recompute_w_u_fwd`` (``vllm/models/kimi_k3/nvidia/ops/third_party/kda/chunk.py: recompute_w_u_fwd_kernel``,
-autotuned on ``H, K, V, BT, BK, BV, IS_VARLEN`` over ``num_warps`` and ``num_stages``, ``BK = BV = 64``). Math,
-per chunk and head, with ``A = A_kk`` from the intra stage and ``g`` the chunk-local cumulative gate (log2)::
+vLLM: ``recompute_w_u_fwd(k, v, beta, A, gk=g, cu_seqlens, chunk_indices)`` (``vllm/models/kimi_k3/nvidia/ops/
+third_party/kda/chunk.py: recompute_w_u_fwd_kernel``, autotuned on ``H, K, V, BT, BK, BV, IS_VARLEN`` over
+``num_warps`` and ``num_stages``, ``BK = BV = 64`` whatever the head dim). Math, per chunk and head, with
+``A = A_kk`` from the intra stage and ``g`` the chunk-local cumulative gate (log2), in vLLM's order and dot
+precisions::
 
-    u  = A (beta * v)                              # [n, V]
-    w  = A (beta * k * exp2(g))                    # [n, K]
-    kg = k * exp2(g_last - g)                      # [n, K], g_last: g at the chunk's last token
+    u  = A ((beta * v) in v's dtype)                        # [n, V], ieee dot
+    w  = A ((beta * k * exp2(g)) in k's dtype)              # [n, K]
+    kg = k * exp2(g_last - g)                               # [n, K], g_last: g at the chunk's last token
 
 so that the chunk's corrected values are ``u - w S0`` for the state ``S0`` at its start (the h stage). ``w``,
-``kg`` in k's dtype, ``u`` in v's, each ``[T, H, *]``.
+``kg`` in k's dtype, ``u`` in v's, each ``[T, H, *]`` (vLLM's ``[1, T, H, *]`` without the batch dim).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import warmreg
 
 from .kda_chunk_base import CHUNK_SIZE, ChunkStage, chunk_rows, meta_chunks
 
-__all__ = ["WU_TUNE_CONFIGS", "KDAChunkWU", "KDAChunkWUKey", "chunk_wu_reference"]
+__all__ = ["BLOCK", "WU_TUNE_CONFIGS", "KDAChunkWU", "KDAChunkWUKey", "chunk_wu_reference"]
 
 #: vLLM tunes {2, 4, 8} warps x {2, 3, 4} stages (9); these four keep the corners and the middle.
 WU_TUNE_CONFIGS = (
@@ -35,8 +37,8 @@ WU_TUNE_CONFIGS = (
     warmreg.TuneConfig(num_warps=4, num_stages=3),
     warmreg.TuneConfig(num_warps=8, num_stages=3),
 )
-#: K and V per step, as vLLM's ``BK = BV = 64`` (smaller for smaller heads).
-MAX_BLOCK = 64
+#: K and V per step: vLLM's ``BK = BV = 64`` (masked for smaller heads).
+BLOCK = 64
 
 
 @triton.jit(do_not_specialize_on_alignment=["cu_seqlens_ptr", "chunks_ptr", "beta_ptr"])
@@ -55,38 +57,43 @@ def _kda_chunk_wu_kernel(
     K: tl.constexpr,  # key head dim
     V: tl.constexpr,  # value head dim
     BT: tl.constexpr,  # chunk size (64)
-    BK: tl.constexpr,  # min(next_pow2(K), 64)
-    BV: tl.constexpr,  # min(next_pow2(V), 64)
+    BK: tl.constexpr,  # K per step (64)
+    BV: tl.constexpr,  # V per step (64)
 ):
     i_c, h = tl.program_id(0), tl.program_id(1)
     n = tl.load(chunks_ptr + 2 * i_c)
-    c = tl.load(chunks_ptr + 2 * i_c + 1)
-    base = tl.load(cu_seqlens_ptr + n).to(tl.int64) + c.to(tl.int64) * BT  # the chunk's first token
-    nv = tl.minimum(tl.load(cu_seqlens_ptr + n + 1).to(tl.int64) - base, BT)  # its tokens
-    offs_t = tl.arange(0, BT)
-    m_t = offs_t < nv
-    rows = base + offs_t
-    b_beta = tl.load(beta_ptr + rows * H + h, mask=m_t, other=0.0)
-    b_a = tl.load(a_ptr + (rows[:, None] * H + h) * BT + offs_t[None, :], mask=m_t[:, None], other=0.0)
-    for v0 in range(0, V, BV):
-        offs_v = v0 + tl.arange(0, BV)
-        m_tv = m_t[:, None] & (offs_v < V)[None, :]
-        offs = (rows[:, None] * H + h) * V + offs_v[None, :]
-        b_v = tl.load(v_ptr + offs, mask=m_tv, other=0.0)
-        b_u = tl.dot(b_a, (b_v * b_beta[:, None]).to(b_a.dtype))
-        tl.store(u_ptr + offs, b_u.to(u_ptr.dtype.element_ty), mask=m_tv)
-    for k0 in range(0, K, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        m_k = offs_k < K
+    c = tl.load(chunks_ptr + 2 * i_c + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens_ptr + n).to(tl.int64)
+    T = tl.load(cu_seqlens_ptr + n + 1).to(tl.int64) - bos
+    o_t = c * BT + tl.arange(0, BT)  # rows of the sequence
+    m_t = o_t < T
+    b_b = tl.load(beta_ptr + bos * H + h + o_t * H, mask=m_t, other=0.0).to(tl.float32)
+    o_a = tl.arange(0, BT)
+    p_a = a_ptr + (bos * H + h) * BT + o_t[:, None] * (H * BT) + o_a[None, :]
+    b_a = tl.load(p_a, mask=m_t[:, None] & (o_a[None, :] < BT), other=0.0)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = m_t[:, None] & (o_v[None, :] < V)
+        offs = (bos * H + h) * V + o_t[:, None] * (H * V) + o_v[None, :]
+        b_v = tl.load(v_ptr + offs, mask=m_v, other=0.0)
+        b_vb = (b_v * b_b[:, None]).to(b_v.dtype)
+        b_u = tl.dot(b_a, b_vb, input_precision="ieee")
+        tl.store(u_ptr + offs, b_u.to(u_ptr.dtype.element_ty), mask=m_v)
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
-        offs = (rows[:, None] * H + h) * K + offs_k[None, :]
-        b_k = tl.load(k_ptr + offs, mask=m_tk, other=0.0).to(tl.float32)
-        b_g = tl.load(g_ptr + offs, mask=m_tk, other=0.0)
-        b_glast = tl.load(g_ptr + ((base + nv - 1) * H + h) * K + offs_k, mask=m_k, other=0.0)
-        b_w = tl.dot(b_a, (b_k * b_beta[:, None] * tl.exp2(b_g)).to(b_a.dtype))
-        tl.store(w_ptr + offs, b_w.to(w_ptr.dtype.element_ty), mask=m_tk)
-        b_kg = b_k * tl.exp2(tl.where(m_tk, b_glast[None, :] - b_g, 0.0))  # <= 0 on the chunk's tokens
+        offs = (bos * H + h) * K + o_t[:, None] * (H * K) + o_k[None, :]
+        b_k = tl.load(k_ptr + offs, mask=m_tk, other=0.0)
+        b_kb = b_k * b_b[:, None]
+        b_gk = tl.load(g_ptr + offs, mask=m_tk, other=0.0)
+        b_kb *= tl.exp2(b_gk)
+        last = tl.minimum(c * BT + BT, T) - 1
+        b_gn = tl.load(g_ptr + ((bos + last) * H + h) * K + o_k, mask=m_k, other=0.0)
+        b_kg = b_k * tl.exp2(b_gn - b_gk)
         tl.store(kg_ptr + offs, b_kg.to(kg_ptr.dtype.element_ty), mask=m_tk)
+        b_w = tl.dot(b_a, b_kb.to(b_k.dtype))
+        tl.store(w_ptr + offs, b_w.to(w_ptr.dtype.element_ty), mask=m_tk)
 
 
 @attrs.frozen(kw_only=True)
@@ -98,14 +105,14 @@ class KDAChunkWUKey(warmreg.CompileKey):
     head_k_dim: int  # K
     head_v_dim: int  # V
     chunk_size: int  # BT
-    block_k: int  # BK
-    block_v: int  # BV
     v_aligned: bool  # v comes from the caller; everything else is a fresh tensor
     config: int | None = None
 
 
 class KDAChunkWU(ChunkStage[KDAChunkWUKey]):
-    """The WY-factor stage of the chunked KDA prefill."""
+    """The WY-factor stage of the chunked KDA prefill: replaces ``recompute_w_u_fwd(k, v, beta, A, gk=g,
+    cu_seqlens, chunk_indices)`` inside vLLM's ``chunk_kda_with_fused_gate`` (module docstring); tensors without
+    vLLM's leading batch dim of 1."""
 
     name = "kimi_k3.kda_chunk_wu"
     key_type = KDAChunkWUKey
@@ -115,8 +122,7 @@ class KDAChunkWU(ChunkStage[KDAChunkWUKey]):
     def dispatch(self, *, k: torch.Tensor, v: torch.Tensor) -> KDAChunkWUKey:
         return KDAChunkWUKey(
             dtype=warmreg.dtype_name(k.dtype), num_heads=k.shape[1], head_k_dim=k.shape[2], head_v_dim=v.shape[2],
-            chunk_size=CHUNK_SIZE, block_k=min(warmreg.next_pow2(k.shape[2]), MAX_BLOCK),
-            block_v=min(warmreg.next_pow2(v.shape[2]), MAX_BLOCK), v_aligned=warmreg.is_aligned(v),
+            chunk_size=CHUNK_SIZE, v_aligned=warmreg.is_aligned(v),
         )  # fmt: skip
 
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Iterable[Mapping[str, Any]]:
@@ -161,7 +167,7 @@ class KDAChunkWU(ChunkStage[KDAChunkWUKey]):
         out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> warmreg.LaunchSpec[KDAChunkWUKey]:
         """``(w, u, kg)`` of the module docstring: k's, v's and k's shape, all of k's dtype (``out``'s tensors, or
-        fresh ones).
+        fresh ones), as vLLM's ``recompute_w_u_fwd`` returns ``(w, u, None, kg)``.
 
         :param k: ``[T, H, K]`` contiguous, L2-normalised.
         :param v: ``[T, H, V]`` contiguous, k's dtype.
@@ -194,7 +200,7 @@ class KDAChunkWU(ChunkStage[KDAChunkWUKey]):
         kg = warmreg.output(self.name, "out[2]", kg_out, k.shape, k.dtype, k.device)
         kwargs = dict(
             k_ptr=k, v_ptr=v, beta_ptr=beta, a_ptr=akk, g_ptr=g, w_ptr=w, u_ptr=u, kg_ptr=kg, cu_seqlens_ptr=cu_seqlens,
-            chunks_ptr=chunk_indices, H=h, K=kd, V=key.head_v_dim, BT=key.chunk_size, BK=key.block_k, BV=key.block_v,
+            chunks_ptr=chunk_indices, H=h, K=kd, V=key.head_v_dim, BT=key.chunk_size, BK=BLOCK, BV=BLOCK,
         )  # fmt: skip
         num_chunks = chunk_indices.shape[0]
         return warmreg.LaunchSpec(key, (num_chunks, h) if num_chunks else None, kwargs, (w, u, kg))

@@ -319,24 +319,19 @@ def kda_packed_decode_reference(
     *,
     scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """PyTorch reference: :func:`warmreg_kimi_k3.kda.kda_recurrent_reference` on the column slices of
-    ``mixed_qkv``, one token a sequence, the ``[V, K]`` pool seen transposed; slots ``<= 0`` give zeros.
+    """PyTorch reference: :func:`warmreg_kimi_k3.kda.kda_recurrent_reference` (vLLM's convention: the ``[V, K]``
+    pool, slots ``<= 0`` give zeros and no state) on the column slices of ``mixed_qkv``, one token a sequence.
 
     :returns: ``(o, state)``: ``o`` ``[1, B, H, V]`` in ``mixed_qkv``'s dtype and a copy of ``initial_state`` with
         the new states; the input is not modified.
     """
     b = mixed_qkv.shape[0]
     h, vd, kd = initial_state.shape[1:]
-    q, k, v = (mixed_qkv[:, s : s + h * w].reshape(b, h, w) for s, w in ((0, kd), (h * kd, kd), (2 * h * kd, vd)))
-    live = state_indices > 0
-    slots = torch.where(live, state_indices, -1).to(torch.int32)
+    q, k, v = (mixed_qkv[:, s : s + h * w].reshape(1, b, h, w) for s, w in ((0, kd), (h * kd, kd), (2 * h * kd, vd)))
     cu_seqlens = torch.arange(b + 1, dtype=torch.int32)
-    o, pool = kda_recurrent_reference(
-        q, k, v, raw_g[0], raw_beta[0], A_log, dt_bias, lower_bound, cu_seqlens, initial_state.transpose(-1, -2),
-        slots, scale=scale, use_qk_l2norm=True,
-    )  # fmt: skip
-    o = torch.where(live[:, None, None].to(o.device), o, torch.zeros_like(o))
-    return o.unsqueeze(0), pool.transpose(-1, -2).contiguous()
+    return kda_recurrent_reference(
+        q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound, initial_state, cu_seqlens, state_indices, scale=scale
+    )
 
 
 def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
