@@ -152,20 +152,31 @@ def _example(**text: Any) -> dict[str, Any]:
     return data
 
 
+def _base_keys() -> int:
+    """The keys of ``kimi_k3.json``: the attn_res example without attn_res."""
+    return warmreg.plan(EXAMPLE.with_name("kimi_k3.json"), target="cuda:90").num_keys
+
+
 def _expected_sites(layers: int, bsz: int) -> set[tuple[int, int, bool, bool]]:
-    """(num_blocks, write idx, delta, output norm) over the layers, written out from the model's call sites."""
+    """(num_blocks, write idx, delta, output norm) over the layers, written out from the model's call sites
+    (``KimiDecoderLayer._pre_attn_norm`` / ``_post_attn_norm`` and ``KimiLinearModel.forward`` in vLLM 0.33)."""
     out = {(math.ceil(layers / bsz), -1, True, False)}  # the model output
     for i in range(layers):
         nb, writes = math.ceil(i / bsz), i % bsz == 0
-        out.add((nb, i // bsz if writes else -1, True, True))  # before attention
-        out.add((nb + int(writes), -1, True, True))  # before the MLP
+        out.add((nb, i // bsz if writes else -1, i > 0, True))  # before attention: layer 0 has no delta
+        # before the MLP: a block-write layer's attention output is the new prefix, without a delta
+        out.add((nb + int(writes), -1, not writes, True))
     return out
 
 
 def test_call_sites_of_the_example() -> None:
+    """Layer 0's attention input and the MLP input of every block-write layer have no delta (HAS_DELTA off: other
+    binaries), as vLLM's own warmup profiles list them (``get_attn_res_triton_warmup_profiles``)."""
     sites = {(s.num_blocks, s.block_write_idx, s.has_delta, s.apply_output_norm) for s in call_sites(93, 12)}
     assert sites == _expected_sites(93, 12)
-    assert len(sites) == 17  # writes 0..7, (1..8, no write), the output (8, no norm)
+    assert (0, 0, False, True) in sites and {(nb, -1, False, True) for nb in range(1, 9)} <= sites
+    # writes 0..7 (0 without a delta), (1..8, no write) with and without a delta, the output (8, no norm)
+    assert len(sites) == 25
 
 
 def test_plan_for_sm90_has_every_call_site_at_both_tiles() -> None:
@@ -174,7 +185,7 @@ def test_plan_for_sm90_has_every_call_site_at_both_tiles() -> None:
     sites = _expected_sites(93, 12)
     # Both tile classes (max_num_batched_tokens 8192 >= 256), one binary when num_blocks <= 1 (same tile).
     expected = sum(1 if nb <= 1 else 2 for nb, *_ in sites)
-    assert len(keys) == expected == 31
+    assert len(keys) == expected == 46
     assert {(k.num_blocks, k.block_write_idx, k.has_delta, k.apply_output_norm) for k in keys} == sites
     key = next(k for k in keys if k.num_blocks == 8 and not k.apply_output_norm and k.block_l == 4)
     assert key.fields() == {
@@ -184,7 +195,7 @@ def test_plan_for_sm90_has_every_call_site_at_both_tiles() -> None:
         "stride_prefix_m": 7168, "stride_delta_m": 7168, "stride_block_m": 8 * 7168, "stride_block_r": 7168,
         "stride_out_m": 7168, "block_l": 4, "num_warps": 8, "num_stages": 2, "launch_pdl": True,
     }  # fmt: skip
-    assert plan.num_keys == 15 + expected  # test_plugin.py: the 15 keys of kimi_k3.json
+    assert plan.num_keys == _base_keys() + expected  # and kimi_k3.json's keys (no attn_res there)
 
 
 def test_runtime_shapes_are_planned() -> None:
@@ -215,7 +226,7 @@ def test_no_block_size_no_attn_res() -> None:
     data = _example()
     del data["model"]["text_config"]["attn_res_block_size"]
     plan = warmreg.plan(data, target="cuda:90")
-    assert ATTN_RES not in {k.name for k in plan.kernels} and plan.num_keys == 15
+    assert ATTN_RES not in {k.name for k in plan.kernels} and plan.num_keys == _base_keys()
 
 
 @pytest.mark.parametrize("bad", [0, -3, 1.5, True, "12"])
