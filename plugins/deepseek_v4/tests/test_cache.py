@@ -12,9 +12,8 @@ import torch
 from warmreg_deepseek_v4 import DSV4, cache_insert
 from warmreg_deepseek_v4 import cache as cache_module
 from warmreg_deepseek_v4.cache import DequantGatherKCache, dequant_gather_k_reference
-from warmreg_deepseek_v4.cache_insert import QuantInsertKCache, quant_insert_k_reference
+from warmreg_deepseek_v4.cache_insert import AMAX_FLOOR, WRITER_FP8_MAX, QuantInsertKCache, quant_insert_k_reference
 from warmreg_deepseek_v4.fp8_ds_mla import (
-    FP8_MAX,
     HEAD_DIM,
     NOPE_DIM,
     SCALE_BYTES,
@@ -116,6 +115,45 @@ def test_insert_matches_reference_bit_exact(use_fnuz: bool, tokens: int, bs: int
     assert scales[:, -1].eq(0).all() and scales[:, :7].ne(0).any()  # the pad byte is 0
 
 
+@pytest.mark.parametrize(("use_fnuz", "byte"), [(False, 105), (True, 106)])
+def test_insert_floors_the_block_amax_at_1e_4_as_vllm_does(use_fnuz: bool, byte: int) -> None:
+    """vLLM's writer (``quantize_and_insert_k_kernel``) takes ``max(amax, 1e-4)`` before the UE8M0 scale, with
+    ``fp8_max`` 448 (224 on a FNUZ platform): an all-zero block gets ``ceil(log2(1e-4 / 448)) + 127 = 105`` (106),
+    and a block of tiny values is quantized at that scale, not at its own."""
+    k = torch.zeros(2, HEAD_DIM, dtype=BF16)
+    k[1, :64] = 3e-6  # amax below the floor: coded at the floor's scale, 3e-6 * 2**22 = 12.56 -> e4m3 13.0
+    cache = _cache(1, 2)
+    QuantInsertKCache(block_size=2)(k, cache, torch.tensor([0, 1]), block_size=2, use_fnuz=use_fnuz)
+    scales = _scale_bytes(cache, torch.tensor([0, 1]), 2)
+    assert scales[:, :7].eq(byte).all() and scales[:, 7].eq(0).all()
+    codes = cache[0].view(-1)[TOKEN_BYTES : TOKEN_BYTES + 64].view(FP8[use_fnuz]).float()
+    assert codes.eq((k[1, :64].float() * 2.0 ** (127 - byte)).to(FP8[use_fnuz]).float()).all()
+
+
+def test_insert_of_a_block_holding_an_infinity_is_vllms() -> None:
+    """vLLM's scale for an infinite amax is inf (byte 255), so the block's finite values code as +-0 and the
+    infinity itself as ``clamp(inf / inf)``, a NaN the NaN-ignoring clamp takes to -448 (0xFE)."""
+    k = _k(1)
+    k[0, 64:128] = 300.0
+    k[0, 65], k[0, 66] = float("inf"), -5.0
+    cache, ref = _cache(1, 2), _cache(1, 2)
+    QuantInsertKCache(block_size=2)(k, cache, torch.tensor([0]), block_size=2)
+    quant_insert_k_reference(k, ref, torch.tensor([0]), block_size=2)
+    assert torch.equal(_storage(cache), _storage(ref))
+    codes = cache[0].view(-1)[64:128]
+    assert int(_scale_bytes(cache, torch.tensor([0]), 2)[0, 1]) == 255
+    assert int(codes[1]) == 0xFE and int(codes[2]) == 0x80 and codes[3:].eq(0).all()
+
+
+def test_insert_writes_only_the_slot_mapping_tokens_under_dp_padding() -> None:
+    """Under DP padding ``slot_mapping`` is shorter than ``k``: vLLM launches ``slot_mapping.shape[0]`` programs."""
+    k = _k(3)
+    cache, ref = _cache(2, 2), _cache(2, 2)
+    QuantInsertKCache(block_size=2)(k, cache, torch.tensor([2, 0]), block_size=2)
+    quant_insert_k_reference(k[:2], ref, torch.tensor([2, 0]), block_size=2)
+    assert torch.equal(_storage(cache), _storage(ref))
+
+
 def test_insert_skips_padded_tokens_and_empty_batches() -> None:
     cache = _cache(2, 2)
     kernel = QuantInsertKCache(block_size=2)
@@ -129,11 +167,10 @@ def test_insert_skips_padded_tokens_and_empty_batches() -> None:
 
 @pytest.mark.parametrize("use_fnuz", [False, True])
 def test_gather_decodes_every_fp8_byte_exactly(use_fnuz: bool) -> None:
-    """Raw bytes 0..255 under scale bytes 120..134: the output is bit-exact torch decoding (NaN codes aside)."""
+    """Raw bytes 0..255 under scale bytes 120..134: the output is bit-exact torch decoding, the NaN codes
+    (0x7F/0xFF; 0x80 in e4m3fnuz) giving NaN as in vLLM's gather."""
     cache = _cache(1, 2)
     codes = torch.arange(NOPE_DIM * 2, dtype=torch.int64).remainder(256).to(torch.uint8)
-    nan = (codes == 0x80) if use_fnuz else (codes & 0x7F == 0x7F)
-    codes[nan] = 0  # never written; the kernel reads them as -0 / +-480 where torch gives NaN
     page = cache[0].view(-1)
     for j in range(2):
         page[j * TOKEN_BYTES : j * TOKEN_BYTES + NOPE_DIM] = codes[j * NOPE_DIM : (j + 1) * NOPE_DIM]
@@ -143,7 +180,9 @@ def test_gather_decodes_every_fp8_byte_exactly(use_fnuz: bool) -> None:
     out, ref = torch.zeros(1, 2, HEAD_DIM, dtype=BF16), torch.zeros(1, 2, HEAD_DIM, dtype=BF16)
     _gather()(out, cache, seq_lens, table, block_size=2, use_fnuz=use_fnuz)
     dequant_gather_k_reference(ref, cache, seq_lens, table, block_size=2, use_fnuz=use_fnuz)
-    assert torch.equal(out.view(torch.int16), ref.view(torch.int16))
+    nan = ref.isnan()
+    assert nan.any() and torch.equal(out.isnan(), nan)  # NaN payloads aside
+    assert torch.equal(out[~nan].view(torch.int16), ref[~nan].view(torch.int16))
 
 
 @pytest.mark.parametrize("use_fnuz", [False, True])
@@ -191,7 +230,8 @@ def test_gather_of_no_request_or_no_row_launches_nothing() -> None:
 def test_round_trip_is_within_the_fp8_bound() -> None:
     """insert -> gather. Per element, |x - y| <= 2**-4 |x| + 2**-(bias+3) * scale: e4m3 keeps 3 mantissa bits
     (half an ulp is 2**-4 relative) and subnormal codes are multiples of 2**-(bias+2) * scale. The scale is the
-    least power of two with fp8_max * scale >= amax, and the RoPE half comes back bit-exact."""
+    least power of two with fp8_max * scale >= max(amax, 1e-4) (fp8_max 224 for FNUZ, as vLLM's writer), and the
+    RoPE half comes back bit-exact."""
     bs, tokens = 64, 9
     k = _k(tokens, seed=3)
     slots = torch.tensor([70, 71, 3, 4, 5, 127, 64, 0, 1], dtype=torch.int64)
@@ -210,8 +250,9 @@ def test_round_trip_is_within_the_fp8_bound() -> None:
         scale = torch.ldexp(torch.ones(scale_bytes.shape), scale_bytes - 127).repeat_interleave(64, dim=1)
         err = (x[:, :NOPE_DIM] - y[:, :NOPE_DIM]).abs()
         assert (err <= 2.0**-4 * x[:, :NOPE_DIM].abs() + 2.0 ** -(bias + 3) * scale).all()
-        amax = x[:, :NOPE_DIM].abs().view(tokens, 7, 64).amax(-1).repeat_interleave(64, dim=1)
-        assert ((FP8_MAX[use_fnuz] * scale >= amax) & ((amax == 0) | (FP8_MAX[use_fnuz] * scale < 2 * amax))).all()
+        amax = x[:, :NOPE_DIM].abs().view(tokens, 7, 64).amax(-1).repeat_interleave(64, dim=1).clamp(min=AMAX_FLOOR)
+        fp8_max = WRITER_FP8_MAX[use_fnuz]
+        assert ((fp8_max * scale >= amax) & (fp8_max * scale < 2 * amax)).all()
         assert torch.equal(y[:, NOPE_DIM:], x[:, NOPE_DIM:])
 
 
@@ -324,7 +365,14 @@ def test_warm_compiles_the_writer_for_a_real_backend() -> None:
 def test_a_kv_cache_dtype_the_plugin_does_not_know_is_an_error_listing_the_known_ones() -> None:
     """``int3`` (or a typo) must not silently drop the FP8 cache kernels: the plan refuses it."""
     with pytest.raises(warmreg.ConfigError, match=r"serving.kv_cache_dtype' is 'int3', which warmreg-deepseek-v4 does not know "
-                                                 r"\(accepted: fp8_ds_mla, auto, bfloat16\)"):  # fmt: skip
+                                                 r"\(accepted: fp8_ds_mla, auto, bfloat16, fp8, fp8_e4m3\)"):  # fmt: skip
         warmreg.plan(FLASH, target="cuda:90", plugins=[_Plugin()], entry_points=False, serving={"kv_cache_dtype": "int3"})
-    bf16 = warmreg.plan(FLASH, target="rocm:gfx942", plugins=[_Plugin()], entry_points=False, serving={"kv_cache_dtype": "auto"})
-    assert GATHER not in {k.name for k in bf16.kernels}  # a known value still chooses the kernels
+
+    def names(target: str, **serving: str) -> set[str]:
+        plan = warmreg.plan(FLASH, target=target, plugins=[_Plugin()], entry_points=False, serving=serving)
+        return {k.name for k in plan.kernels}
+
+    # a known value still chooses the kernels: bf16 rows (FlashInfer on SM10x) have no fp8_ds_mla gather
+    assert GATHER not in names("cuda:100", kv_cache_dtype="auto", attention_backend="FLASHINFER_MLA_SPARSE_DSV4")
+    # auto is fp8_ds_mla on ROCm, as under FlashMLA (vLLM writes it back onto cache_config.cache_dtype)
+    assert GATHER in names("rocm:gfx942", kv_cache_dtype="auto")

@@ -14,6 +14,9 @@ from warmreg_deepseek_v4.model import DSV4
 
 import warmreg
 
+#: FlashInfer's DeepSeek-V4 backend with a cache it takes on SM10x (per-tensor FP8 rows)
+FLASHINFER = {"attention_backend": "FLASHINFER_MLA_SPARSE_DSV4", "kv_cache_dtype": "fp8"}
+
 DSPARK = "deepseek_v4_flash_0731_dspark"
 SPARK = {"deepseek_v4.dspark_noncausal_swa_indices": 1, "deepseek_v4.prepare_dspark_inputs": 6}
 MTP = {"deepseek_v4.mtp_input_rmsnorm", "deepseek_v4.mtp_shared_head_rmsnorm"}
@@ -48,8 +51,8 @@ def test_plan_on_each_target(target: str, total: int) -> None:
 
 
 def test_flashinfer_plans_the_draft_rows() -> None:
-    got = _keys(example_config(DSPARK, attention_backend="FLASHINFER_MLA_SPARSE_DSV4"), "cuda:100")
-    mtp = _keys(example_config("deepseek_v4_flash", attention_backend="FLASHINFER_MLA_SPARSE_DSV4"), "cuda:100")
+    got = _keys(example_config(DSPARK, **FLASHINFER), "cuda:100")
+    mtp = _keys(example_config("deepseek_v4_flash", **FLASHINFER), "cuda:100")
     assert got["deepseek_v4.flashinfer_mixed_sparse_indices"] == mtp["deepseek_v4.flashinfer_mixed_sparse_indices"] + 1
 
 

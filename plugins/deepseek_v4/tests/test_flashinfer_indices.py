@@ -257,12 +257,14 @@ def _Plugin() -> ModulePlugin:
 
 
 _config = example_config
+#: FlashInfer's DeepSeek-V4 backend with a cache it takes on SM10x (per-tensor FP8 rows)
+FLASHINFER = {"attention_backend": "FLASHINFER_MLA_SPARSE_DSV4", "kv_cache_dtype": "fp8"}
 
 
 @pytest.mark.parametrize("example", ["deepseek_v4_flash", "deepseek_v4_pro"])
 def test_runtime_batches_hit_warmed_keys(example: str) -> None:
     """Realistic steps of every layer type dispatch to keys of the cuda:100 FlashInfer plan."""
-    config = _config(example, attention_backend="FLASHINFER_MLA_SPARSE_DSV4")
+    config = _config(example, **FLASHINFER)
     plan = warmreg.plan(config, target="cuda:100", plugins=[_Plugin()], entry_points=False)
     kp = plan.kernel(FlashInferMixedSparseIndices.name)
     model = DSV4.from_config(warmreg.WarmConfig.load(config))
@@ -285,7 +287,7 @@ def test_runtime_batches_hit_warmed_keys(example: str) -> None:
 
 def test_dspark_adds_the_draft_layers_noncausal_key() -> None:
     """Flash-0731 + DSpark under FlashInfer: one more key, the SWA-only draft layers' width-192 rows, no prefill."""
-    config = _config("deepseek_v4_flash_0731_dspark", attention_backend="FLASHINFER_MLA_SPARSE_DSV4")
+    config = _config("deepseek_v4_flash_0731_dspark", **FLASHINFER)
     kp = warmreg.plan(config, target="cuda:100", plugins=[_Plugin()], entry_points=False).kernel(
         FlashInferMixedSparseIndices.name
     )
@@ -303,14 +305,16 @@ def test_registration_needs_flashinfer_on_sm100() -> None:
     def names(config: dict[str, Any], target: str) -> set[str]:
         return {k.name for k in warmreg.plan(config, target=target, plugins=[_Plugin()], entry_points=False).kernels}
 
-    assert names(_config("deepseek_v4_pro"), "cuda:100") == {FlashInferMixedSparseIndices.name}
-    assert names(_config("deepseek_v4_pro"), "cuda:90") == set()  # the Pro example on Hopper
-    assert names(_config("deepseek_v4_flash"), "cuda:100") == set()  # FlashMLA backend
+    assert names(_config("deepseek_v4_pro", **FLASHINFER), "cuda:100") == {FlashInferMixedSparseIndices.name}
+    assert names(_config("deepseek_v4_pro", **FLASHINFER), "cuda:90") == set()  # Hopper (plugin.py refuses it)
+    assert names(_config("deepseek_v4_pro"), "cuda:100") == set()  # FlashMLA backend
 
 
 def test_warm_cross_compiles_for_cuda_100() -> None:
     # 32K context: C128 widths 128 and 256, so 1 + 2 + 2 * 2 = 7 keys
-    report = warmreg.warm(_config("deepseek_v4_pro", max_model_len=32768), target="cuda:100", plugins=[_Plugin()],
-                          entry_points=False, workers=2, on_error="continue")  # fmt: skip
+    config = _config("deepseek_v4_pro", max_model_len=32768, **FLASHINFER)
+    report = warmreg.warm(
+        config, target="cuda:100", plugins=[_Plugin()], entry_points=False, workers=2, on_error="continue"
+    )
     assert report.ok, [(r.kernel, r.error) for r in report.failed]
     assert report.compiled == 7

@@ -249,6 +249,21 @@ def test_kv_insert_matches_reference(mx_scale: bool, cache_offset: int) -> None:
         assert torch.equal(words, words[..., :1].expand_as(words))
 
 
+def test_kv_insert_grid_is_the_state_slot_mapping_under_dp_padding() -> None:
+    """vLLM launches ``num_actual = slot_mapping.shape[0]`` programs: under DP padding the state slot mapping is
+    shorter than ``positions``, and the tokens past it (here 19, closing a window with slot 11) write nothing."""
+    torch.manual_seed(3)
+    inputs = kv_inputs(7)
+    inputs["slot_mapping"] = inputs["slot_mapping"][:6]
+    expected = {**inputs, "kv_cache": inputs["kv_cache"].clone()}
+    IndexerKVCompressInsert()(**inputs)
+    indexer_kv_compress_insert_reference(**expected)
+    page2 = inputs["kv_cache"][2].reshape(-1)  # compressed slot 11: page 2, token 3
+    assert int(page2[3 * 128 : 4 * 128].sum()) == 0 and int(inputs["kv_cache"][1].sum()) > 0
+    scales = [cache.reshape(3, -1)[:, 4 * 128 :] for cache in (inputs["kv_cache"], expected["kv_cache"])]
+    assert torch.equal(*scales)
+
+
 def test_kv_insert_empty_batch_and_errors() -> None:
     inputs = kv_inputs(0)
     kernel = IndexerKVCompressInsert()

@@ -79,6 +79,20 @@ def test_matches_reference(tokens: int, tma_aligned_scales: bool, head_stride: i
         assert float(storage[0, 4 * 1 + 1, 0]) == 1.0  # head 1, block 1 (all 448): scale exactly 1
 
 
+def test_a_block_an_ulp_above_a_power_of_two_takes_vllms_fp32_log2_scale() -> None:
+    """vLLM's scale is ``exp2(ceil(log2(amax * float32(1/448))))`` in fp32: for an amax one ulp above
+    ``448 * 2**-9`` the fp32 log2 rounds to -9, so the block gets ``2**-9`` and that value saturates at 448
+    (the exact ceiling would be -8 and code it 224). The rotation makes the fp32 amax: ``x = 1``, ``cos`` = it."""
+    o, _, cos_sin = make_inputs(1)
+    o.zero_()
+    o[0, 0, 448] = 1.0
+    above = torch.tensor(0.875).nextafter(torch.tensor(1.0))  # 448 * 2**-9 * (1 + 2**-23)
+    cos_sin[0, 0], cos_sin[0, 32] = above, 0.0
+    out, scale = InvRopeFP8Quant()(o, torch.zeros(1, dtype=torch.int64), cos_sin, 2, launch_pdl=False)
+    assert scale is not None and float(scale[0, 0, 3]) == 2.0**-9
+    assert float(out[0, 0, 448].float()) == 448.0
+
+
 def test_unquantized_path_and_empty_batch() -> None:
     torch.manual_seed(3)
     o, positions, cos_sin = make_inputs(3)

@@ -195,6 +195,8 @@ def _Plugin() -> ModulePlugin:
 
 
 _config = example_config
+#: FlashInfer's DeepSeek-V4 backend with a cache it takes on SM10x (per-tensor FP8 rows)
+FLASHINFER = {"attention_backend": "FLASHINFER_MLA_SPARSE_DSV4", "kv_cache_dtype": "fp8"}
 
 
 @pytest.mark.parametrize("example", ["deepseek_v4_flash", "deepseek_v4_pro"])
@@ -225,7 +227,7 @@ def test_registration_follows_backend_platform_and_ratios() -> None:
         return {k.name for k in warmreg.plan(config, target=target, plugins=[_Plugin()], entry_points=False).kernels}
 
     both = {C128ATopkMetadata.name, GlobalTopkIndices.name}
-    assert names(_config("deepseek_v4_pro"), "cuda:90") == both  # FLASHINFER backend: both still run
+    assert names(_config("deepseek_v4_pro", **FLASHINFER), "cuda:100") == both  # FlashInfer too
     assert names(_config("deepseek_v4_flash"), "rocm:gfx942") == set()
     assert names(_config("deepseek_v4_flash", attention_backend="TRITON_MLA"), "cuda:90") == set()
     c4_only = _config("deepseek_v4_flash")

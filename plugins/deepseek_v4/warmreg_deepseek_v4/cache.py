@@ -1,5 +1,5 @@
 """Dequantize-and-gather from the ``fp8_ds_mla`` paged K cache (vLLM 0.33
-``models/common/ops/cache_utils.py``: ``DequantizeAndGatherKCacheKernel``).
+``models/deepseek_v4/common/ops/cache_utils.py``: ``DequantizeAndGatherKCacheKernel``).
 
 The layout and the exact FP8 bit conversions are in :mod:`.fp8_ds_mla`; the writer that builds such
 caches (the inverse) is :mod:`.cache_insert`.
@@ -17,6 +17,7 @@ import triton.language as tl
 
 import warmreg
 
+from .backends import FLASHMLA_SPARSE, attention_backend
 from .fp8_ds_mla import (
     HEAD_DIM,
     NOPE,
@@ -82,6 +83,9 @@ def _dequant_gather_k_kernel(
     q = tl.load(token + rows * QB + cols, mask=nope, other=0)
     scale = tl.load(base + CACHE_BLOCK_SIZE * TOKEN + j * SCALES + rows, mask=(rows < NQB) & live, other=127)
     vals = e4m3_to_f32(q, USE_FNUZ) * ue8m0_to_f32(scale)
+    # the NaN codes (0x7F/0xFF; 0x80 in e4m3fnuz) read as NaN, as the hardware fp8 -> fp32 conversion reads them
+    nan = (q == 0x80) if USE_FNUZ else ((q & 0x7F) == 0x7F)
+    vals = tl.where(nan, float("nan"), vals)
     dst = out_ptr + b.to(tl.int64) * out_stride0 + (offset + i).to(tl.int64) * out_stride1
     tl.store(dst + rows * QB + cols, vals.to(tl.bfloat16), mask=nope)
     r = tl.arange(0, ROPE)
@@ -111,6 +115,7 @@ class DequantGatherKCache(warmreg.TritonKernel[DequantGatherKey]):
 
         pos = seq_lens[b] - glen + i;  page = block_table[b, pos // bs];  j = pos % bs
         out[b, offset + i, 64q:64q+64] = bf16(e4m3(token j, block q) * 2**(scale_j[q] - 127))  q < 7
+                                         (an e4m3 NaN code gives NaN)
         out[b, offset + i, 448:512]    = the token's bf16 RoPE part
 
     Grid ``(out.shape[1] - offset, num_reqs)``: one program per output row (rows past ``glen``
@@ -299,14 +304,17 @@ def dequant_gather_k_reference(
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register the ``fp8_ds_mla`` gather, one instance per cache group; nothing for another ``kv_cache_dtype``.
 
-    The Triton gather serves ROCm and XPU, and CUDA only without CuTeDSL (a CuTeDSL kernel replaces it there).
+    The Triton gather serves ROCm and XPU, and on CUDA only FlashMLA without CuTeDSL (a CuTeDSL kernel replaces it
+    there; FlashInfer's kernels read the pages themselves: vLLM registers the gather for FLASHMLA_SPARSE_DSV4 only).
 
     :raises warmreg.ConfigError: if the model's head does not fit the layout (448 + 64).
     """
-    if not uses_fp8_ds_mla(config):
+    if not uses_fp8_ds_mla(config, platform):
         return
     check_model_layout(model)
     seqs = config.get("serving.max_num_seqs", int, plugin=PLUGIN, default=1)
-    triton_path = warmreg.is_rocm | warmreg.is_xpu | (warmreg.is_cuda & ~warmreg.has_feature("cutedsl"))
+    triton_path = warmreg.is_rocm | warmreg.is_xpu
+    if attention_backend(config) == FLASHMLA_SPARSE:
+        triton_path = triton_path | (warmreg.is_cuda & ~warmreg.has_feature("cutedsl"))
     for cache in paged_caches(model, config):
         registry.add(DequantGatherKCache(cache=cache, max_num_seqs=seqs, window=model.sliding_window), when=triton_path)

@@ -1,5 +1,6 @@
-"""Quantize-and-insert into the ``fp8_ds_mla`` paged K cache (vLLM 0.33 ``models/common/ops/cache_utils.py``,
-the Triton writer of the XPU SWA cache).
+"""Quantize-and-insert into the ``fp8_ds_mla`` paged K cache (vLLM 0.33
+``models/deepseek_v4/common/ops/cache_utils.py``: ``quantize_and_insert_k_cache``, the Triton writer of the XPU SWA
+cache).
 
 The inverse of :mod:`.cache`'s gather; the layout and the exact FP8 bit conversions are in
 :mod:`.fp8_ds_mla`. vLLM launches it only for the XPU SWA insert (CUDA and ROCm use a C++ op); the
@@ -18,8 +19,8 @@ import triton.language as tl
 
 import warmreg
 
+from ._quant import pow2_scale_reference
 from .fp8_ds_mla import (
-    FP8_MAX,
     HEAD_DIM,
     NOPE,
     NOPE_DIM,
@@ -41,7 +42,14 @@ from .fp8_ds_mla import (
 )
 from .model import DSV4, PLUGIN, SWA_PAGE_SIZE
 
-__all__ = ["QuantInsertKCache", "QuantInsertKey", "quant_insert_k_reference", "register"]
+__all__ = [
+    "AMAX_FLOOR",
+    "WRITER_FP8_MAX",
+    "QuantInsertKCache",
+    "QuantInsertKey",
+    "quant_insert_k_reference",
+    "register",
+]
 
 
 @triton.jit(do_not_specialize_on_alignment=["slot_mapping_ptr"])
@@ -52,7 +60,7 @@ def _quant_insert_k_kernel(
     k_stride,
     block_stride,
     CACHE_BLOCK_SIZE: tl.constexpr,  # tokens per page: locates the token and the scale area
-    USE_FNUZ: tl.constexpr,  # write e4m3fnuz bytes (max 240) instead of OCP e4m3fn (max 448)
+    USE_FNUZ: tl.constexpr,  # write e4m3fnuz bytes with vLLM's FNUZ max 224 instead of OCP e4m3fn (max 448)
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + t)
@@ -68,14 +76,16 @@ def _quant_insert_k_kernel(
     cols = tl.arange(0, QB)[None, :]
     nope = (rows < NQB) & live
     x = tl.load(src + rows * QB + cols, mask=nope, other=0.0).to(tl.float32)
-    # UE8M0 scale: the least 2**e with fp8_max * 2**e >= amax, from the exponent and mantissa bits
-    amax_bits = tl.max(tl.abs(x), axis=1).to(tl.int32, bitcast=True)
-    FP8_MANT: tl.constexpr = 0x700000 if USE_FNUZ else 0x600000  # 240 = 1.875 * 2**7, 448 = 1.75 * 2**8
-    FP8_EXP: tl.constexpr = 7 if USE_FNUZ else 8
-    e = (amax_bits >> 23) - FP8_EXP + ((amax_bits & 0x7FFFFF) > FP8_MANT).to(tl.int32)
-    s = tl.minimum(tl.maximum(e, 0), 255)  # the UE8M0 byte: 2**(s - 127)
-    inv = ((254 - s) << 23).to(tl.float32, bitcast=True)  # 2**(127 - s); exact for s <= 253
-    fp8_max = 240.0 if USE_FNUZ else 448.0
+    # UE8M0 scale: the least 2**e with fp8_max * 2**e >= max(amax, 1e-4) (vLLM's floor: an all-zero block
+    # gets 2**-22), from the exponent and mantissa bits
+    amax_bits = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-4).to(tl.int32, bitcast=True)
+    FP8_EXP: tl.constexpr = 7 if USE_FNUZ else 8  # 224 = 1.75 * 2**7, 448 = 1.75 * 2**8
+    e = (amax_bits >> 23) - FP8_EXP + ((amax_bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    # an infinite amax: vLLM's scale is inf (byte 255) and x / inf is +-0, NaN at an infinity (clamped below)
+    inf = amax_bits >= 0x7F800000
+    s = tl.where(inf, 255, tl.minimum(tl.maximum(e, 0), 255))  # the UE8M0 byte: 2**(s - 127)
+    inv = tl.where(inf, 0.0, ((254 - s) << 23).to(tl.float32, bitcast=True))  # 2**(127 - s); exact for s <= 253
+    fp8_max = 224.0 if USE_FNUZ else 448.0
     q = tl.minimum(tl.maximum(x * inv[:, None], -fp8_max), fp8_max)
     tl.store(token + rows * QB + cols, f32_to_e4m3(q, USE_FNUZ), mask=nope)
     r8 = tl.arange(0, 8)
@@ -106,12 +116,16 @@ class QuantInsertKCache(warmreg.TritonKernel[QuantInsertKey]):
     For token ``t`` with ``slot = slot_mapping[t] >= 0`` (page ``slot // bs``, row ``j = slot % bs``),
     per block ``q < 7`` of 64 NoPE values::
 
-        s = clamp(ceil(log2(amax(|k[t, 64q:64q+64]|) / fp8_max)) + 127, 0, 255)   # UE8M0 byte
+        s = clamp(ceil(log2(max(amax(|k[t, 64q:64q+64]|), 1e-4) / fp8_max)) + 127, 0, 255)   # UE8M0 byte
         token j bytes [64q, 64q+64) = e4m3(clamp(k * 2**(127 - s), -fp8_max, fp8_max))  (RNE)
         scale byte q = s;  scale byte 7 = 0;  token j bytes [448, 576) = k[t, 448:512] as bf16
 
-    The ceiling is computed exactly from the bits of ``amax`` (no rounded division); ``fp8_max`` is
-    448 (e4m3fn) or 240 (e4m3fnuz). Grid ``(T,)``, one program per token.
+    As vLLM's writer: the amax is floored at ``1e-4`` (an all-zero block gets scale byte 105), ``fp8_max``
+    is 448 (e4m3fn) or, on a FNUZ platform, ``get_fp8_min_max()``'s 224 (not e4m3fnuz's 240), and a block
+    holding an infinity gets byte 255 and ``k / inf`` (zeros; the NaN at the infinity clamps to -fp8_max).
+    The ceiling is computed exactly from the bits of ``amax`` (no rounded division; for bf16 inputs the same
+    as vLLM's ``ceil(log2(amax / fp8_max))``). Grid ``(S,)``, one program per ``slot_mapping`` entry: under
+    DP padding ``slot_mapping`` (``S``) is shorter than ``k`` (``T``).
 
     :param block_size: tokens per page of the cache written (64: the SWA cache).
     :param page_strides: page strides the cache can have (default: :func:`page_bytes` of ``block_size``).
@@ -177,17 +191,18 @@ class QuantInsertKCache(warmreg.TritonKernel[QuantInsertKey]):
 
         :param k: ``[T, 512]`` bf16, last dim contiguous (a row-strided view is fine).
         :param k_cache: uint8 pages ``[num_pages, ...]``, 16-byte aligned; ``stride(0)`` is the page stride.
-        :param slot_mapping: int64 ``[T]``; ``page * block_size + row``, or -1 to skip the token.
+        :param slot_mapping: int64 ``[S]``, ``S <= T`` (shorter under DP padding: the tokens past it are not
+            written); ``page * block_size + row``, or -1 to skip the token.
         :raises warmreg.LaunchError: for wrong dtypes, shapes or layouts.
         """
         if k.ndim != 2 or k.shape[1] != HEAD_DIM or k.stride(1) != 1 or k.dtype != torch.bfloat16:
             raise warmreg.LaunchError(
                 self.name, f"k must be bf16 [T, {HEAD_DIM}] with a contiguous last dim (got {k.dtype} {tuple(k.shape)})"
             )
-        if slot_mapping.dtype != torch.int64 or tuple(slot_mapping.shape) != (k.shape[0],):
+        if slot_mapping.dtype != torch.int64 or slot_mapping.ndim != 1 or slot_mapping.shape[0] > k.shape[0]:
             raise warmreg.LaunchError(
                 self.name,
-                f"slot_mapping must be int64 [{k.shape[0]}] (got {slot_mapping.dtype} {tuple(slot_mapping.shape)})",
+                f"slot_mapping must be int64 [<= {k.shape[0]}] (got {slot_mapping.dtype} {tuple(slot_mapping.shape)})",
             )
         problem = cache_problem(k_cache, block_size)
         if problem:
@@ -197,13 +212,14 @@ class QuantInsertKCache(warmreg.TritonKernel[QuantInsertKey]):
             k_ptr=k, k_cache_ptr=k_cache, slot_mapping_ptr=slot_mapping, k_stride=k.stride(0),
             block_stride=k_cache.stride(0), CACHE_BLOCK_SIZE=key.cache_block_size, USE_FNUZ=key.use_fnuz,
         )  # fmt: skip
-        return warmreg.LaunchSpec(key, (k.shape[0],) if k.shape[0] else None, kwargs, k_cache)
+        tokens = slot_mapping.shape[0]
+        return warmreg.LaunchSpec(key, (tokens,) if tokens else None, kwargs, k_cache)
 
 
-def _ue8m0_byte(amax: torch.Tensor, use_fnuz: bool) -> torch.Tensor:
-    bits = amax.float().view(torch.int32)
-    mant, exp = (0x700000, 7) if use_fnuz else (0x600000, 8)
-    return ((bits >> 23) - exp + ((bits & 0x7FFFFF) > mant).to(torch.int32)).clamp(0, 255)
+#: vLLM's writer: ``torch.finfo(e4m3fn).max``, or ``get_fp8_min_max()`` on a FNUZ platform (224, not 240).
+WRITER_FP8_MAX = {False: 448.0, True: 224.0}
+#: vLLM's writer floors each block's amax here before the scale.
+AMAX_FLOOR = 1e-4
 
 
 def quant_insert_k_reference(
@@ -211,15 +227,20 @@ def quant_insert_k_reference(
 ) -> torch.Tensor:
     """PyTorch reference of :class:`QuantInsertKCache` (writes ``k_cache`` in place and returns it)."""
     fp8 = torch.float8_e4m3fnuz if use_fnuz else torch.float8_e4m3fn
-    fp8_max = FP8_MAX[use_fnuz]
-    for t in range(k.shape[0]):
+    fp8_max = WRITER_FP8_MAX[use_fnuz]
+    for t in range(slot_mapping.shape[0]):
         slot = int(slot_mapping[t])
         if slot < 0:
             continue
         page, j = k_cache[slot // block_size].view(-1), slot % block_size
         x = k[t, :NOPE_DIM].float().view(-1, QUANT_BLOCK)
-        s = _ue8m0_byte(x.abs().amax(dim=1), use_fnuz)
-        q = (x * torch.ldexp(torch.ones(s.shape), 127 - s)[:, None]).clamp(-fp8_max, fp8_max).to(fp8)
+        amax = x.abs().amax(dim=1)
+        e, _ = pow2_scale_reference(amax.nan_to_num(posinf=0.0), AMAX_FLOOR, fp8_max)
+        inf = amax.isinf()
+        s = torch.where(inf, 255, (e + 127).clamp(0, 255))
+        q = x * torch.where(inf, 0.0, torch.ldexp(torch.ones(s.shape), 127 - s))[:, None]
+        # the GPU's clamp (max then min, NaN-ignoring) takes NaN (an infinity times 0) to -fp8_max
+        q = torch.where(q.isnan(), -fp8_max, q.clamp(-fp8_max, fp8_max)).to(fp8)
         page[j * TOKEN_BYTES : j * TOKEN_BYTES + NOPE_DIM] = q.view(torch.uint8).reshape(-1)
         page[j * TOKEN_BYTES + NOPE_DIM : (j + 1) * TOKEN_BYTES] = k[t, NOPE_DIM:].contiguous().view(torch.uint8)
         scales = page[block_size * TOKEN_BYTES + j * SCALE_BYTES :][:SCALE_BYTES]
@@ -234,7 +255,7 @@ def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig
 
     :raises warmreg.ConfigError: if the model's head does not fit the layout (448 + 64).
     """
-    if not uses_fp8_ds_mla(config):
+    if not uses_fp8_ds_mla(config, platform):
         return
     check_model_layout(model)
     swa = paged_caches(model, config)[0]

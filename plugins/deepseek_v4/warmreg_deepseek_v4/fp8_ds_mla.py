@@ -28,7 +28,8 @@ import triton.language as tl
 
 import warmreg
 
-from .model import DSV4, PLUGIN, SPARSE_BLOCK_SIZE, SWA_PAGE_SIZE, kv_cache_dtype
+from .backends import kv_cache_layout
+from .model import DSV4, PLUGIN, SPARSE_BLOCK_SIZE, SWA_PAGE_SIZE
 
 __all__ = [
     "FP8_MAX",
@@ -178,12 +179,14 @@ def paged_caches(model: DSV4, config: warmreg.WarmConfig) -> tuple[PagedCache, .
     return tuple(PagedCache(kind, bs, tuple(sorted({page_bytes(bs), unified})), width) for kind, bs, width in groups)
 
 
-def uses_fp8_ds_mla(config: warmreg.WarmConfig) -> bool:
-    """Whether the deployment's attention caches are ``fp8_ds_mla`` (``serving.kv_cache_dtype``).
+def uses_fp8_ds_mla(config: warmreg.WarmConfig, platform: warmreg.Platform) -> bool:
+    """Whether the deployment's attention caches on ``platform`` are ``fp8_ds_mla`` pages
+    (:func:`warmreg_deepseek_v4.backends.kv_cache_layout` of ``serving.kv_cache_dtype``).
 
-    :raises warmreg.ConfigError: for a ``kv_cache_dtype`` this plugin does not know.
+    :raises warmreg.ConfigError: for a ``kv_cache_dtype`` this plugin does not know, or one the backend refuses on
+        ``platform``.
     """
-    return kv_cache_dtype(config) == "fp8_ds_mla"
+    return kv_cache_layout(config, platform) == "fp8_ds_mla"
 
 
 def check_model_layout(model: DSV4) -> None:

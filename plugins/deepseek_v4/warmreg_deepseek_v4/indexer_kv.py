@@ -10,10 +10,11 @@ two ``@triton.jit`` functions that share the compress + norm + RoPE part).
 ``s = 2**ceil(log2(max(amax, 1e-4) / FP8_MAX))`` (``ceil(log2)`` from the exponent bits), and FP8
 bytes come from a bit-exact encoder (see :mod:`._quant`); MXFP4 is :mod:`._mxfp4`'s.
 
-Grid ``(T,)``; a token writes only if ``slot_mapping[t] >= 0``, ``(pos + 1) % cr == 0`` and
-``compressed_slot_mapping[t] >= 0``. With window ``L = 2*cr`` (overlap) ending at ``pos``, state rows
-read through the state block table, the older ``cr`` positions from the first half of each state
-(kv ``[0, hd)``, score ``[SW, SW+hd)``), the newer ones from the second::
+Grid ``(S,)`` with ``S = slot_mapping.shape[0]`` (under DP padding fewer than the tokens); a token writes
+only if ``slot_mapping[t] >= 0``, ``(pos + 1) % cr == 0`` and ``compressed_slot_mapping[t] >= 0``. With
+window ``L = 2*cr`` (overlap) ending at ``pos``, state rows read through the state block table, the older
+``cr`` positions from the first half of each state (kv ``[0, hd)``, score ``[SW, SW+hd)``), the newer ones
+from the second::
 
     c = sum_i softmax_i(score_i) * kv_i             (per column; positions < 0 excluded)
     n = c * rsqrt(mean(c**2) + eps) * w
@@ -46,8 +47,8 @@ from ._indexer_common import K_FP8_MAX, SCALE_BYTES, SCALE_FLOOR, cos_sin_meta, 
 from ._mxfp4 import MXFP4_BLOCK, mxfp4_quant, mxfp4_quant_reference, mxfp4_row_bytes
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
 from ._serving import mxfp4_indexer
-from .backends import compressed_block_size
-from .model import DSV4, kv_cache_dtype
+from .backends import compressed_block_size, kv_cache_layout
+from .model import DSV4
 
 __all__ = [
     "IndexerKVCompressInsert",
@@ -227,15 +228,23 @@ def token_bytes(head_dim: int, fp4: bool) -> int:
     return mxfp4_row_bytes(head_dim) if fp4 else head_dim + SCALE_BYTES
 
 
-def indexer_page_stride(config: warmreg.WarmConfig, tokens_per_page: int, head_dim: int, *, fp4: bool = False) -> int:
+def indexer_page_stride(
+    config: warmreg.WarmConfig,
+    tokens_per_page: int,
+    head_dim: int,
+    *,
+    fp4: bool = False,
+    platform: warmreg.Platform | None = None,
+) -> int:
     """The indexer cache's page stride as the KV manager allocates it (our best knowledge of vLLM 0.33's KV manager).
 
-    ``round_up(tokens_per_page * token_bytes, 576)`` when the attention caches are ``fp8_ds_mla``, else
-    rounded to 512 (the compressor kernel's default ``kv_block_stride``). The launch reads the real stride
-    from ``kv_cache.stride(0)``.
+    ``round_up(tokens_per_page * token_bytes, 576)`` when the attention caches are ``fp8_ds_mla`` on ``platform``
+    (:func:`warmreg_deepseek_v4.backends.kv_cache_layout`: vLLM's ``DeepseekV4IndexerCache`` aligns to 576 when
+    ``cache_config.cache_dtype`` ends up ``fp8_ds_mla``), else rounded to 512 (FlashInfer's plain rows on SM10x).
+    The launch reads the real stride from ``kv_cache.stride(0)``. ``platform`` may be omitted where the layout does
+    not depend on it (every backend but FlashInfer's).
     """
-    layout = kv_cache_dtype(config)
-    unit = 576 if layout == "fp8_ds_mla" else 512
+    unit = 576 if kv_cache_layout(config, platform) == "fp8_ds_mla" else 512
     return triton.cdiv(tokens_per_page * token_bytes(head_dim, fp4), unit) * unit
 
 
@@ -307,7 +316,7 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
         per_page = compressed_block_size(config, self.compress_ratio)
         fp4 = mxfp4_indexer(config, DSV4.from_config(config), platform)
-        stride = indexer_page_stride(config, per_page, self.head_dim, fp4=fp4)
+        stride = indexer_page_stride(config, per_page, self.head_dim, fp4=fp4, platform=platform)
         row = token_bytes(self.head_dim, fp4)
         state_width = (2 if self.compress_ratio == 4 else 1) * self.head_dim
         return {
@@ -359,11 +368,11 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
         compress_ratio: int,
         use_fp4_cache: bool,
     ) -> None:
-        t = positions.shape[0]
+        t = slot_mapping.shape[0] if slot_mapping.ndim == 1 else 0
         problems = []
-        if positions.ndim != 1 or positions.dtype != torch.int64:
-            problems.append(f"positions must be int64 [T] (got {positions.dtype} {tuple(positions.shape)})")
-        for name, ids in (("slot_mapping", slot_mapping), ("compressed_slot_mapping", compressed_slot_mapping)):
+        if slot_mapping.ndim != 1 or slot_mapping.dtype != torch.int64:
+            problems.append(f"slot_mapping must be int64 [S] (got {slot_mapping.dtype} {tuple(slot_mapping.shape)})")
+        for name, ids in (("positions", positions), ("compressed_slot_mapping", compressed_slot_mapping)):
             if ids.ndim != 1 or ids.dtype != torch.int64 or ids.shape[0] < t:
                 problems.append(f"{name} must be int64 [>= {t}] (got {ids.dtype} {tuple(ids.shape)})")
         if (
@@ -428,10 +437,11 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
 
         :param state_cache: float32 ``[pages, page_size, 2 * STATE_WIDTH]`` compressor states (as :class:`~.state_cache.SavePartialStates` writes them).
         :param state_block_table: int32 ``[num_reqs, blocks]``: state pages of each request.
-        :param token_to_req_indices: int32 ``[>= T]``.
-        :param positions: int64 ``[T]``; ``T`` is the grid.
-        :param slot_mapping: int64 ``[>= T]``: the token's own slot, ``-1`` for PAD.
-        :param compressed_slot_mapping: int64 ``[>= T]``: indexer cache slot, or ``-1`` (from :class:`~.compressed_slot_mapping.CompressedSlotMapping`).
+        :param token_to_req_indices: int32 ``[>= S]``.
+        :param positions: int64 ``[>= S]``.
+        :param slot_mapping: int64 ``[S]``: the token's own state slot, ``-1`` for PAD; ``S`` is the grid (vLLM's
+            ``num_actual``: under DP padding fewer than the ``T`` tokens of ``positions``).
+        :param compressed_slot_mapping: int64 ``[>= S]``: indexer cache slot, or ``-1`` (from :class:`~.compressed_slot_mapping.CompressedSlotMapping`).
         :param norm_weight: ``[head_dim]`` compressor RMSNorm weight.
         :param cos_sin_cache: float32 ``[P, rope_dim]``.
         :param kv_cache: uint8 ``[pages, tokens_per_page, head_dim + 4]`` (FP8) or ``[..., head_dim / 2 + head_dim / 32]``
@@ -466,7 +476,7 @@ class IndexerKVCompressInsert(warmreg.TritonKernel[IndexerKVInsertKey]):
             kwargs["BLOCK"] = MXFP4_BLOCK
         else:
             kwargs["MX_SCALE"] = key.mx_scale
-        t = positions.shape[0]
+        t = slot_mapping.shape[0]
         return warmreg.LaunchSpec(key, (t,) if t else None, kwargs, kv_cache)
 
 
@@ -492,7 +502,7 @@ def indexer_kv_compress_insert_reference(
     overlap = width == 2 * head
     window = (2 if overlap else 1) * compress_ratio
     state_bs, kv_bs = state_cache.shape[1], kv_cache.shape[1]
-    for t in range(positions.shape[0]):
+    for t in range(slot_mapping.shape[0]):
         pos, kv_slot = int(positions[t]), int(compressed_slot_mapping[t])
         if int(slot_mapping[t]) < 0 or (pos + 1) % compress_ratio or kv_slot < 0:
             continue

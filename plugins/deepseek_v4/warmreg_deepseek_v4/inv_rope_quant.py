@@ -1,5 +1,5 @@
 """DeepSeek-V4 fused inverse RoPE + FP8 block quant of the attention output (vLLM 0.33
-``models/common/ops/fused_inv_rope_fp8_quant.py``, the custom op ``vllm::fused_inv_rope_fp8_quant_kernel``).
+``models/deepseek_v4/common/ops/fused_inv_rope_fp8_quant.py``, the custom op ``vllm::fused_inv_rope_fp8_quant_kernel``).
 
 The attention output ``o [T, H, D]`` (``D = 512 = 448 NoPE + 64 RoPE``) leaves sparse MLA still
 rotated; before the grouped ``wo_a`` projection each head is rotated back and quantized in blocks of
@@ -10,8 +10,13 @@ head ``h`` (group ``g = h // hpg``, head in group ``k = h % hpg``)::
     e' = e*c + o*s;  o' = o*c - e*s                          # rotation by -theta (GPT-J interleaved)
     not QUANTIZE:  out[g, t, 512k : 512(k+1)] = bf16(x')
     QUANTIZE, per 128-block b of the head:
-        s_b = 2**ceil(log2(max(amax_b |x'|, 1e-10) / 448))   (exact: ceil(log2) from the exponent bits)
+        s_b = 2**ceil(log2(max(amax_b |x'|, 1e-10) * float32(1/448)))   (fp32, the backend's log2)
         out[g, t, 512k + 128b : +128] = e4m3fn(clamp(x' / s_b, +-448))
+
+The scale is vLLM's, op for op (``tl.log2``, ``tl.ceil``, ``tl.exp2``), so the bytes are its bytes on every
+backend: unlike the other DSv4 quant kernels (whose amax is a bf16 value, where the two agree) this amax is any
+fp32, and an fp32 log2 of a ratio an ulp or two above ``2**k`` rounds to ``k``: such a block gets ``2**k`` and
+its largest value saturates at 448, where the exact ceiling would give ``2**(k+1)``.
 
 Scales are MN-major for DeepGEMM: a buffer of ``G * K * T_al`` viewed ``(G, T, K)`` with strides
 ``(K * T_al, 1, T_al)``. On sm90 (``TMA_ALIGNED_SCALES`` False) ``K = hpg * 4`` fp32 scales per token
@@ -36,8 +41,8 @@ from triton.language.extra import cuda as tl_cuda
 import warmreg
 
 from ._checks import out_parts
-from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
-from .backends import SPARSE_BACKENDS, attention_backend
+from ._quant import bf16_round, exp2i, fp8_bits
+from .backends import SPARSE_BACKENDS, attention_backend, flashinfer_rope_quant
 from .model import DSV4, PLUGIN, fp8_checkpoint
 
 __all__ = ["InvRopeFP8Quant", "InvRopeQuantKey", "fp8_checkpoint", "inv_rope_fp8_quant_reference", "register"]
@@ -102,7 +107,9 @@ def _inv_rope_fp8_quant_kernel(
     out = out_ptr + g * num_tokens * ROW + t * ROW + k * HEAD_DIM + d
     if QUANTIZE:
         blocks = tl.reshape(x, (BLOCKS, QUANT_GROUP))
-        e = ceil_log2(tl.math.div_rn(tl.maximum(tl.max(tl.abs(blocks), axis=1), 1e-10), 448.0))
+        # vLLM's scale op for op (not the exact ceil of the other DSv4 quant kernels): this amax is an fp32, and an
+        # fp32 log2 of a ratio an ulp or two above 2**k rounds to k, so such a block gets 2**k and saturates at 448
+        e = tl.ceil(tl.log2(tl.maximum(tl.max(tl.abs(blocks), axis=1), 1e-10) * (1.0 / 448.0))).to(tl.int32)
         q = tl.clamp(blocks * exp2i(-e)[:, None], -448.0, 448.0)
         tl.store(out, fp8_bits(tl.reshape(q, (HEAD_DIM,)), False), mask=valid)
         b = tl.arange(0, BLOCKS)
@@ -321,7 +328,9 @@ def inv_rope_fp8_quant_reference(
     if not quantize:
         return y.to(o.dtype).reshape(t, n_groups, hpg * d), None
     blocks = y.reshape(t, h, d // _QUANT_GROUP, _QUANT_GROUP)
-    e, s = pow2_scale_reference(blocks.abs().amax(dim=-1), _SCALE_FLOOR, _FP8_MAX)  # [T, H, B]
+    ratio = blocks.abs().amax(dim=-1).clamp(min=_SCALE_FLOOR) * torch.tensor(1 / _FP8_MAX, dtype=torch.float32)
+    e = torch.log2(ratio).ceil().to(torch.int32)  # fp32 log2, as the kernel's (and vLLM's)
+    s = ((e + 127) << 23).view(torch.float32)  # [T, H, B]
     q = (blocks / s[..., None]).clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).reshape(t, n_groups, hpg * d)
     if tma_aligned_scales:
         shifts = torch.arange(d // _QUANT_GROUP, dtype=torch.int32) * 8
@@ -333,7 +342,8 @@ def inv_rope_fp8_quant_reference(
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register the inverse RoPE + FP8 quant (DeepGEMM ``wo_a`` path of the FlashMLA / FlashInfer backends).
 
-    CUDA and XPU only: ROCm runs aiter's ``inverse_rope_group_quant`` instead.
+    CUDA and XPU only: ROCm runs aiter's ``inverse_rope_group_quant`` instead; and not where FlashInfer's SM10x
+    kernel fuses it into the attention output (:func:`warmreg_deepseek_v4.backends.flashinfer_rope_quant`).
     """
     tp = config.get("serving.tensor_parallel_size", int, plugin=PLUGIN, default=1)
     if model.num_attention_heads % tp or model.o_groups % tp:
@@ -349,5 +359,6 @@ def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig
         rope_dim=model.qk_rope_head_dim,
         dtype=model.dtype,
     )
-    sparse = attention_backend(config) in SPARSE_BACKENDS
+    # Not where FlashInfer's SM10x kernel writes the rotated FP8 output itself (RopeQuant: backends.flashinfer_rope_quant).
+    sparse = attention_backend(config) in SPARSE_BACKENDS and not flashinfer_rope_quant(model, config, platform)
     registry.add(kernel, when=(warmreg.is_cuda | warmreg.is_xpu) if sparse else False)

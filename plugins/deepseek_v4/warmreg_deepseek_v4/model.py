@@ -23,14 +23,17 @@ PLUGIN = "warmreg-deepseek-v4"
 #: DeepSeek-V4 in ``DeepseekV4ForCausalLMConfig``; a VllmConfig built for it reports 256).
 SPARSE_BLOCK_SIZE = 256
 SWA_PAGE_SIZE = 64
-#: ``serving.kv_cache_dtype`` values this plugin knows, in vLLM's names: ``fp8_ds_mla`` is the FP8
-#: MLA cache layout of DeepSeek-V4 (vLLM's ``--kv-cache-dtype fp8_ds_mla``), ``auto`` and ``bfloat16``
-#: a cache in the model dtype.
-KV_CACHE_DTYPES = ("fp8_ds_mla", "auto", "bfloat16")
+#: ``serving.kv_cache_dtype`` values this plugin knows, vLLM 0.33's ``--kv-cache-dtype`` names that a DeepSeek-V4
+#: attention backend declares (``supported_kv_cache_dtypes`` of ``DeepseekV4SparseMLABackend`` and
+#: ``DeepseekV4FlashInferMLASparseBackend``): ``fp8_ds_mla`` (DeepSeek-V4's FP8 MLA page), ``auto``, ``bfloat16``,
+#: ``fp8`` and ``fp8_e4m3`` (per-tensor FP8 E4M3). Which of them a backend takes on a target, and the cache layout
+#: each becomes there, is :func:`warmreg_deepseek_v4.backends.kv_cache_layout`.
+KV_CACHE_DTYPES = ("fp8_ds_mla", "auto", "bfloat16", "fp8", "fp8_e4m3")
 
 
 def kv_cache_dtype(config: warmreg.WarmConfig) -> str:
-    """``serving.kv_cache_dtype`` (default ``fp8_ds_mla``), one of :data:`KV_CACHE_DTYPES`.
+    """``serving.kv_cache_dtype`` (default ``fp8_ds_mla``), one of :data:`KV_CACHE_DTYPES`, as it is given: the
+    layout it becomes depends on the backend and the target (:func:`warmreg_deepseek_v4.backends.kv_cache_layout`).
 
     :raises warmreg.ConfigError: for any other value, listing the known ones.
     """

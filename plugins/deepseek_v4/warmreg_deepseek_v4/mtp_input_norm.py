@@ -1,4 +1,4 @@
-"""The MTP draft module's fused input RMSNorm (vLLM 0.33 ``models/common/ops/fused_mtp_input_rmsnorm.py``:
+"""The MTP draft module's fused input RMSNorm (vLLM 0.33 ``models/deepseek_v4/common/ops/fused_mtp_input_rmsnorm.py``:
 ``FusedMTPInputRMSNormKernel``), with the fp32 recipe of :mod:`._rmsnorm`. Grid ``(T, hc_mult + 1)``,
 task 0 then tasks ``k = 1..hc_mult``::
 

@@ -1,4 +1,4 @@
-"""The MTP draft module's shared-head RMSNorm (vLLM 0.33 ``models/common/ops/fused_mtp_input_rmsnorm.py``),
+"""The MTP draft module's shared-head RMSNorm (vLLM 0.33 ``models/deepseek_v4/common/ops/fused_mtp_input_rmsnorm.py``),
 with the fp32 recipe of :mod:`._rmsnorm`. Grid ``(T,)``: ``out[t] = rms(x[t]; shared_head.norm.weight)``.
 
 ``x`` is contiguous (row offsets ``t * H`` in int64); the output is fresh or the caller's ``out=`` (contiguous

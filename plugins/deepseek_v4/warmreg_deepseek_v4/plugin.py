@@ -87,8 +87,8 @@ def warmreg_register_kernels(
 ) -> None:
     """Register the kernels of a DeepSeek-V4 deployment: every op module's ``register``, in order.
 
-    :raises warmreg.ConfigError: for an attention backend DeepSeek-V4 does not run on CUDA, or any
-        field an op module cannot read.
+    :raises warmreg.ConfigError: for an attention backend DeepSeek-V4 does not run on CUDA, a cache dtype the
+        backend refuses on the target (:func:`.backends.kv_cache_layout`), or any field an op module cannot read.
     """
     if config.model_type != "deepseek_v4":
         return
@@ -101,5 +101,6 @@ def warmreg_register_kernels(
             plugin=PLUGIN,
             fix=f"use one of {', '.join(backends.SPARSE_BACKENDS)}",
         )
+    backends.kv_cache_layout(config, platform)  # refuses a backend, cache dtype and target vLLM does not pair
     for module in OP_MODULES:
         module.register(registry, m, config, platform)
