@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 
@@ -27,8 +28,12 @@ ENGINES = Path(__file__).resolve().parent / "engines"
 sys.path.insert(0, str(ENGINES))
 
 import cases  # noqa: E402
+from warmreg_deepseek_v4.backends import kv_cache_layout  # noqa: E402
+from warmreg_deepseek_v4.dspark import num_speculative_tokens  # noqa: E402
 from warmreg_deepseek_v4.model import DSV4, FP8_QUANT_METHODS, fp8_checkpoint, kv_cache_dtype  # noqa: E402
 from warmreg_deepseek_v4.sparse_mla import attention_backend  # noqa: E402
+from warmreg_kimi_k3.backends import kda_layout, kv_block_size  # noqa: E402
+from warmreg_kimi_k3.model import KimiK3  # noqa: E402
 
 SNAPSHOTS = ENGINES / "snapshots"
 
@@ -80,16 +85,31 @@ def test_a_snapshot_of_every_case_is_recorded() -> None:
     assert VLLM == sorted(cases.VLLM_CASES) and SGLANG == sorted(cases.SGLANG_CASES)
 
 
+#: Settings vLLM states that the examples leave to the same default: DCP off (1, 1), the indexer format auto.
+VLLM_STATED_DEFAULTS = {"decode_context_parallel_size": 1, "cp_kv_cache_interleave_size": 1, "indexer_kv_dtype": "auto"}
+
+
 @pytest.mark.parametrize("case", VLLM)
 def test_vllm_config_reads_as_the_deployments_json(case: str) -> None:
-    cfg = WarmConfig.load(snapshot(f"vllm-{case}"))
+    cfg = WarmConfig.load(snapshot(f"vllm-{case}"), serving=cases.gpu_serving(case))
     want = WarmConfig.load(cases.expected_vllm(case))
-    # vLLM also says DCP is off (1, 1), which the examples leave to the default
-    skip = {*cases.VLLM_CPU_REWRITTEN, "decode_context_parallel_size", "cp_kv_cache_interleave_size"}
-    assert {k: v for k, v in cfg.serving.items() if k not in skip} == {k: v for k, v in want.serving.items() if k not in skip}
-    assert (cfg.serving["decode_context_parallel_size"], cfg.serving["cp_kv_cache_interleave_size"]) == (1, 1)
+    # the CPU-aligned and defaulted settings are compared as the plugins read them, below
+    skip = {*VLLM_STATED_DEFAULTS, *cases.VLLM_CPU_ALIGNED.get(case, ()), *cases.VLLM_DEFAULTED.get(case, ())}
+    read = {k: v for k, v in cfg.serving.items() if k not in skip}
+    assert read == {k: v for k, v in want.serving.items() if k not in skip}
+    assert {k: cfg.serving[k] for k in VLLM_STATED_DEFAULTS} == VLLM_STATED_DEFAULTS
     assert not cfg.unmapped and cfg.source == "VllmConfig"
-    assert DSV4.from_config(cfg) == DSV4.from_config(want)
+    if cfg.model_type == "kimi_k3":
+        m = KimiK3.from_config(cfg)
+        assert m == KimiK3.from_config(want) and kda_layout(m, cfg) == kda_layout(m, want)
+        assert cfg.serving["block_size"] == 16 and kv_block_size(m, cfg) == kv_block_size(m, want) == 768
+    else:
+        # transformers' DeepseekV4Config lists the main and MTP layers' ratios; the legacy list of a DSpark checkpoint
+        # also lists its draft layers, which vLLM builds with ratio 1 whatever it says (warmreg_deepseek_v4.dspark)
+        got, example = DSV4.from_config(cfg), DSV4.from_config(want)
+        n = len(got.ratios)
+        assert got == attrs.evolve(example, ratios=example.ratios[:n]) and set(example.ratios[n:]) <= {1}
+        assert num_speculative_tokens(cfg) == num_speculative_tokens(want)
 
 
 @pytest.mark.parametrize("case", SGLANG)
@@ -185,10 +205,40 @@ def test_an_engine_value_without_a_canonical_counterpart_names_field_and_value(
 
 def test_a_canonical_value_a_plugin_refuses_names_the_engine_field() -> None:
     # FlashInfer's DeepSeek-V4 backend keeps vLLM's cache name; fp8_e5m2 is not one the plugin knows
-    cfg = WarmConfig.load(snapshot("vllm-pro", **{"cache_config.cache_dtype": "fp8_e5m2"}))
+    cfg = WarmConfig.load(snapshot("vllm-pro_flashinfer", **{"cache_config.cache_dtype": "fp8_e5m2"}))
     with pytest.raises(ConfigError) as info:
         kv_cache_dtype(cfg)
     assert "VllmConfig.cache_config.cache_dtype = 'fp8_e5m2'" in str(info.value) and "fp8_ds_mla" in str(info.value)
+    # fp8_ds_mla is a name the plugin knows, which FlashInfer's backend refuses on SM10x: the error names the target
+    cfg = WarmConfig.load(snapshot("vllm-pro_flashinfer", **{"cache_config.cache_dtype": "fp8_ds_mla"}))
+    with pytest.raises(ConfigError) as info:
+        kv_cache_layout(cfg, warmreg.Platform.parse("cuda:100"))
+    assert "VllmConfig.cache_config.cache_dtype = 'fp8_ds_mla'" in str(info.value) and "cuda:100" in str(info.value)
+
+
+def test_flashinfer_on_sm10x_plans_the_plain_fp8_layout() -> None:
+    """The real Pro-on-FlashInfer object with its 'fp8' cache: no fp8_ds_mla gather, the indexer pages aligned to 512
+    (not 576), and it plans what the JSON of the same deployment plans on cuda:100."""
+    vc = snapshot("vllm-pro_flashinfer")
+    got = warmreg.plan(vc, target="cuda:100", serving=cases.gpu_serving("pro_flashinfer"))
+    want = warmreg.plan(cases.expected_vllm("pro_flashinfer"), target="cuda:100")
+    assert {(k.name, key) for k, key in got.items()} == {(k.name, key) for k, key in want.items()}
+    assert "deepseek_v4.dequant_gather_k_cache" not in {k.name for k in got.kernels}
+    (stride,) = {key.kv_block_stride for key in got.kernel("deepseek_v4.indexer_kv_compress_insert").keys}
+    assert stride % 512 == 0 and stride % 576 != 0  # 64 tokens of 132 bytes: 8704, where fp8_ds_mla pages give 8640
+
+
+def test_kimi_block_size_of_a_cpu_built_config_is_the_one_vllm_runs() -> None:
+    """vLLM's CPU platform forced Kimi-K3's block size to 16; the plugin raises it to the 768 a GPU runs, as from
+    the example's 768 and from the requested 64, so the slot mapping is planned at 768."""
+    vc = snapshot("vllm-kimi_k3")
+    assert vc.cache_config.block_size == 16
+    got = warmreg.plan(vc, target=cases.TARGET, serving=cases.gpu_serving("kimi_k3"))
+    (key,) = got.kernel("warmreg.ops.block_table_slot_mapping").keys
+    assert key.block_size == 768
+    for block in (16, 64, 768):
+        config = cases.with_serving(cases.expected_vllm("kimi_k3"), {"block_size": block})
+        assert warmreg.plan(config, target=cases.TARGET).kernel("warmreg.ops.block_table_slot_mapping").keys == (key,)
 
 
 def test_vllm_defaults_are_what_vllm_runs_for_deepseek_v4() -> None:

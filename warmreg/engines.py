@@ -7,7 +7,11 @@ vLLM's vocabulary, the one the example configs are written in:
 * ``attention_backend``: a member name of vLLM's ``AttentionBackendEnum`` (``FLASHMLA_SPARSE_DSV4``,
   ``FLASHINFER_MLA_SPARSE_DSV4``, ``FLASHMLA``, ...), a string.
 * ``kv_cache_dtype``: vLLM's ``CacheConfig.cache_dtype`` names (``fp8_ds_mla``: DeepSeek-V4's FP8 MLA
-  page, 584 bytes a token in pages rounded up to 576 bytes; ``auto``: the model dtype; ``bfloat16``).
+  page, 584 bytes a token in pages rounded up to 576 bytes; ``fp8`` / ``fp8_e4m3``: per-tensor FP8; ``auto``:
+  the model dtype; ``bfloat16``). What a name becomes depends on the backend and the GPU (DeepSeek-V4's
+  FlashInfer backend stores ``fp8`` as plain FP8 rows on SM10x and as fp8_ds_mla on SM12x): the plugins
+  resolve it for their target; the reader writes back only what vLLM writes back whatever the GPU
+  (FlashMLA's fp8_ds_mla).
 * ``num_speculative_tokens``: the draft tokens a decode step proposes, the verified token *not*
   counted (vLLM's ``SpeculativeConfig.num_speculative_tokens``): a decode request carries 1 to
   1 + k tokens.
@@ -20,8 +24,15 @@ engine hands them over: plugins read transformers' and SGLang's forms as well as
 config.json), the canonical settings, where each came from, and the settings whose engine value has
 no canonical counterpart. Those are not dropped: :meth:`warmreg.WarmConfig.get` raises for them,
 naming the engine's field, its value and the values that are accepted, as soon as a plugin reads
-one (a setting no plugin of the model reads, e.g. SGLang's ``attention_backend`` for Kimi-K3, stops
-nothing).
+one (a setting no plugin of the model reads, e.g. ``speculative_method`` for Kimi-K3, stops nothing).
+
+A ``VllmConfig`` built before the engine started, or on vLLM's CPU platform, does not hold everything the
+GPU deployment runs; what the reader cannot know it reads as it is (the README's "The engines' own config
+objects" says what to pass with ``serving=``): vLLM takes ``max_num_seqs`` / ``max_num_batched_tokens``
+defaults from the GPU (``EngineArgs.get_batch_defaults``; the CPU platform scales them by TP, and for MLA
+models disables chunked prefill and sets ``max_num_batched_tokens`` to at least ``max_model_len``), and the
+CPU platform forces the block size of MLA models other than DeepSeek-V4 to 16. The block size a hybrid
+model (Kimi-K3) runs is raised after the model loads; its plugin computes it from the requested one.
 
 This module imports nothing of torch or of the engines at import time; an engine's own module is
 imported only to read an object of that engine (SGLang's ``model_config_of``).

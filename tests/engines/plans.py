@@ -11,9 +11,9 @@ from cases import TARGET
 import warmreg
 
 
-def planned_keys(config: Any, **kwargs: Any) -> set[tuple[str, Any]]:
-    """Every (kernel, key) ``warmreg.plan`` gives ``config`` for the CUDA target (no GPU needed)."""
-    plan = warmreg.plan(config, target=TARGET, **kwargs)
+def planned_keys(config: Any, *, target: str = TARGET, **kwargs: Any) -> set[tuple[str, Any]]:
+    """Every (kernel, key) ``warmreg.plan`` gives ``config`` for a CUDA target (no GPU needed; default :data:`TARGET`)."""
+    plan = warmreg.plan(config, target=target, **kwargs)
     assert not plan.plugin_problems, plan.plugin_problems
     return {(kp.name, key) for kp, key in plan.items()}
 

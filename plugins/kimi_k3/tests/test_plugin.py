@@ -40,18 +40,23 @@ def _example(**serving: Any) -> dict[str, Any]:
 
 def test_plan_has_the_kda_and_rmsnorm_keys(kimi_plan: warmreg.Plan) -> None:
     assert "kimi_k3" in kimi_plan.plugins
-    (key,) = kimi_plan.kernel(KDA).keys  # one binary for every decode and speculative step
-    assert key.fields() == {
-        "dtype": "bfloat16", "gate_dtype": "bfloat16", "beta_dtype": "bfloat16",  # the raw projections
-        "num_heads": 12, "head_k_dim": 128, "head_v_dim": 128, "block_k": 128, "block_v": 32,
-        "use_qk_l2norm": True, "has_dt_bias": True, "use_lower_bound": True,  # gate_lower_bound -5.0 (example)
-        "q_stride": "div16", "k_stride": "div16", "v_stride": "div16",
-        "q_aligned": True, "k_aligned": True, "v_aligned": True, "g_aligned": True,
-        "state_stride": "div16", "state_aligned": True, "num_warps": 4,
-    }  # fmt: skip
+    # vLLM's three launch variants of the speculative step (BV, num_stages by head-sequences; test_kda.py)
+    tiles = []
+    for key in kimi_plan.kernel(KDA).keys:
+        fields = key.fields()
+        tiles.append((fields.pop("block_v"), fields.pop("num_stages")))
+        assert fields == {
+            "dtype": "bfloat16", "gate_dtype": "bfloat16", "beta_dtype": "bfloat16", "state_dtype": "float32",
+            "num_heads": 12, "head_k_dim": 128, "head_v_dim": 128, "block_k": 128,
+            "is_spec_decoding": True, "has_dt_bias": True, "use_lower_bound": True,  # gate_lower_bound -5.0 (example)
+            "qkv_stride": "div16", "g_stride": "div16", "state_stride": "div16",
+            "q_aligned": True, "k_aligned": True, "v_aligned": True, "g_aligned": True, "state_aligned": True,
+            "num_warps": 1, "launch_pdl": True,
+        }  # fmt: skip
+    assert sorted(tiles) == [(4, 4), (8, 3), (16, 3)]
     assert len(kimi_plan.kernel(RMSNORM).keys) == 1
     (slots,) = kimi_plan.kernel(SLOTS).keys  # the MLA layers' paged cache
-    assert slots.fields()["block_size"] == 64
+    assert slots.fields()["block_size"] == 768  # the block size vLLM runs (backends.kv_block_size), not --block-size 64
     # One key each for the KDA layers' gated RMSNorm, initial-state gather, packed plain-decode step, aligned state
     # indices and spec-decode staging (their own test files); the conv1d keys are in test_causal_conv1d.py (2) and
     # test_causal_conv1d_update.py (5); the example sets no attn_res_block_size: attn_res in test_attn_res.py.
@@ -59,33 +64,23 @@ def test_plan_has_the_kda_and_rmsnorm_keys(kimi_plan: warmreg.Plan) -> None:
     assert {kp.name: len(kp.keys) for kp in kimi_plan.kernels if kp.name not in (KDA, RMSNORM, SLOTS)} == {
         **dict.fromkeys(KDA_EXTRAS, 1), **conv
     }
-    assert kimi_plan.num_keys == 8 + 7
+    assert kimi_plan.num_keys == 10 + 7
 
 
-@pytest.mark.parametrize(
-    ("lens", "fused"),
-    [([1], False), ([4, 1, 3, 2, 4], True), ([1] * 256, False), ([4] * 256, True), ([2] * 37 + [3] * 11, False)],
-)
-def test_runtime_kda_shapes_are_planned(kimi_plan: warmreg.Plan, lens: list[int], fused: bool) -> None:
-    """dispatch of runtime-shaped inputs (meta tensors with the real sizes) lands on a planned key."""
-    heads, dim = 96 // 8, 128
-    tokens = sum(lens)
-    if fused:
-        proj = warmreg.meta((tokens, 3 * heads * dim), torch.bfloat16)
-        q, k, v = (proj[:, i * heads * dim : (i + 1) * heads * dim].view(tokens, heads, dim) for i in range(3))
-    else:
-        q, k, v = (warmreg.meta((tokens, heads, dim), torch.bfloat16) for _ in range(3))
+@pytest.mark.parametrize("lens", [[1], [4, 1, 3, 2, 4], [4] * 256, [2] * 37 + [3] * 11])
+def test_runtime_kda_shapes_are_planned(kimi_plan: warmreg.Plan, lens: list[int]) -> None:
+    """dispatch of runtime-shaped speculative steps (meta tensors with the real sizes: q/k/v views of the conv
+    update's [T, 3P] output, [N, 4] indices with accepted counts) lands on a planned key."""
+    heads, dim, tokens = 96 // 8, 128, sum(lens)
+    proj = warmreg.meta((tokens, 3 * heads * dim), torch.bfloat16)
+    q, k, v = (proj[:, i * heads * dim : (i + 1) * heads * dim].view(1, tokens, heads, dim) for i in range(3))
     key = kimi_plan.kernel(KDA).kernel.dispatch(
-        q=q,
-        k=k,
-        v=v,
-        raw_g=warmreg.meta((tokens, heads, dim), torch.bfloat16),
-        raw_beta=warmreg.meta((tokens, heads), torch.bfloat16),
-        dt_bias=warmreg.meta((heads * dim,), torch.float32),
-        lower_bound=-5.0,
-        state_pool=warmreg.meta((1024, heads, dim, dim), torch.float32),
-        use_qk_l2norm=True,
-    )
+        q=q, k=k, v=v, raw_g=warmreg.meta((1, tokens, heads, dim), torch.bfloat16),
+        raw_beta=warmreg.meta((1, tokens, heads), torch.bfloat16), dt_bias=warmreg.meta((heads * dim,), torch.float32),
+        lower_bound=-5.0, initial_state=warmreg.meta((1024, heads, dim, dim), torch.float32),
+        cu_seqlens=warmreg.meta((len(lens) + 1,), torch.int32), num_accepted_tokens=warmreg.meta((len(lens),), torch.int32),
+        launch_pdl=True,
+    )  # fmt: skip
     assert key in kimi_plan.kernel(KDA).keys
 
 
@@ -133,23 +128,25 @@ def test_no_kda_layers_no_kda_kernel() -> None:
     assert KDA not in names and RMSNORM in names
 
 
-def test_speculation_and_tp_do_not_add_keys() -> None:
-    """Token counts reach no key field: no speculation and TP 4 give one key too (with 24 heads)."""
-    (key,) = warmreg.plan(_example(num_speculative_tokens=0, tensor_parallel_size=4), target="cuda:90").kernel(KDA).keys
-    assert key.num_heads == 24
+def test_kda_step_needs_speculation_and_tp_sets_heads() -> None:
+    """vLLM's NVIDIA layer launches the recurrent step for speculative rows only; TP 4 gives 24 heads a rank and
+    vLLM's three launch variants still (token counts reach no key field)."""
+    assert KDA not in {kp.name for kp in warmreg.plan(_example(num_speculative_tokens=0), target="cuda:90").kernels}
+    keys = warmreg.plan(_example(tensor_parallel_size=4), target="cuda:90").kernel(KDA).keys
+    assert len(keys) == 3 and {key.num_heads for key in keys} == {24}  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("bound", [None, "absent"])
 def test_no_lower_bound_plans_the_softplus_gate(bound: str | None) -> None:
-    """gate_lower_bound null or absent: the softplus gate (USE_LOWER_BOUND off), still one key."""
+    """gate_lower_bound null or absent: the softplus gate (USE_LOWER_BOUND off), still vLLM's three variants."""
     data = _example()
     linear = data["model"]["text_config"]["linear_attn_config"]
     if bound == "absent":
         del linear["gate_lower_bound"]
     else:
         linear["gate_lower_bound"] = None
-    (key,) = warmreg.plan(data, target="cuda:90").kernel(KDA).keys
-    assert (key.use_lower_bound, key.has_dt_bias) == (False, True)
+    keys = warmreg.plan(data, target="cuda:90").kernel(KDA).keys
+    assert len(keys) == 3 and {(k.use_lower_bound, k.has_dt_bias) for k in keys} == {(False, True)}  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("bound", [0.5, 0, True, "-5"])
@@ -176,11 +173,12 @@ def test_the_full_example_plans_attn_res_and_every_chunked_prefill_stage_with_it
     full = EXAMPLE.with_name("kimi_k3_full.json")
     plan = warmreg.plan(full, target="cuda:90")
     keys = {kp.name: kp.keys for kp in plan.kernels}
-    assert len(keys["kimi_k3.attn_res"]) == 31
+    assert len(keys["kimi_k3.attn_res"]) == 46  # 25 call sites, 21 of them at both tiles
     stages = [f"kimi_k3.kda_chunk_{s}" for s in ("l2norm", "gate", "intra", "wu", "h", "o")]
-    for stage in stages:  # one tuning key a stage, once per autotune candidate
+    assert len(keys[stages[0]]) == 1  # the L2 norm is untuned, as vLLM's l2norm_fwd_kernel2
+    for stage in stages[1:]:  # one tuning key a stage, once per autotune candidate
         assert sorted(k.config for k in keys[stage]) == [0, 1, 2, 3], stage  # type: ignore[attr-defined]
-    assert plan.num_keys == 15 + 31 + 24
+    assert plan.num_keys == 17 + 46 + 21
     # the same deployment under vLLM's "auto" prefill backend takes FlashKDA (C++) on SM90: no stage planned
     data = json.loads(full.read_text())
     del data["serving"]["kda_prefill_backend"]

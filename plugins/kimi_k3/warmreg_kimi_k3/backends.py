@@ -18,7 +18,12 @@ backends once per layer, from ``additional_config`` (warmreg's ``serving.kda_pre
 
 States: the conv state is in the model dtype (``mamba_cache_dtype`` ``auto``) and the recurrent state float32
 (``mamba_ssm_cache_dtype`` ``auto``, ``MambaStateDtypeCalculator.kda_state_dtype``); neither cache dtype is a warmreg
-setting. The vLLM checks that ask whether an optional C++ op was built (``torch.ops._C.fused_kda_decode``,
+setting.
+
+The MLA layers' KV block size (:func:`kv_block_size`) is not the requested ``--block-size`` either: once the model is
+loaded vLLM raises it until one attention page holds one KDA state page (``Platform.update_block_size_for_backend``,
+``_align_hybrid_block_size``), and every later launch (the slot mapping's ``block_size`` among them) uses the raised
+one. The vLLM checks that ask whether an optional C++ op was built (``torch.ops._C.fused_kda_decode``,
 ``vllm._flashkda_C``, ``torch.ops._C.fused_kda_chunk``) are taken as true; FlashInfer's kernels count as
 present only with the target feature ``flashinfer`` (``cuda:100+flashinfer``), aiter's Gluon prefill only with
 ``aiter`` (``rocm:gfx950+aiter``).
@@ -38,6 +43,7 @@ from .model import PLUGIN, KimiK3, positive, tensor_parallel_size
 __all__ = [
     "DECODE_BACKENDS",
     "FLASHINFER_DECODE_HEADS",
+    "MLA_KERNEL_BLOCK_SIZES",
     "NATIVE_DECODE_HEADS",
     "PREFILL_BACKENDS",
     "RECURRENT_STATE_DTYPE",
@@ -46,6 +52,9 @@ __all__ = [
     "kda_layout",
     "kda_prefill_backend",
     "kda_spec_decode_backend",
+    "kda_state_page_bytes",
+    "kv_block_size",
+    "mla_token_bytes",
 ]
 
 #: ``--kda-prefill-backend`` (``vllm/engine/arg_utils.py``): "flashkda" is CUDA-only, "fused" ROCm-only.
@@ -275,3 +284,100 @@ def kda_spec_decode_backend(model: KimiK3, config: warmreg.WarmConfig, platform:
         and 1 <= layout.num_speculative_tokens <= 7 and model.dtype == "bfloat16" and layout.lower_bound is not None
     )  # fmt: skip
     return "flashinfer" if packed and has_flashinfer else "native"
+
+
+# -- the KV block size vLLM runs (vllm/platforms/interface.py: Platform.update_block_size_for_backend) --------------
+#: The kernel block sizes of vLLM 0.33's MLA backends (``get_supported_kernel_block_sizes``): FlashMLA ``[64]``,
+#: CUTLASS ``[128]``, FlashInfer ``[32, 64]``, Triton any multiple of 16 (each a size, or the base of a
+#: ``MultipleOf``). The block size vLLM aligns to reads only these numbers of the backend.
+MLA_KERNEL_BLOCK_SIZES: Mapping[str, tuple[int, ...]] = {
+    "FLASHMLA": (64,),
+    "CUTLASS_MLA": (128,),
+    "FLASHINFER_MLA": (32, 64),
+    "TRITON_MLA": (16,),
+}
+#: ``CacheConfig.DEFAULT_BLOCK_SIZE``: the block size vLLM starts from when ``--block-size`` is not given.
+_DEFAULT_BLOCK_SIZE = 16
+#: A hybrid MLA model's manager block is a multiple of 128 ("TRTLLM/FlashInfer MLA decode kernels require the
+#: physical number of kernel blocks to be aligned to 128 / kernel_block_size", ``_align_hybrid_block_size``).
+_HYBRID_MLA_BLOCK_ALIGNMENT = 128
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _model_itemsize(model: KimiK3) -> int:
+    if model.dtype not in ("bfloat16", "float16", "float32"):
+        raise warmreg.ConfigError(
+            "serving.dtype", f"is {model.dtype!r}, not bfloat16, float16 or float32", plugin=PLUGIN
+        )  # fmt: skip
+    return _ITEMSIZE[model.dtype]
+
+
+def mla_token_bytes(model: KimiK3, config: warmreg.WarmConfig) -> int:
+    """Bytes one token takes in an MLA layer's KV page: ``(kv_lora_rank + qk_rope_head_dim) * itemsize`` of the KV
+    cache dtype (vLLM's ``MLAAttentionSpec(block_size=1, num_kv_heads=1, head_size=...)``: ``auto`` is the model
+    dtype, the FP8 names one byte).
+
+    :raises warmreg.ConfigError: for a missing head size or a ``serving.kv_cache_dtype`` outside ``auto``,
+        ``bfloat16``, ``float16``, ``fp8``, ``fp8_e4m3``, ``fp8_e5m2``.
+    """
+    choices = ("auto", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+    cache = config.get("serving.kv_cache_dtype", str, plugin=PLUGIN, default="auto", choices=choices)
+    itemsize = _model_itemsize(model) if cache == "auto" else _ITEMSIZE[cache]
+    head = config.get("text.kv_lora_rank", int, plugin=PLUGIN, check=positive) + config.get(
+        "text.qk_rope_head_dim", int, plugin=PLUGIN, check=positive
+    )
+    return head * itemsize
+
+
+def kda_state_page_bytes(layout: KDALayout) -> int:
+    """Bytes of one request's KDA state page on a rank (vLLM's ``MambaSpec.page_size_bytes`` of
+    ``MambaStateShapeCalculator.kda_state_shape`` and ``kda_state_dtype``): the conv state,
+    ``(conv_width - 1 + num_speculative_tokens) * 3 * heads * head_dim`` values in the model dtype, plus the recurrent
+    state, ``heads * head_dim * head_dim`` float32 values.
+
+    :raises warmreg.ConfigError: for a ``serving.dtype`` other than bfloat16, float16 or float32.
+    """
+    conv = (layout.conv_width - 1 + layout.num_speculative_tokens) * 3 * layout.projection_size
+    recurrent = layout.num_heads * layout.head_dim * layout.head_dim
+    return conv * _model_itemsize(KimiK3(dtype=layout.dtype)) + recurrent * _ITEMSIZE[RECURRENT_STATE_DTYPE]
+
+
+def kv_block_size(model: KimiK3, config: warmreg.WarmConfig) -> int:
+    """The MLA layers' KV block size vLLM 0.33 runs: ``serving.block_size`` (``--block-size``; unset, the MLA
+    backend's preferred size from 16) raised as ``Platform._align_hybrid_block_size`` raises it once the model is
+    loaded, so that one attention page holds one KDA state page (:func:`kda_state_page_bytes`)::
+
+        align = max(min(kernel sizes), block_size, 128)
+        block = max(block_size, round_up(align * cdiv(state_page, align * token_bytes), lcm(min(kernel sizes))))
+
+    (the state page is then padded to the attention page). Idempotent: the block size of a started engine maps to
+    itself. Without KDA layers the model is not hybrid and the block size is the requested one. Assumed, as
+    everywhere in this plugin: ``mamba_cache_dtype`` / ``mamba_ssm_cache_dtype`` ``auto`` (conv state in the model
+    dtype, recurrent state float32) and one MLA backend for every MLA layer.
+
+    :raises warmreg.ConfigError: naming ``serving.attention_backend`` when it is missing or not one of
+        :data:`MLA_KERNEL_BLOCK_SIZES` (the kernel block sizes decide the alignment), or any field the sizes read.
+    """
+    requested = config.get("serving.block_size", int, plugin=PLUGIN, default=None, check=positive)
+    layout = kda_layout(model, config)
+    if layout is None and requested is not None:
+        return requested
+    backend = config.get(
+        "serving.attention_backend", str, plugin=PLUGIN, choices=tuple(MLA_KERNEL_BLOCK_SIZES),
+        fix="set serving.attention_backend to the MLA backend vLLM runs: its kernel block sizes decide the block size",
+    )  # fmt: skip
+    smallest = min(MLA_KERNEL_BLOCK_SIZES[backend])
+    block = requested
+    if block is None:  # Phase 1: the backend's preferred size (get_preferred_block_size(16))
+        fits = any(_DEFAULT_BLOCK_SIZE % size == 0 for size in MLA_KERNEL_BLOCK_SIZES[backend])
+        block = _DEFAULT_BLOCK_SIZE if fits else smallest
+    if layout is None:
+        return block
+    align = max(smallest, block, _HYBRID_MLA_BLOCK_ALIGNMENT)
+    raised = align * _cdiv(kda_state_page_bytes(layout), align * mla_token_bytes(model, config))
+    raised = _cdiv(raised, smallest) * smallest  # a multiple of every backend's smallest kernel block (one backend)
+    return max(block, raised)
