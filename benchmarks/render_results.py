@@ -61,7 +61,11 @@ def warm_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
         v = d["variants"]
         cells = [f"{v[k]['wall']:.2f}" if k in v else "-" for k, _ in _VARIANTS]
         first = v["cold_serial"]
-        out.append(f"| {where} | `{Path(d['config']).stem}` | {first['keys']} / {first['kernels']} | " + " | ".join(cells) + " |")
+        out.append(
+            f"| {where} | `{Path(d['config']).stem}` | {first['keys']} / {first['kernels']} | "
+            + " | ".join(cells)
+            + " |"
+        )
     return out + [""]
 
 
@@ -104,14 +108,17 @@ def proof_lines(d: dict[str, Any]) -> list[str]:
         f"warmreg against Triton with the same allocations, round by round (both back to back, so the host's drift "
         f"between rounds cancels): median ratio **{paired:.2f}** (rounds: {', '.join(f'{p:.2f}' for p in pairs)}); "
         f"fastest round against fastest round {best:.2f}. Where the time goes in warmreg's call (each part alone): "
-        + "; ".join(f"{k} {v:.1f} µs" for k, v in lo.get("breakdown_us", {}).items()) + ".",
+        + "; ".join(f"{k} {v:.1f} µs" for k, v in lo.get("breakdown_us", {}).items())
+        + ".",
         "",
     ]
 
 
 def sweep_table(d: dict[str, Any]) -> list[str]:
     runs = d["configs"]
-    out = ["Zero-JIT sweep (`benchmarks/sweep.py`): per config, `warm()` from the CPU-built pack, monitor in `error`, "
+    packed = any(c.get("pack") for c in runs)
+    source = "`warm()` from the CPU-built pack" if packed else "a cold `warm()`"
+    out = [f"Zero-JIT sweep (`benchmarks/sweep.py`): per config, {source}, monitor in `error`, "
            "then randomized decode-only / prefill-only / mixed engine steps (token counts 1..max_num_batched_tokens, "
            "sequence lengths up to max_model_len, every layer type) through every registered kernel with real tensors:", "",
            "| config | steps (decode / prefill / mixed) | tokens | longest sequence | kernels launched | launches | misses | failures |",
@@ -131,7 +138,9 @@ def sweep_table(d: dict[str, Any]) -> list[str]:
             "| kernel | " + " | ".join(f"`{Path(c['config']).stem}`" for c in runs) + " |",
             "| --- |" + " ---: |" * len(runs)]  # fmt: skip
     for n in names:
-        cells = [f"{c['kernels'][n]['launches']} ({c['kernels'][n]['misses']})" if n in c["kernels"] else "-" for c in runs]
+        cells = [
+            f"{c['kernels'][n]['launches']} ({c['kernels'][n]['misses']})" if n in c["kernels"] else "-" for c in runs
+        ]
         out.append(f"| {n} | " + " | ".join(cells) + " |")
     return out + [""]
 
@@ -174,7 +183,11 @@ def kernels_table(d: dict[str, Any], title: str) -> list[str]:
             continue
         last = sizes[-1]
         passed = sum(1 for s in sizes if s.get("check") == "passed")
-        size = last.get("size") or ", ".join(f"{k}={last[k]}" for k in ("T", "num_prefills", "prefills", "N") if k in last) or "?"
+        size = (
+            last.get("size")
+            or ", ".join(f"{k}={last[k]}" for k in ("T", "num_prefills", "prefills", "N") if k in last)
+            or "?"
+        )
         eager = last.get("eager_ref_ms")
         speed = last.get("speedup", last.get("speedup_eager"))
         comp = last.get("speedup_vs_compiled", last.get("speedup_compiled"))
@@ -208,7 +221,10 @@ def releases_table(gpus: list[tuple[str, dict[str, Any]]]) -> list[str]:
     for version, gpu in gpus:
         steps = _steps(gpu)
         flash = steps.get("warm_time:deepseek_v4_flash", {}).get("variants", {})
-        cell = {k: f"{flash[k]['wall']:.2f}" if k in flash else "-" for k in ("cold_threads", "warm_disk_cache", "from_pack")}
+        cell = {
+            k: f"{flash[k]['wall']:.2f}" if k in flash else "-"
+            for k in ("cold_threads", "warm_disk_cache", "from_pack")
+        }
         sweep = steps.get("sweep", {}).get("configs", [])
         launches = sum(x["launches"] for c in sweep for x in c["kernels"].values())
         misses = sum(x["misses"] for c in sweep for x in c["kernels"].values())
@@ -271,8 +287,63 @@ def summary_table(summary: dict[str, Any]) -> list[str]:
             value = e.get(key)
             text = "-" if value is None else (f"{value}" if isinstance(value, int) else f"{value:.2f}")
             cells.append(text + (" ✓" if met.get(key) else " ✗" if key in met else ""))
-        out.append(f"| {release.removeprefix('triton-')} | " + " | ".join(cells) + f" | {e['machine']['gpu']}, {e['machine']['cpus']} CPUs, {e['time']} |")
+        out.append(
+            f"| {release.removeprefix('triton-')} | "
+            + " | ".join(cells)
+            + f" | {e['machine']['gpu']}, {e['machine']['cpus']} CPUs, {e['time']} |"
+        )
     return out + [""]
+
+
+def _ratios(rows: list[dict[str, Any]], ours: str, theirs: str) -> dict[Any, list[float]]:
+    out: dict[Any, list[float]] = {}
+    for r in rows:
+        g = r.get("graphs", {})
+        if ours in g and theirs in g:
+            out.setdefault(r["tokens"] if "tokens" in r else r.get("step"), []).append(
+                g[ours]["median_us"] / g[theirs]["median_us"]
+            )
+    return out
+
+
+def fidelity_lines() -> list[str]:
+    """The ops against vLLM's own kernels on the H200 (kernels_attn_res, kernels_kda_recurrent), the KDA step's
+    per-token cost (kernels_numeric ... kda_vllm_convention) and the sweep over every example after those changes."""
+    out: list[str] = []
+    for path in sorted(RESULTS.glob("kernels_attn_res_h200_triton-*.json")):
+        d = json.loads(path.read_text())
+        out += [f"`attn_res` against vLLM's own `_attn_res_kernel`, both launched on the same inputs ({_machine(d)}; "
+                f"`{path.name}`, CUDA-graph replay of back-to-back calls, {d['num_sites']} call sites of "
+                f"`{Path(d['config']).name}`): warmreg / vLLM time per T, min / median / max over the call sites:", "",
+                "| T | min | median | max | outputs equal to vLLM's |", "| ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+        for tokens, qs in _ratios(d["rows"], "warmreg", "vllm").items():
+            rows = [r for r in d["rows"] if r["tokens"] == tokens]
+            same = sum(1 for r in rows if r.get("check", {}).get("warmreg_vs_vllm", {}).get("differing") == 0)
+            qs = sorted(qs)
+            out.append(
+                f"| {tokens} | {qs[0]:.3f} | {qs[len(qs) // 2]:.3f} | {qs[-1]:.3f} | {same}/{len(rows)} bitwise |"
+            )
+        out.append("")
+    for path in sorted(RESULTS.glob("kernels_kda_recurrent_h200_triton-*.json")):
+        d = json.loads(path.read_text())
+        out += [f"`kimi_k3.kda_recurrent` against vLLM's own `fused_recurrent_kda` ({_machine(d)}; `{path.name}`):", ""]
+        out += d.get("markdown", [])
+        out.append("")
+    for path in sorted(RESULTS.glob("kernels_numeric_h200_triton-*_kda_vllm_convention.json")):
+        d = json.loads(path.read_text())
+        out += [f"The KDA step per token, in vLLM's convention (`{path.name}`, {_machine(d)}): kernel, eager PyTorch "
+                "reference and, for one-token steps, the packed decode vLLM runs there (microseconds a token):", "",
+                "| step | check | kernel | eager reference | packed decode |", "| --- | --- | ---: | ---: | ---: |"]  # fmt: skip
+        for size in d["kernels"]["kda_recurrent"]["sizes"]:
+            eager = size.get("eager_ref_us_per_token")
+            packed = size.get("kda_packed_decode_us_per_token")
+            out.append(f"| {size['size']} | {size['check']} | {size['kernel_us_per_token']:.3f} | "
+                       f"{_num(eager, '.1f') if eager else 'capped'} | {_num(packed, '.3f') if packed else '-'} |")  # fmt: skip
+        out.append("")
+    for path in sorted(RESULTS.glob("sweep_h200_triton-*_fidelity.json")):
+        d = json.loads(path.read_text())
+        out += [f"After the fidelity changes (`{path.name}`):", ""] + sweep_table(d)
+    return out
 
 
 def render() -> str:
@@ -283,7 +354,12 @@ def render() -> str:
         lines += summary_table(summary)
     if (ROOT / "docs" / "warm_time.png").exists():
         lines += ["![warm time](docs/warm_time.png)", ""]
-    runs = [(f"H200 host, Triton {version}", result) for version, gpu in gpus for name, result in _steps(gpu).items() if name.startswith("warm_time:")]
+    runs = [
+        (f"H200 host, Triton {version}", result)
+        for version, gpu in gpus
+        for name, result in _steps(gpu).items()
+        if name.startswith("warm_time:")
+    ]
     cpu = _load("warm_time_cpu2core_cuda90")
     if cpu is not None:
         runs.append((f"CPU machine, 2 cores, cross cuda:90, Triton {cpu['machine']['triton']}", cpu))
@@ -293,15 +369,29 @@ def render() -> str:
         lines += warm_table(runs)
     for version, gpu in gpus:
         steps = _steps(gpu)
-        status = ", ".join(f"{name} {'ok' if st['rc'] == 0 else 'rc ' + str(st['rc'])} ({st['wall_s']:.0f} s)" for name, st in gpu["steps"].items())
+        status = ", ".join(
+            f"{name} {'ok' if st['rc'] == 0 else 'rc ' + str(st['rc'])} ({st['wall_s']:.0f} s)"
+            for name, st in gpu["steps"].items()
+        )
         commands = " and ".join(f"`{c}`" for c in gpu.get("commands", [gpu["command"]]))
         lines += [f"### H200, Triton {version}", "", f"GPU run: {commands} on {_machine(gpu)}; steps: {status}.", ""]
-        for name, fn in (("profile_warm", profile_lines), ("gpu_proof", proof_lines), ("sweep", sweep_table), ("gpu_all_keys", all_keys_table)):
+        for name, fn in (
+            ("profile_warm", profile_lines),
+            ("gpu_proof", proof_lines),
+            ("sweep", sweep_table),
+            ("gpu_all_keys", all_keys_table),
+        ):
             if name in steps:
                 lines += fn(steps[name])
-        for name, title in (("kernels_dsv4_index", "DeepSeek-V4 index and metadata kernels"), ("kernels_numeric", "Numeric kernels (DeepSeek-V4, shared Q/KV RMSNorm, Kimi-K3 KDA)")):
+        for name, title in (
+            ("kernels_dsv4_index", "DeepSeek-V4 index and metadata kernels"),
+            ("kernels_numeric", "Numeric kernels (DeepSeek-V4, shared Q/KV RMSNorm, Kimi-K3 KDA)"),
+        ):
             if name in steps:
                 lines += kernels_table(steps[name], title)
+    fidelity = fidelity_lines()
+    if fidelity:
+        lines += ["### The ops against the engine's own kernels, H200", "", *fidelity]
     multi = _load("multi_gpu_h200x2")
     if multi is not None:
         lines += ["### Two H200s", "", *multi_gpu_lines(multi)]
@@ -317,7 +407,10 @@ def chart() -> Path | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    runs = [(f"H200 host, 16 CPUs, Triton {version}", _steps(gpu).get("warm_time:deepseek_v4_flash")) for version, gpu in gpu_runs()]
+    runs = [
+        (f"H200 host, 16 CPUs, Triton {version}", _steps(gpu).get("warm_time:deepseek_v4_flash"))
+        for version, gpu in gpu_runs()
+    ]
     runs += [("CPU machine, 2 cores (cross-compile cuda:90)", _load("warm_time_cpu2core_cuda90"))]
     runs = [(n, d) for n, d in runs if d is not None]
     if not runs:

@@ -189,7 +189,11 @@ def test_flashinfer_rope_quant_is_vllms(tp: int, name: str, fp8_wo_a: bool) -> N
         kv_cache_torch_dtype=torch.float8_e4m3fn if kv_cache_layout(config, target) == "fp8" else torch.bfloat16,
         wo_a=SimpleNamespace(weight=torch.empty(0, dtype=torch.float8_e4m3fn if fp8_wo_a else torch.bfloat16)),
     )
-    fused = rope_quant_unsupported_reason(layer) is None
+    import inspect
+
+    # vLLM 0.34 also takes the VllmConfig (it refuses RopeQuant under LoRA, which no deployment here has)
+    extra = [SimpleNamespace(lora_config=None)] if len(inspect.signature(rope_quant_unsupported_reason).parameters) > 1 else []
+    fused = rope_quant_unsupported_reason(layer, *extra) is None
     assert flashinfer_rope_quant(model, config, target) == fused
     planned = {k.name for k in warmreg.plan(config, target=target).kernels}
     assert ("deepseek_v4.inv_rope_fp8_quant" in planned) == (not fused)
