@@ -327,7 +327,14 @@ def fidelity_lines() -> list[str]:
     for path in sorted(RESULTS.glob("kernels_kda_recurrent_h200_triton-*.json")):
         d = json.loads(path.read_text())
         out += [f"`kimi_k3.kda_recurrent` against vLLM's own `fused_recurrent_kda` ({_machine(d)}; `{path.name}`):", ""]
-        out += d.get("markdown", [])
+        out += ["| step | N | warmreg us | vLLM us | vLLM / warmreg | o, pool bytes equal to vLLM's |",
+                "| --- | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+        for r in d["rows"]:
+            t, c = r["timing"], r["check"]
+            same = c["o_vs_vllm"]["differing"] == 0 and c["pool_vs_vllm"]["differing"] == 0
+            out.append(f"| {r['mode']} ({r['tokens'] // r['seqs']} token{'s' if r['tokens'] > r['seqs'] else ''} a sequence) "
+                       f"| {r['seqs']} | {t['warmreg']['median_us']:.1f} | {t['vllm']['median_us']:.1f} "
+                       f"| {r['vllm_over_warmreg']:.3f} | {'bitwise' if same else 'differ'} |")  # fmt: skip
         out.append("")
     for path in sorted(RESULTS.glob("kernels_numeric_h200_triton-*_kda_vllm_convention.json")):
         d = json.loads(path.read_text())
