@@ -36,3 +36,41 @@ def engine_or_skip(engine: str, *modules: str) -> None:
                 f"bash scripts/engine-envs.sh test {engine.lower()}",
                 allow_module_level=True,
             )
+
+
+class StartupEvents:
+    """What an engine's start-up did, in order, with whether warmreg's monitor was armed at each step, and the
+    configs :func:`warmreg.warm` was called with; for the integration tests (``test_*_integration.py``)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, bool]] = []
+        self.configs: list[Any] = []
+
+    def add(self, what: str) -> None:
+        from warmreg import monitoring
+
+        self.log.append((what, monitoring.current() is not None))
+
+    def spy_on_warm(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        """``warmreg.startup`` fresh (nothing warmed or armed in this process) and its warm replaced by a spy that
+        records the config and runs a real, empty warm (no plugin: nothing compiles)."""
+        from warmreg import startup
+
+        real_warm = warmreg.warm
+
+        def warm(config: Any, **kwargs: Any) -> warmreg.WarmReport:
+            self.add("warmreg.warm")
+            self.configs.append(config)
+            empty = {"model": {"model_type": "none"}, "serving": {}}
+            return real_warm(empty, target="cuda:90", entry_points=False, **kwargs)
+
+        monkeypatch.setattr(startup, "warm", warm)
+        monkeypatch.setattr(startup, "_warmed", {})
+        monkeypatch.setattr(startup, "_armed", {})
+
+    @staticmethod
+    def disarm_all() -> None:
+        from warmreg import monitoring
+
+        while (armed := monitoring.current()) is not None:
+            monitoring.disarm(armed)

@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cases
-from plans import differences, engine_or_skip, planned_keys
+from plans import StartupEvents, differences, engine_or_skip, planned_keys
 
 os.environ.setdefault("WARMREG_ENGINE", "sglang")
 engine_or_skip("SGLang", "sglang.srt.server_args", "sglang.srt.model_executor.model_runner", "warmreg_sglang.plugin")
@@ -31,21 +31,12 @@ from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.srt.plugins.hook_registry import HookRegistry  # noqa: E402
 
 import warmreg  # noqa: E402
-from warmreg import monitoring, startup  # noqa: E402
-
-
-class Events:
-    def __init__(self) -> None:
-        self.log: list[tuple[str, bool]] = []
-        self.configs: list[Any] = []
-
-    def add(self, what: str) -> None:
-        self.log.append((what, monitoring.current() is not None))
+from warmreg import monitoring  # noqa: E402
 
 
 @pytest.fixture
 def events(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
-    ev = Events()
+    ev = StartupEvents()
 
     def load_model(self: Any) -> None:
         ev.add("load_model")
@@ -53,28 +44,16 @@ def events(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     def init_cuda_graphs(self: Any, capture_decode_cuda_graph: bool = True) -> None:
         ev.add("capture" + ("(draft)" if self.is_draft_worker else ""))
 
-    real_warm = warmreg.warm
-
-    def warm(config: Any, **kwargs: Any) -> warmreg.WarmReport:
-        ev.add("warmreg.warm")
-        ev.configs.append(config)
-        return real_warm(
-            {"model": {"model_type": "none"}, "serving": {}}, target="cuda:90", entry_points=False, **kwargs
-        )
-
     monkeypatch.setattr(ModelRunner, "load_model", load_model)
     monkeypatch.setattr(ModelRunner, "init_cuda_graphs", init_cuda_graphs)
-    monkeypatch.setattr(startup, "warm", warm)
-    monkeypatch.setattr(startup, "_warmed", {})
-    monkeypatch.setattr(startup, "_armed", {})
+    ev.spy_on_warm(monkeypatch)
     monkeypatch.setattr(sglang_plugins, "_plugins_loaded", False)
     monkeypatch.setattr(HookRegistry, "_hooks", defaultdict(list))
     monkeypatch.setattr(HookRegistry, "_patched", set())
     monkeypatch.setenv("WARMREG_WARM", "1")
     monkeypatch.setenv("WARMREG_MONITOR", "warn")
     yield ev
-    while monitoring.current() is not None:
-        monitoring.disarm(monitoring.current())
+    ev.disarm_all()
 
 
 def _runner(server_args: Any, *, draft: bool = False) -> Any:
@@ -88,7 +67,7 @@ def test_the_entry_point_is_in_sglangs_group() -> None:
     assert ep.value == "warmreg_sglang.plugin:register"
 
 
-def test_sglang_loads_the_plugin_which_warms_once_before_capture(events: Events, tmp_path: Path) -> None:
+def test_sglang_loads_the_plugin_which_warms_once_before_capture(events: StartupEvents, tmp_path: Path) -> None:
     sglang_plugins.load_plugins()  # discovers the entry point, runs it, applies the hooks
     server_args = cases.build_sglang("flash_eagle", tmp_path)
     draft, target = _runner(server_args, draft=True), _runner(server_args)
@@ -112,14 +91,14 @@ def test_sglang_loads_the_plugin_which_warms_once_before_capture(events: Events,
     assert armed is not None and armed.mode == "warn"
 
 
-def test_off_unless_asked(events: Events, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_off_unless_asked(events: StartupEvents, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WARMREG_WARM")
     sglang_plugins.load_plugins()
     _runner(None).init_cuda_graphs()
     assert events.log == [("capture", False)]
 
 
-def test_a_bad_setting_stops_the_start_naming_it(events: Events, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_setting_stops_the_start_naming_it(events: StartupEvents, monkeypatch: pytest.MonkeyPatch) -> None:
     """SGLang swallows a plugin's exception while loading; the hook raises it where it stops the start-up."""
     monkeypatch.setenv("WARMREG_WARM", "yes please")
     sglang_plugins.load_plugins()

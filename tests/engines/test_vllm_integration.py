@@ -21,10 +21,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cases
-from plans import differences, engine_or_skip, planned_keys
+from plans import StartupEvents, differences, engine_or_skip, planned_keys
 
 if importlib.util.find_spec("vllm") is None:  # before touching the environment: the main suite collects this too
-    pytest.skip("vLLM is not installed here; run in its venv: bash scripts/engine-envs.sh test vllm", allow_module_level=True)
+    pytest.skip(
+        "vLLM is not installed here; run in its venv: bash scripts/engine-envs.sh test vllm", allow_module_level=True
+    )
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # keeps vLLM's Triton on without a driver (0.34 needs it on CPU)
 engine_or_skip("vLLM", "vllm.engine.arg_utils", "vllm.v1.worker.gpu_worker", "warmreg_vllm.plugin")
@@ -33,25 +35,14 @@ import vllm.plugins  # noqa: E402
 from vllm.v1.worker import gpu_worker  # noqa: E402
 
 import warmreg  # noqa: E402
-from warmreg import monitoring, startup  # noqa: E402
-
-
-class Events:
-    """What happened in order, with whether warmreg's monitor was armed at each step."""
-
-    def __init__(self) -> None:
-        self.log: list[tuple[str, bool]] = []
-        self.configs: list[Any] = []
-
-    def add(self, what: str) -> None:
-        self.log.append((what, monitoring.current() is not None))
+from warmreg import monitoring  # noqa: E402
 
 
 @pytest.fixture
-def events(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Events:
+def events(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> StartupEvents:
     """vLLM's worker with recording stand-ins for its GPU-only steps, the plugin's settings in the environment,
     and warm replaced by a spy that records the config and warms nothing (a real, empty warm)."""
-    ev = Events()
+    ev = StartupEvents()
 
     def load_model(self: Any, *args: Any, **kwargs: Any) -> None:
         ev.add("load_model")
@@ -61,27 +52,15 @@ def events(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Events:
         ev.add("capture_model")
         return 0.0
 
-    real_warm = warmreg.warm
-
-    def warm(config: Any, **kwargs: Any) -> warmreg.WarmReport:
-        ev.add("warmreg.warm")
-        ev.configs.append(config)
-        return real_warm(
-            {"model": {"model_type": "none"}, "serving": {}}, target="cuda:90", entry_points=False, **kwargs
-        )
-
     monkeypatch.setattr(gpu_worker.Worker, "load_model", load_model)
     monkeypatch.setattr(gpu_worker.Worker, "compile_or_warm_up_model", compile_or_warm_up_model)
-    monkeypatch.setattr(startup, "warm", warm)
-    monkeypatch.setattr(startup, "_warmed", {})
-    monkeypatch.setattr(startup, "_armed", {})
+    ev.spy_on_warm(monkeypatch)
     monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)
     monkeypatch.setenv("WARMREG_WARM", "1")
     monkeypatch.setenv("WARMREG_MONITOR", "record")
     monkeypatch.setenv("WARMREG_RECORD", str(tmp_path / "misses.jsonl"))
     yield ev
-    while monitoring.current() is not None:
-        monitoring.disarm(monitoring.current())
+    ev.disarm_all()
 
 
 def test_the_entry_point_is_in_vllms_group() -> None:
@@ -89,7 +68,7 @@ def test_the_entry_point_is_in_vllms_group() -> None:
     assert ep.value == "warmreg_vllm.plugin:register"
 
 
-def test_vllm_loads_the_plugin_which_warms_once_before_capture(events: Events, tmp_path: Path) -> None:
+def test_vllm_loads_the_plugin_which_warms_once_before_capture(events: StartupEvents, tmp_path: Path) -> None:
     vc = cases.build_vllm("flash", tmp_path)  # EngineArgs.create_engine_config loads the general plugins itself
     vllm.plugins.load_general_plugins()  # as WorkerWrapperBase.init_worker does in a worker (once per process)
     worker = gpu_worker.Worker.__new__(gpu_worker.Worker)  # the GPU-free part of a worker: its config
@@ -117,7 +96,7 @@ def test_vllm_loads_the_plugin_which_warms_once_before_capture(events: Events, t
     assert armed is not None and armed.mode == "record"
 
 
-def test_off_unless_asked(events: Events, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_off_unless_asked(events: StartupEvents, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("WARMREG_WARM")
     vllm.plugins.load_general_plugins()
     worker = gpu_worker.Worker.__new__(gpu_worker.Worker)
@@ -126,13 +105,13 @@ def test_off_unless_asked(events: Events, tmp_path: Path, monkeypatch: pytest.Mo
     assert events.log == [("kernel_warmup", False), ("capture_model", False)]
 
 
-def test_a_bad_setting_stops_vllm_naming_it(events: Events, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_bad_setting_stops_vllm_naming_it(events: StartupEvents, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WARMREG_MONITOR", "loud")
     with pytest.raises(warmreg.ConfigError, match=r"WARMREG_MONITOR.*off, warn, error, record"):
         vllm.plugins.load_general_plugins()
 
 
-def test_worker_cls_warms_once_even_with_the_plugin_on(events: Events, tmp_path: Path) -> None:
+def test_worker_cls_warms_once_even_with_the_plugin_on(events: StartupEvents, tmp_path: Path) -> None:
     """``--worker-cls warmreg_vllm.worker.WarmregWorker`` beside the enabled general plugin: one warm a process."""
     from warmreg_vllm.worker import WarmregWorker
 
