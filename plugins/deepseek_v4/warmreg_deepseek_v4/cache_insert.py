@@ -86,7 +86,10 @@ def _quant_insert_k_kernel(
     s = tl.where(inf, 255, tl.minimum(tl.maximum(e, 0), 255))  # the UE8M0 byte: 2**(s - 127)
     inv = tl.where(inf, 0.0, ((254 - s) << 23).to(tl.float32, bitcast=True))  # 2**(127 - s); exact for s <= 253
     fp8_max = 224.0 if USE_FNUZ else 448.0
-    q = tl.minimum(tl.maximum(x * inv[:, None], -fp8_max), fp8_max)
+    q = x * inv[:, None]
+    # the GPU's NaN-ignoring max then min takes the NaN to -fp8_max, as in vLLM's kernel; said explicitly, since
+    # Triton 3.6's interpreter lowers that max to np.maximum, which keeps the NaN
+    q = tl.where(q != q, -fp8_max, tl.minimum(tl.maximum(q, -fp8_max), fp8_max))
     tl.store(token + rows * QB + cols, f32_to_e4m3(q, USE_FNUZ), mask=nope)
     r8 = tl.arange(0, 8)
     tl.store(
