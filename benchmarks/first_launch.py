@@ -7,7 +7,7 @@ synchronize, as ``launch_floor.py`` does) once, then ``--steady`` more times. Va
 
 - ``op``: the whole op, first call against the median of the steady calls (``first_over_steady``);
 - ``phases``: the same call split into the launch code (checks, key, allocations: the op's
-  ``LaunchSpec``), ``warmreg.launch.run`` (lookups and the fast launch) and the synchronize;
+  ``LaunchSpec``), ``warmreg.runtime.launch.run`` (lookups and the fast launch) and the synchronize;
 - ``no_rehearsal``: ``op`` after a warm with ``rehearse=False``;
 - ``eager_modules``: ``op`` with ``CUDA_MODULE_LOADING=EAGER`` (the driver loads every function at
   module load instead of at its first launch);
@@ -44,7 +44,7 @@ from _common import median, write
 ROOT = Path(__file__).resolve().parents[1]
 
 _PROCESS = """
-import json, sys, time, torch, warmreg, warmreg.launch
+import json, sys, time, torch, warmreg, warmreg.runtime.launch
 sys.path.insert(0, "benchmarks")
 from _common import memory_walk, qkv_decode_inputs
 from warmreg.ops import FusedQKVRMSNorm
@@ -67,7 +67,7 @@ def whole():
 
 def phases():
     t0 = now(); spec = body(op, a, b, qw, kvw, 1e-6); t1 = now()
-    warmreg.launch.run(op, spec); t2 = now(); torch.cuda.synchronize(); t3 = now()
+    warmreg.runtime.launch.run(op, spec); t2 = now(); torch.cuda.synchronize(); t3 = now()
     return {"launch_code": (t1 - t0) * 1e3, "run": (t2 - t1) * 1e3, "synchronize": (t3 - t2) * 1e3, "total": (t3 - t0) * 1e3}
 
 fn = phases if variant == "phases" else whole

@@ -73,7 +73,7 @@ def _launch(launcher: Any, inputs: dict[str, Any], index: int | None) -> Any:
 
 
 def run_config(config: str, pack: str | None) -> dict[str, Any]:
-    from warmreg.launch import FAST_TABLES
+    from warmreg.runtime.launch import FAST_TABLES
 
     t = time.perf_counter()
     report = warmreg.warm(config, pack=pack, on_error="continue", monitor="record")

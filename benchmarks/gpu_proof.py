@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, write
 
 import warmreg
-import warmreg.launch
+import warmreg.runtime.launch
 from warmreg.monitoring import current
 from warmreg.ops import FusedQKVRMSNorm, fused_qkv_rmsnorm_reference
 from warmreg.ops.qkv_rmsnorm import _fused_qkv_rmsnorm_kernel
@@ -108,14 +108,14 @@ def main() -> None:
     warmreg.disarm()  # measure the plain hot path (no monitor bookkeeping)
 
     def via_triton_path() -> None:  # warmreg with its fast launch switched off: JITFunction.run per call
-        warmreg.launch.FAST_LAUNCH = False
+        warmreg.runtime.launch.FAST_LAUNCH = False
         try:
             kernel(a, b, qw, kvw, 1e-6)
         finally:
-            warmreg.launch.FAST_LAUNCH = True
+            warmreg.runtime.launch.FAST_LAUNCH = True
 
     kernel(a, b, qw, kvw, 1e-6)
-    table = warmreg.launch.FAST_TABLES.get(kernel.name, {})
+    table = warmreg.runtime.launch.FAST_TABLES.get(kernel.name, {})
     fast_entries = len(table)  # built by warm (one per key it loaded), not by this launch
     samples: dict[str, list[float]] = {"warmreg": [], "warmreg_via_triton_run": [], "triton_direct": [], "triton_direct_with_output_alloc": []}
     for _ in range(15):  # interleaved, so drift of the host affects all alike
@@ -133,7 +133,7 @@ def main() -> None:
         "dispatch (the key)": lambda: kernel.dispatch(qr=a, kv=b, q_weight=qw, kv_weight=kvw, launch_pdl=key.launch_pdl),
         "2 allocations": lambda: (a.new_empty(a.shape), b.new_empty(b.shape)),
         "fast launch (guards + launcher call)": lambda: entry.launch(spec.grid, spec.kwargs),
-        "fast-path table lookup (key hash)": lambda: warmreg.launch.FAST_TABLES[kernel.name].get(spec.key),
+        "fast-path table lookup (key hash)": lambda: warmreg.runtime.launch.FAST_TABLES[kernel.name].get(spec.key),
     }
     breakdown = {name: median([_host_us(fn) for _ in range(3)]) for name, fn in parts.items()}
     out["launch_overhead_us"] = {

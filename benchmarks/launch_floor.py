@@ -7,7 +7,7 @@ affects every path alike; each figure is microseconds per call over batches of `
 
 - ``floor``: the compiled kernel's own launcher (``CompiledKernel.run``) called with prepared
   arguments: grid, stream and every argument computed once. Triton's launcher cannot go lower.
-- ``fast``: warmreg's guarded launch with the same kwargs: the C entry (``warmreg._cdispatch``).
+- ``fast``: warmreg's guarded launch with the same kwargs: the C entry (``warmreg.runtime._cdispatch``).
 - ``fast_python``: the same guards in the generated Python function (the path without a C compiler).
 - ``triton_prealloc``: ``kernel[grid](...)`` with preallocated outputs.
 - ``triton_same_alloc``: the same, allocating the two outputs with the op's own allocation calls.
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, qkv_decode_inputs, write
 
 import warmreg
-import warmreg.launch
+import warmreg.runtime.launch
 from warmreg.ops import FusedQKVRMSNorm, fused_qkv_rmsnorm_reference
 from warmreg.ops.qkv_rmsnorm import _fused_qkv_rmsnorm_kernel
 
@@ -93,7 +93,7 @@ def main() -> None:
     spec = type(op).__call__.__wrapped__(op, a, b, qw, kvw, 1e-6, out=(q_out, kv_out))
     key, grid, kwargs = spec.key, spec.grid, dict(spec.kwargs)
     options = op.launch_options(key)
-    entry = warmreg.launch.FAST_TABLES[op.name][key]
+    entry = warmreg.runtime.launch.FAST_TABLES[op.name][key]
     compiled = entry.compiled
     jit = _fused_qkv_rmsnorm_kernel
     bound = jit.device_caches[torch.cuda.current_device()][4](**kwargs, **options)[0]
@@ -157,7 +157,7 @@ def main() -> None:
         "launch code with out=": lambda: body(op, a, b, qw, kvw, 1e-6, out=(q_out, kv_out)),
         "dispatch (the key)": lambda: op.dispatch(qr=a, kv=b, q_weight=qw, kv_weight=kvw, launch_pdl=key.launch_pdl),
         "2 allocations": two_outputs,
-        "warmreg.launch.run (the fast launch and its lookups)": lambda: warmreg.launch.run(op, spec),
+        "warmreg.runtime.launch.run (the fast launch and its lookups)": lambda: warmreg.runtime.launch.run(op, spec),
     }
     breakdown = {name: median([_host_us(p, args.calls) for _ in range(3)]) for name, p in parts.items()}
     out = {

@@ -40,7 +40,7 @@ from _common import write  # noqa: E402
 from gpu_all_keys import materialize  # noqa: E402
 
 import warmreg  # noqa: E402
-from warmreg.distributed import _all_gather_bytes  # noqa: E402
+from warmreg.stages.distributed import _all_gather_bytes  # noqa: E402
 
 
 def sweep(config: str, steps: int, seed: int) -> dict[str, Any]:
@@ -73,7 +73,7 @@ def _count_launcher_builds() -> dict[str, int]:
     """C compiler runs for Triton's launchers in this process, split at the sharded warm's exchange."""
     import triton.runtime.build as tb
 
-    import warmreg.distributed as wd
+    import warmreg.stages.distributed as wd
 
     counts = {"before_exchange": 0, "after_exchange": 0}
     phase = ["before_exchange"]

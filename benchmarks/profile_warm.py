@@ -35,9 +35,16 @@ import triton.runtime.cache as rc
 import triton.runtime.jit as rj
 from triton.backends.nvidia import compiler as nvc, driver as nvd
 import warmreg
-import warmreg.bind as wb
-import warmreg.warmup as ww
-from warmreg import _pack_install, _triton, _triton_cache, compile as wc, pack as wp, pipeline as wpl, processes, rehearsal
+import warmreg.pipeline.bind as wb
+import warmreg.api.warm as ww
+from warmreg import _triton
+from warmreg.stages import pack_install as _pack_install
+from warmreg._triton import cache as _triton_cache
+from warmreg.pipeline import compile as wc
+from warmreg.stages import pack as wp
+from warmreg.pipeline import run as wpl
+from warmreg.stages import processes
+from warmreg.stages import rehearsal
 
 if PREFETCH:
     warmreg.prefetch()

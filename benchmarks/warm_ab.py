@@ -37,7 +37,9 @@ if {target!r} is None:  # an engine has CUDA up before it warms
     torch.empty(1, device="cuda")
 if {pack!r}:  # ... and prefetched the pack at start-up, installed while its weights loaded
     warmreg.prefetch(pack={pack!r})
-    from warmreg import _triton_cache, pack as _packs, warmup
+    from warmreg.api import warm as warmup
+    from warmreg._triton import cache as _triton_cache
+    from warmreg.stages import pack as _packs
     _triton_cache.wait_triton_key(); warmup._prefetched()
     for _f in list(_packs._PREFETCHED.values()): _f.exception()
 pauses, began = [], [0.0]

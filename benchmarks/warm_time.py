@@ -1,5 +1,5 @@
 """Warm time side by side: serial, threads only (Triton async compile), processes (the default:
-misses compiled by forked children, ``warmreg.compile.PROCESSES``), warm disk cache, pack.
+misses compiled by forked children, ``warmreg.pipeline.compile.PROCESSES``), warm disk cache, pack.
 
 Each variant runs in a fresh subprocess with its own empty Triton cache, so in-memory state never
 leaks between them. A prefetched variant starts as an engine does: ``warmreg.prefetch()`` (with a
@@ -33,14 +33,15 @@ if {prefetch!r}:  # engine-style start-up: warmreg.prefetch() first (with the pa
     warmreg.prefetch(pack={pack!r} if {prefetch_pack!r} else None)
 if {target!r} is None:  # an engine has CUDA up before it warms: keep context creation out of the timing
     torch.empty(1, device="cuda")
-if {pool!r}:  # cache hits on the compile pool too, as before warmreg.compile.INLINE_HITS
-    import warmreg.compile; warmreg.compile.INLINE_HITS = False
-if not {processes!r}:  # misses compiled on threads only, as before warmreg.processes
-    import warmreg.processes; warmreg.processes.ENABLED = False
+if {pool!r}:  # cache hits on the compile pool too, as before warmreg.pipeline.compile.INLINE_HITS
+    import warmreg.pipeline.compile; warmreg.pipeline.compile.INLINE_HITS = False
+if not {processes!r}:  # misses compiled on threads only, as before warmreg.stages.processes
+    import warmreg.stages.processes; warmreg.stages.processes.ENABLED = False
 if {prefetch!r}:  # ... which loads the weights (seconds) while the prefetch finishes
-    from warmreg import _triton_cache, warmup
+    from warmreg.api import warm as warmup
+    from warmreg._triton import cache as _triton_cache
     _triton_cache.wait_triton_key(); warmup._prefetched()
-    from warmreg import pack as _packs
+    from warmreg.stages import pack as _packs
     for _f in list(_packs._PREFETCHED.values()): _f.exception()  # the pack installed meanwhile
 t = time.perf_counter()
 r = warmreg.warm({config!r}, target={target!r}, workers={workers}, on_error="continue", pack={pack!r}, progress=False)

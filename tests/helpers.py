@@ -26,7 +26,7 @@ def _scale_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr):
 class ScaleKey(warmreg.CompileKey):
     dtype: str
     block: int
-    n_class: warmreg.key.IntClass
+    n_class: warmreg.values.key.IntClass
     aligned: bool
     num_warps: int
 

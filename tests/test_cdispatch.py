@@ -1,4 +1,4 @@
-"""The C launch path (``warmreg/_cdispatch.c``) against the Python fast launch and Triton.
+"""The C launch path (``warmreg/runtime/_cdispatch.c``) against the Python fast launch and Triton.
 
 On the CPU: the C guards accept exactly the launches the Python guards accept (which
 ``tests/test_fast_launch.py`` checks against Triton's own binder), the kernel parameters it packs
@@ -21,9 +21,10 @@ import torch
 import triton
 
 from tests.test_fast_launch import H100, _kwargs, _probe, _specialization, _tensor
-from warmreg import _triton, _triton_fast
+from warmreg import _triton
+from warmreg.runtime import fast as _triton_fast
 
-cdispatch = pytest.importorskip("warmreg._cdispatch", reason="warmreg._cdispatch was not built")
+cdispatch = pytest.importorskip("warmreg.runtime._cdispatch", reason="warmreg.runtime._cdispatch was not built")
 
 
 class _Compiled:
@@ -203,7 +204,7 @@ class _Counting:
 @pytest.mark.gpu
 def test_gpu_ops_launch_through_the_c_path() -> None:
     import warmreg
-    from warmreg.launch import FAST_TABLES, remember_fast_launch
+    from warmreg.runtime.launch import FAST_TABLES, remember_fast_launch
     from warmreg.ops import FusedQKVRMSNorm, fused_qkv_rmsnorm_reference
 
     op = FusedQKVRMSNorm(q_size=96, kv_size=64, proj_width=160)
@@ -269,7 +270,7 @@ def test_gpu_warm_rehearses_every_key_once() -> None:
 def test_gpu_a_second_warm_of_the_same_plan_is_already_warm() -> None:
     import warmreg
     from tests.helpers import CONFIG, Plugin, Scale
-    from warmreg.launch import FAST_TABLES
+    from warmreg.runtime.launch import FAST_TABLES
 
     first = warmreg_warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False)
     again = warmreg.warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False)

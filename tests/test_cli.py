@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from warmreg.cli import main
+from warmreg.cli.main import main
 
 
 def test_version_names_warmreg_triton_and_torch(capsys: pytest.CaptureFixture[str]) -> None:
@@ -133,9 +133,9 @@ def test_build_shows_progress_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_pa
     import importlib
 
     from tests.helpers import CONFIG, Plugin, Scale
-    from warmreg import pack as packs
+    from warmreg.stages import pack as packs
 
-    pipeline = importlib.import_module("warmreg.pipeline")
+    pipeline = importlib.import_module("warmreg.pipeline.run")
     shown: list[int] = []
     real = pipeline._progress
     monkeypatch.setattr(pipeline, "_progress", lambda show, title, total: (show and shown.append(total)) or real(show, title, total))

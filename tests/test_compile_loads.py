@@ -1,4 +1,4 @@
-"""The compile step's module loads on the local GPU (``warmreg.compile._loading``), without a GPU:
+"""The compile step's module loads on the local GPU (``warmreg.pipeline.compile._loading``), without a GPU:
 the adapter's load calls are replaced, so what is checked is which thread loads which key and that
 every load is done, and its error kept, when the step ends."""
 
@@ -10,8 +10,12 @@ import types
 import attrs
 import pytest
 
-from warmreg import _triton, _triton_launchers, compile
-from warmreg.platform import Platform
+from warmreg import _triton
+
+from warmreg._triton import launchers as _triton_launchers
+
+from warmreg.pipeline import compile
+from warmreg.values.platform import Platform
 
 
 class _Task:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from warmreg import WarmregError
-from warmreg._triton_release import RELEASE
+from warmreg._triton.release import RELEASE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,7 +28,8 @@ kernels = [Scale(block=b) for b in (32, 64, 128, 256)] + ([Broken()] if {broken}
 plugin = Plugin(*kernels)
 if {fake_launchers}:  # as a GPU rank would: hand over the launchers its loads built (a cross warm builds none)
     from triton.runtime.cache import get_cache_manager
-    from warmreg import _triton_launchers as tl, distributed
+    from warmreg._triton import launchers as tl
+    from warmreg.stages import distributed
     name = "__triton_launcher" + tl.local_abi().ext_suffix
     mine = tl.Launcher("%064x" % ({rank} + 1), tl.platform_key(), tl.local_abi().version, name, b"launcher of rank {rank}")
     odd = tl.Launcher("%064x" % ({rank} + 101), tl.platform_key(), "3.99", "__triton_launcher.cpython-399-x.so", b"other abi")
@@ -119,7 +120,7 @@ sys.path.insert(0, {root!r})
 import torch.distributed as dist
 import triton.runtime.build as tb
 import warmreg
-import warmreg.distributed as wd
+import warmreg.stages.distributed as wd
 from tests.helpers import CONFIG, Plugin, Scale
 builds = {{"before": [], "after": []}}
 phase = ["before"]
@@ -198,8 +199,8 @@ def test_torchrun_cli(tmp_path: Path) -> None:
 
 
 def test_a_launcher_corrupted_in_transit_is_refused_by_name() -> None:
-    from warmreg import _triton_launchers as tl
-    from warmreg.distributed import _Decoded, _encode
+    from warmreg._triton import launchers as tl
+    from warmreg.stages.distributed import _Decoded, _encode
 
     launcher = tl.Launcher("ab" * 32, tl.platform_key(), "3.11", "__triton_launcher.so", b"\x7fELF" + bytes(range(60)))
     raw = _encode([], [], [launcher])

@@ -1,4 +1,4 @@
-"""The guarded fast launch (warmreg._triton_fast) against Triton 3.6.0's own specialization.
+"""The guarded fast launch (warmreg.runtime.fast) against Triton 3.6.0's own specialization.
 
 On the CPU the guards are checked against Triton's binder (the code ``JITFunction.run`` specializes
 with) under a cross-target driver, with a recording stand-in for the compiled kernel's launcher, which
@@ -16,8 +16,9 @@ import triton
 import triton.language as tl
 
 import warmreg
-from warmreg import _triton, _triton_fast
-from warmreg.platform import Platform
+from warmreg import _triton
+from warmreg.runtime import fast as _triton_fast
+from warmreg.values.platform import Platform
 
 H100 = Platform.parse("cuda:90")
 
@@ -254,7 +255,7 @@ def test_every_planned_key_gets_a_fast_path(config: str) -> None:
     """Each key of the example configs: the guard built from its launch accepts that launch again."""
     from pathlib import Path
 
-    from warmreg.launch import WARM_SESSION
+    from warmreg.runtime.launch import WARM_SESSION
 
     plan = warmreg.plan(Path(__file__).parents[1] / "examples" / f"{config}.json", target="cuda:90")
     missing = []
@@ -280,7 +281,7 @@ def test_gpu_warm_prepares_fast_launches_so_even_a_first_launch_skips_triton(mon
     from triton.runtime.jit import JITFunction
 
     from tests.helpers import CONFIG, Plugin, Scale
-    from warmreg.launch import FAST_TABLES
+    from warmreg.runtime.launch import FAST_TABLES
 
     scale = Scale()
     report = warmreg.warm(CONFIG, plugins=[Plugin(scale)], entry_points=False)
@@ -306,7 +307,7 @@ def test_gpu_no_launch_from_an_unloaded_module(monkeypatch: pytest.MonkeyPatch) 
     from triton.runtime.jit import JITFunction
 
     from tests.helpers import CONFIG, Plugin, Scale
-    from warmreg.launch import FAST_TABLES
+    from warmreg.runtime.launch import FAST_TABLES
 
     unloaded: list[Any] = []
     chain = getattr(triton.knobs.runtime, "kernel_unload_hook", None)  # 3.8+: called before an unload
@@ -350,7 +351,7 @@ def test_an_entry_serves_only_the_jit_function_it_was_built_from() -> None:
     """A kernel whose ``jit_for(key)`` differs from the entry's jit (two instances under one name
     that disagree, against the contract) takes Triton's path instead of the other binary."""
     from tests.helpers import Scale, _scale_kernel
-    from warmreg.launch import FAST_TABLES
+    from warmreg.runtime.launch import FAST_TABLES
 
     launched: list[tuple[int, ...]] = []
     x = torch.arange(16, dtype=torch.float16)

@@ -6,7 +6,7 @@ import attrs
 import pytest
 
 import warmreg
-from warmreg.key import int_class, int_class_rep
+from warmreg.values.key import int_class, int_class_rep
 
 
 @attrs.frozen(kw_only=True)

@@ -12,7 +12,7 @@ import pytest
 
 import warmreg
 from tests.helpers import CONFIG, CountedScale, Plugin
-from warmreg import pack as packs
+from warmreg.stages import pack as packs
 
 ROOT = Path(__file__).resolve().parents[1]
 

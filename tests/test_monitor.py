@@ -15,7 +15,7 @@ import triton.language as tl
 import warmreg
 from tests.helpers import CONFIG, Plugin, Scale
 from warmreg import _triton
-from warmreg.platform import Platform
+from warmreg.values.platform import Platform
 
 H100 = Platform.parse("cuda:90")
 
@@ -100,7 +100,7 @@ def test_record_then_replay_round_trip(tmp_path: Path, triton_cache: Path) -> No
     _triton.forget_compiled()
     for p in triton_cache.iterdir():  # an empty cache: replay must really compile
         __import__("shutil").rmtree(p)
-    from warmreg.replay import replay
+    from warmreg.monitoring.replay import replay
 
     (skipped,) = replay(record)  # recorded on a machine without a GPU: no target in the record
     assert not skipped.ok and skipped.skipped and "pass --target" in skipped.skipped and not list(triton_cache.rglob("*.cubin"))
@@ -209,7 +209,7 @@ def test_module_load_at_first_launch_is_a_miss() -> None:
 
 
 def test_cli_report_and_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from warmreg.cli import main
+    from warmreg.cli.main import main
 
     kernel = _warm(16)
     record = tmp_path / "misses.jsonl"
@@ -231,7 +231,7 @@ def test_cli_report_and_replay(tmp_path: Path, capsys: pytest.CaptureFixture[str
 
 
 def test_replay_says_what_it_skipped_and_why_and_fails_when_nothing_was_replayed(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from warmreg.cli import main
+    from warmreg.cli.main import main
 
     record = tmp_path / "misses.jsonl"
     records = [

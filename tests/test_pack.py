@@ -11,8 +11,8 @@ import pytest
 
 import warmreg
 from tests.helpers import CONFIG, Plugin, Scale
-from warmreg import pack as packs
-from warmreg.pack import PackError
+from warmreg.stages import pack as packs
+from warmreg.stages.pack import PackError
 
 
 @pytest.fixture
@@ -84,7 +84,7 @@ import sys, warmreg
 sys.path.insert(0, {root!r})
 from tests.helpers import CONFIG, Plugin, Scale
 for _ in range(3):
-    from warmreg import pack as packs
+    from warmreg.stages import pack as packs
     packs.install({pack!r})
     r = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=1)
     assert r.ok and r.compiled == 0, r.summary()
@@ -107,7 +107,7 @@ def test_eight_processes_install_and_warm_one_cache(built: Path, triton_cache: P
 
 
 def test_cli_build_verify_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from warmreg.cli import main
+    from warmreg.cli.main import main
 
     cfg = Path(__file__).resolve().parents[1] / "examples" / "deepseek_v4_flash.json"
     out = tmp_path / "flash.tar"
@@ -121,7 +121,7 @@ def test_cli_build_verify_inspect(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_a_pack_of_another_triton_release_is_refused_in_one_line_naming_both(tmp_path: Path, triton_cache: Path) -> None:
     import triton
 
-    from warmreg import _pack_format
+    from warmreg.stages import pack_format as _pack_format
 
     out = tmp_path / "pack"
     packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False, launcher_pythons=[])

@@ -1,4 +1,4 @@
-"""Prebuilt C launchers in packs (warmreg._triton_launchers): the same source and cache key Triton
+"""Prebuilt C launchers in packs (warmreg._triton.launchers): the same source and cache key Triton
 3.6.0 uses, carried per Python ABI, verified, and installed only where they fit. From Triton 3.7 on
 there is no launcher per kernel: packs carry none and say so."""
 
@@ -16,10 +16,12 @@ from triton.runtime.cache import get_cache_manager
 
 import warmreg
 from tests.helpers import CONFIG, Plugin, Scale, _scale_kernel
-from warmreg import _pack_format, _triton, _triton_launchers
-from warmreg import pack as packs
-from warmreg.pack import PackError
-from warmreg.platform import Platform
+from warmreg import _triton
+from warmreg.stages import pack_format as _pack_format
+from warmreg._triton import launchers as _triton_launchers
+from warmreg.stages import pack as packs
+from warmreg.stages.pack import PackError
+from warmreg.values.platform import Platform
 
 H100 = Platform.parse("cuda:90")
 ONLY_36 = pytest.mark.skipif(

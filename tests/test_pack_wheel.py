@@ -14,10 +14,11 @@ import pytest
 import warmreg
 from tests.helpers import CONFIG, Plugin, Scale
 from tests.reliability.hostile import Pack
-from warmreg import _pack_wheel, _triton
-from warmreg import pack as packs
-from warmreg._triton_release import RELEASE
-from warmreg.launch import FAST_TABLES
+from warmreg import _triton
+from warmreg.stages import pack_wheel as _pack_wheel
+from warmreg.stages import pack as packs
+from warmreg._triton.release import RELEASE
+from warmreg.runtime.launch import FAST_TABLES
 
 
 def _pip_install(wheel: Path, site: Path) -> None:
@@ -76,7 +77,7 @@ def test_pack_wheels_for_another_target_or_triton_release_are_skipped_with_the_r
     doc.body["triton_version"] = "3.9.0" if RELEASE.series == "3.6" else "3.6.0"
     (pack_dir / "manifest.json").write_bytes(doc.final()["manifest.json"])
     _pip_install(_pack_wheel.write_wheel(pack_dir, packs.inspect_pack(pack_dir), tmp_path / "dist", "scale_old"), site)
-    with caplog.at_level(logging.INFO, logger="warmreg.pack"):
+    with caplog.at_level(logging.INFO, logger="warmreg.stages.pack"):
         report = _warm()
     assert report.compiled == 3 and report.pack is None  # neither installed a file
     reasons = " ".join(r.getMessage() for r in caplog.records)

@@ -40,7 +40,7 @@ def test_every_distribution_builds_a_wheel_and_an_sdist(dist: Path) -> None:
     names = sorted(p.name for p in dist.iterdir())
     import sysconfig
 
-    # warmreg carries its C launch path (warmreg/_cdispatch.c): a wheel for this Python and platform
+    # warmreg carries its C launch path (warmreg/runtime/_cdispatch.c): a wheel for this Python and platform
     tag = f"cp{sys.version_info[0]}{sys.version_info[1]}"
     platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
     assert f"warmreg-0.1.0-{tag}-{tag}-{platform}.whl" in names and "warmreg-0.1.0.tar.gz" in names, names

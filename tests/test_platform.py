@@ -67,7 +67,7 @@ def test_a_failed_compile_leaves_no_files_in_the_cache(monkeypatch: pytest.Monke
     from pathlib import Path
 
     from tests.helpers import CONFIG, Plugin, Scale
-    from warmreg import platform
+    from warmreg.values import platform
 
     monkeypatch.setattr(platform, "ROCM_ARCHS", platform.ROCM_ARCHS | {"gfx999"})  # let the target through to Triton
     report = warmreg.warm(CONFIG, target="rocm:gfx999", plugins=[Plugin(Scale())], entry_points=False, on_error="continue")

@@ -1,4 +1,4 @@
-"""The forked compile of a warm's misses (``warmreg.processes``): the children fill Triton's disk
+"""The forked compile of a warm's misses (``warmreg.stages.processes``): the children fill Triton's disk
 cache, this process then finds every key there, and the results are those of a warm on threads."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import triton
 
 import warmreg
 from tests.helpers import CONFIG, Broken, Plugin, Scale
-from warmreg import processes
+from warmreg.stages import processes
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="compile processes are forked on Linux only"
@@ -85,7 +85,7 @@ def test_a_child_that_dies_leaves_the_rest_to_this_process(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     monkeypatch.setattr(processes, "_child_compile", _dies_on_first)  # forked children inherit it
-    with caplog.at_level(logging.WARNING, logger="warmreg.compile"):
+    with caplog.at_level(logging.WARNING, logger="warmreg.pipeline.compile"):
         report = _warm(tmp_path / "cache", monkeypatch, workers=2)
     assert "compiling in processes failed (BrokenProcessPool" in caplog.text
     assert {(r.kernel, r.status) for r in report.results} == {("tests.scale", "compiled"), ("tests.broken", "failed")}

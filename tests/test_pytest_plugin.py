@@ -9,7 +9,7 @@ pytest_plugins = ["pytester"]
 _HELPER = """
 import torch, warmreg
 from warmreg import _triton
-from warmreg.platform import Platform
+from warmreg.values.platform import Platform
 from tests.helpers import CONFIG, Plugin, Scale
 
 def warm_and_launch(n):

@@ -1,4 +1,4 @@
-"""``warmreg.startup``: the ``WARMREG_*`` settings the engine integrations read, one warm a process, the monitor
+"""``warmreg.api.startup``: the ``WARMREG_*`` settings the engine integrations read, one warm a process, the monitor
 armed only after it (the integrations themselves are tested in the engines' venvs: tests/engines/)."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 import warmreg
-from warmreg import monitoring, startup
-from warmreg.startup import StartupSettings
+from warmreg import monitoring
+from warmreg.api import startup
+from warmreg.api.startup import StartupSettings
 
 
 def test_off_unless_asked() -> None:

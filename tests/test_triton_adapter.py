@@ -16,9 +16,12 @@ import triton.language as tl
 
 import warmreg
 from tests.helpers import _scale_kernel
-from warmreg import _triton, _triton_cache, _triton_interp, _triton_release
-from warmreg._triton_release import RELEASE
-from warmreg.platform import Platform
+from warmreg import _triton
+from warmreg._triton import cache as _triton_cache
+from warmreg.runtime import interp as _triton_interp
+from warmreg._triton import release as _triton_release
+from warmreg._triton.release import RELEASE
+from warmreg.values.platform import Platform
 
 H100 = Platform.parse("cuda:90")
 ONLY_36 = pytest.mark.skipif(
@@ -313,7 +316,7 @@ def test_kernels_that_differ_only_in_a_block_size_share_one_launcher_lock() -> N
     import torch
 
     from tests.helpers import _scale_kernel
-    from warmreg.platform import Platform
+    from warmreg.values.platform import Platform
 
     with _triton.cross_target(Platform.parse("cuda:90")):
         x = torch.empty(64, device="meta")
@@ -331,8 +334,8 @@ def test_a_compile_process_builds_a_launcher_only_when_it_claims_it() -> None:
     import torch
 
     from tests.helpers import _scale_kernel
-    from warmreg import _triton_launchers
-    from warmreg.platform import Platform
+    from warmreg._triton import launchers as _triton_launchers
+    from warmreg.values.platform import Platform
 
     with _triton.cross_target(Platform.parse("cuda:90")):
         x = torch.empty(64, device="meta")
@@ -350,7 +353,7 @@ def test_a_compile_process_builds_a_launcher_only_when_it_claims_it() -> None:
 
 @pytest.mark.skipif(RELEASE.per_signature_launcher, reason="Triton 3.6 builds a C launcher per kernel")
 def test_a_compile_process_has_no_launcher_to_build_from_37_on() -> None:
-    from warmreg import _triton_launchers
+    from warmreg._triton import launchers as _triton_launchers
 
     def claim(key: str) -> bool:
         raise AssertionError("nothing to claim")
@@ -385,26 +388,30 @@ def test_loads_without_a_per_kernel_launcher_run_side_by_side() -> None:
 
 def test_nothing_outside_the_adapter_touches_a_private_triton_name() -> None:
     """Triton's internals (runtime, compiler, backends, knobs, _C, underscored names) are reached only
-    from ``warmreg/_triton*.py``; kernels may use the language (``triton.jit``, ``triton.language``)."""
+    from the adapter, ``warmreg/_triton/``, and the two runtime modules that launch through them
+    (``runtime/fast.py``, the guarded fast launch; ``runtime/interp.py``, the interpreter); kernels may
+    use the language (``triton.jit``, ``triton.language``)."""
     import ast
     from pathlib import Path
 
     public_modules = ("triton", "triton.language", "triton.language.extra", "triton.language.extra.cuda")
     internal = {"runtime", "compiler", "backends", "knobs", "_C", "tools", "testing"}
     found = []
-    for path in sorted(Path(warmreg.__file__).parent.rglob("*.py")):
-        if path.name.startswith("_triton"):
+    package = Path(warmreg.__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        where = path.relative_to(package).as_posix()
+        if where.startswith("_triton/") or where in ("runtime/fast.py", "runtime/interp.py"):
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):
-                found += [f"{path.name}: import {a.name}" for a in node.names if a.name.startswith("triton") and a.name not in public_modules]
+                found += [f"{where}: import {a.name}" for a in node.names if a.name.startswith("triton") and a.name not in public_modules]
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("triton"):
                 if node.module not in public_modules or any(a.name.startswith("_") for a in node.names):
-                    found.append(f"{path.name}: from {node.module} import {', '.join(a.name for a in node.names)}")
+                    found.append(f"{where}: from {node.module} import {', '.join(a.name for a in node.names)}")
             elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "triton":
                 if node.attr in internal or (node.attr.startswith("_") and node.attr != "__version__"):
-                    found.append(f"{path.name}:{node.lineno}: triton.{node.attr}")
+                    found.append(f"{where}:{node.lineno}: triton.{node.attr}")
     assert found == []
 
 
@@ -413,7 +420,7 @@ def test_the_ast_race_is_retried_also_when_triton_wraps_it_from_a_called_functio
     ``CompilationError(src, node, None) from SystemError``: compiled again, like the bare race."""
     from triton.compiler.errors import CompilationError
 
-    from warmreg.bind import describe
+    from warmreg.pipeline.bind import describe
 
     def wrapped(calls: list[int], cause: BaseException) -> str:
         calls.append(1)
@@ -443,7 +450,7 @@ def test_preimport_takes_the_imports_of_a_first_specialization() -> None:
     code = """
 import sys, torch, warmreg
 from warmreg import _triton
-from warmreg.platform import Platform
+from warmreg.values.platform import Platform
 from tests.helpers import _scale_kernel
 missing = [m for m in _triton._LAZY_IMPORTS if __import__("importlib.util").util.find_spec(m) is None]
 _triton.preimport()

@@ -13,8 +13,10 @@ import torch
 
 import warmreg
 from tests.helpers import CONFIG, Plugin, TunedDouble, TunedKey
-from warmreg import _triton, launch, tuning
-from warmreg.bind import Task
+from warmreg import _triton
+from warmreg.runtime import launch
+from warmreg.stages import tuning
+from warmreg.pipeline.bind import Task
 
 
 def _plan(kernel: warmreg.TritonKernel[Any] | None = None, target: str = "cuda:90") -> warmreg.Plan:
@@ -101,7 +103,7 @@ def test_tune_benchmarks_keeps_the_fastest_and_a_second_warm_reads_it(gpu_standi
     (choice,) = stage.choices
     assert choice.source == "benchmark" and choice.microseconds == {0: 30.0, 1: 10.0}
     path = tuning.choices_path("Test GPU 9000")
-    assert path.parent.parent == Path(warmreg._triton_cache.cache_dir()) and path.name.startswith("Test_GPU_9000-triton-")
+    assert path.parent.parent == Path(warmreg._triton.cache.cache_dir()) and path.name.startswith("Test_GPU_9000-triton-")
     launch.TUNED.clear()
     again = tuning.Tune()
     again.after_load(plan, _tasks(plan))
@@ -181,7 +183,7 @@ def _gpu_choice_file(gpu_standin: _Bench) -> Path:
 def test_a_cross_built_pack_carries_the_gpu_hosts_choices_and_its_install_keeps_them(
     gpu_standin: _Bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from warmreg import pack as packs
+    from warmreg.stages import pack as packs
 
     choice_file = tmp_path / "gpu-choices.json"
     choice_file.write_bytes(_gpu_choice_file(gpu_standin).read_bytes())
@@ -207,7 +209,7 @@ def test_a_cross_built_pack_carries_the_gpu_hosts_choices_and_its_install_keeps_
 
 
 def test_a_cross_build_without_choices_records_none(tmp_path: Path) -> None:
-    from warmreg import pack as packs
+    from warmreg.stages import pack as packs
 
     manifest = packs.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(TunedDouble())], entry_points=False, launcher_pythons=[])
     assert manifest.tuning == () and "tuning" not in json.loads((tmp_path / "p" / "manifest.json").read_text())["body"]
@@ -225,8 +227,8 @@ def test_a_cross_build_without_choices_records_none(tmp_path: Path) -> None:
 def test_a_hostile_choice_in_a_manifest_is_refused_naming_the_field(
     gpu_standin: _Bench, tmp_path: Path, change: dict[str, Any], message: str
 ) -> None:
-    from warmreg import _pack_format
-    from warmreg import pack as packs
+    from warmreg.stages import pack_format as _pack_format
+    from warmreg.stages import pack as packs
 
     choice_file = tmp_path / "gpu-choices.json"
     choice_file.write_bytes(_gpu_choice_file(gpu_standin).read_bytes())
@@ -244,7 +246,7 @@ def test_a_hostile_choice_in_a_manifest_is_refused_naming_the_field(
 
 
 def test_coverage_counts_candidates_not_chosen_apart_from_unused() -> None:
-    from warmreg.coverage import coverage
+    from warmreg.monitoring.coverage import coverage
 
     report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(TunedDouble())], entry_points=False, workers=1)
     base = TunedKey(dtype="float32")

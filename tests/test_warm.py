@@ -199,7 +199,7 @@ def test_the_launch_keeps_the_launch_codes_signature_and_passes_each_argument_on
 def test_a_warm_of_cache_hits_compiles_inline_and_one_with_a_miss_on_the_pool(
     triton_cache: Path, monkeypatch: pytest.MonkeyPatch, inline: bool
 ) -> None:
-    from warmreg import compile as compile_mod
+    from warmreg.pipeline import compile as compile_mod
 
     pooled: list[int] = []
     real = compile_mod._run_async

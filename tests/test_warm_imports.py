@@ -28,7 +28,7 @@ sys.meta_path.insert(0, _Blocked())
 
 _CHILD = _BLOCK.format(module="sympy") + r"""
 import warmreg
-from warmreg.launch import WARM_SESSION
+from warmreg.runtime.launch import WARM_SESSION
 
 class Capture:
     def capture(self, kernel, spec):
@@ -60,7 +60,7 @@ def test_warm_launch_code_of_the_examples_imports_no_sympy() -> None:
 
 
 _NO_TORCH = _BLOCK.format(module="torch") + r"""
-from warmreg.cli import main
+from warmreg.cli.main import main
 sys.exit(main(sys.argv[1:]))
 """
 

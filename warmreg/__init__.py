@@ -8,10 +8,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ._version import __version__
-from .config import WarmConfig
-from .domains import next_pow2, powers_of_two, runtime_platform, token_counts
-from .errors import (
+from .values._version import __version__
+from .contract.config import WarmConfig
+from .contract.domains import next_pow2, powers_of_two, runtime_platform, token_counts
+from .values.errors import (
     CacheError,
     CompileFailed,
     CompileKeyError,
@@ -22,9 +22,9 @@ from .errors import (
     TargetError,
     WarmregError,
 )
-from .hookspecs import hookimpl
-from .key import CompileKey, FieldDiff, IntClass, dtype_name, int_class, int_class_rep, is_aligned
-from .platform import (
+from .contract.hookspecs import hookimpl
+from .values.key import CompileKey, FieldDiff, IntClass, dtype_name, int_class, int_class_rep, is_aligned
+from .values.platform import (
     Platform,
     Predicate,
     has_feature,
@@ -37,27 +37,27 @@ from .platform import (
     sm_below,
     supports_pdl,
 )
-from .report import KeyResult, WarmReport
+from .pipeline.report import KeyResult, WarmReport
 
 if TYPE_CHECKING:
-    from .kernel import LaunchSpec, TritonKernel, TuneConfig, kernel_launcher, meta, output
-    from .launch import use_config
+    from .contract.kernel import LaunchSpec, TritonKernel, TuneConfig, kernel_launcher, meta, output
+    from .runtime.launch import use_config
     from .monitoring import JitMissError, Miss, Monitor, arm, disarm, monitor
-    from .planning import KernelPlan, Plan, plan
-    from .registry import Registry
-    from .space import enumerate_keys
-    from .warmup import prefetch, reset_state, warm
+    from .pipeline.planning import KernelPlan, Plan, plan
+    from .contract.registry import Registry
+    from .contract.space import enumerate_keys
+    from .api.warm import prefetch, reset_state, warm
 
 # Imported on first use: these modules import torch (about 2 s on a small machine), which the CLI's
 # refusals, pack checks and config checks do not need.
 _LAZY = {
-    **dict.fromkeys(("LaunchSpec", "TritonKernel", "TuneConfig", "kernel_launcher", "meta", "output"), "kernel"),
-    "use_config": "launch",
+    **dict.fromkeys(("LaunchSpec", "TritonKernel", "TuneConfig", "kernel_launcher", "meta", "output"), "contract.kernel"),
+    "use_config": "runtime.launch",
     **dict.fromkeys(("JitMissError", "Miss", "Monitor", "arm", "disarm", "monitor"), "monitoring"),
-    **dict.fromkeys(("KernelPlan", "Plan", "plan"), "planning"),
-    "Registry": "registry",
-    "enumerate_keys": "space",
-    **dict.fromkeys(("prefetch", "reset_state", "warm"), "warmup"),
+    **dict.fromkeys(("KernelPlan", "Plan", "plan"), "pipeline.planning"),
+    "Registry": "contract.registry",
+    "enumerate_keys": "contract.space",
+    **dict.fromkeys(("prefetch", "reset_state", "warm"), "api.warm"),
 }
 
 

@@ -52,9 +52,9 @@ class StartupEvents:
         self.log.append((what, monitoring.current() is not None))
 
     def spy_on_warm(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        """``warmreg.startup`` fresh (nothing warmed or armed in this process) and its warm replaced by a spy that
+        """``warmreg.api.startup`` fresh (nothing warmed or armed in this process) and its warm replaced by a spy that
         records the config and runs a real, empty warm (no plugin: nothing compiles)."""
-        from warmreg import startup
+        from warmreg.api import startup
 
         real_warm = warmreg.warm
 

@@ -26,7 +26,7 @@ from typing import Any
 import attrs
 import pytest
 
-from warmreg.cli import main
+from warmreg.cli.main import main
 
 Members = dict[str, bytes]
 

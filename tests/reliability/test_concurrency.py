@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import CONFIG, Plugin, Scale
-from warmreg import pack as packs
+from warmreg.stages import pack as packs
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +18,8 @@ _WORKER = """
 import sys
 sys.path.insert(0, {root!r})
 import warmreg
-from warmreg import _triton, pack as packs
+from warmreg import _triton
+from warmreg.stages import pack as packs
 from tests.helpers import CONFIG, Plugin, Scale
 plugin = Plugin(Scale(), Scale(block=128))
 for round in range(50):

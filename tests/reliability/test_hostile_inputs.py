@@ -17,8 +17,8 @@ import pytest
 import warmreg
 from tests.helpers import CONFIG, Plugin, Scale
 from tests.reliability.hostile import assert_nothing_written, assert_refused, files_under, run_cli
-from warmreg import pack as packs
-from warmreg.config import SERVING_FIELDS
+from warmreg.stages import pack as packs
+from warmreg.contract.config import SERVING_FIELDS
 
 ROOT = Path(__file__).resolve().parents[2]
 FLASH = json.loads((ROOT / "examples" / "deepseek_v4_flash.json").read_text())
@@ -188,7 +188,7 @@ def test_broken_cache_directory(
 def test_failing_fsync_leaves_nothing(good_pack: Path, triton_cache: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """a disk error while an entry is written (ENOSPC at fsync): one line; the cache keeps no file of it, no temporary file"""
 
-    from warmreg import _pack_install
+    from warmreg.stages import pack_install as _pack_install
 
     def full(fd: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

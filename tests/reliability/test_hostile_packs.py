@@ -26,7 +26,7 @@ from tests.reliability.hostile import (
     write_tar,
     write_zip,
 )
-from warmreg import pack as packs
+from warmreg.stages import pack as packs
 
 Case = Callable[[Members, Path], tuple[Path, str]]
 CASES: dict[str, Case] = {}
@@ -483,7 +483,7 @@ def test_sigkilled_install_leaves_no_temporary_files_after_a_rerun(base: Members
     """temporary files of an install that died (their process is gone) are removed by the next install; a live writer's are kept"""
     import subprocess
 
-    from warmreg import _pack_install
+    from warmreg.stages import pack_install as _pack_install
 
     pack = write_dir(tmp_path / "pack", base)
     packs.install(pack)
@@ -525,7 +525,7 @@ def test_a_tar_gz_installs_the_same_decompressed_in_memory_or_read_as_a_stream(
     bound: int, base: Members, tmp_path: Path, triton_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """a .tar.gz pack is read in memory up to the bound and as a stream beyond it: the same manifest and files"""
-    from warmreg import _pack_reader
+    from warmreg.stages import pack_reader as _pack_reader
 
     monkeypatch.setattr(_pack_reader, "IN_MEMORY", bound)
     path = write_tar(tmp_path / "good.tar.gz", base, gz=True)

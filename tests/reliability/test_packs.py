@@ -13,9 +13,9 @@ import pytest
 
 import warmreg
 from tests.helpers import CONFIG, Plugin, Scale
-from warmreg import _pack_install
-from warmreg import pack as packs
-from warmreg.pack import PackError
+from warmreg.stages import pack_install as _pack_install
+from warmreg.stages import pack as packs
+from warmreg.stages.pack import PackError
 
 
 @pytest.fixture

@@ -10,7 +10,7 @@ import pytest
 
 import warmreg
 from tests.helpers import CONFIG, Broken, Plugin, Scale
-from warmreg import plugins as plugin_mod
+from warmreg.pipeline import plugins as plugin_mod
 
 
 class _FakeEntryPoint:

@@ -29,7 +29,7 @@ def newest_triton(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 
 def test_newest_triton_plans_if_supported_else_is_refused_in_one_line(newest_triton: tuple[Path, str]) -> None:
     """the newest Triton release plans if supported, else is refused in one line (CLI exit 2)"""
-    from warmreg._triton_release import SUPPORTED_TRITON
+    from warmreg._triton.release import SUPPORTED_TRITON
 
     python, version = newest_triton
     done = subprocess.run(

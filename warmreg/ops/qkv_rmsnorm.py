@@ -20,12 +20,12 @@ import triton
 import triton.language as tl
 from triton.language.extra import cuda as tl_cuda
 
-from ..config import WarmConfig
-from ..domains import next_pow2, runtime_platform, token_counts
-from ..errors import LaunchError
-from ..kernel import LaunchSpec, TritonKernel, kernel_launcher, meta, output
-from ..key import CompileKey, IntClass, dtype_name, int_class, int_class_rep, is_aligned
-from ..platform import Platform
+from ..contract.config import WarmConfig
+from ..contract.domains import next_pow2, runtime_platform, token_counts
+from ..values.errors import LaunchError
+from ..contract.kernel import LaunchSpec, TritonKernel, kernel_launcher, meta, output
+from ..values.key import CompileKey, IntClass, dtype_name, int_class, int_class_rep, is_aligned
+from ..values.platform import Platform
 
 __all__ = ["FusedQKVRMSNorm", "QKVRMSNormKey", "fused_qkv_rmsnorm_reference"]
 

@@ -31,11 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..config import WarmConfig
-from ..errors import ConfigError, LaunchError
-from ..kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
-from ..key import CompileKey, IntClass, int_class, int_class_rep
-from ..platform import Platform
+from ..contract.config import WarmConfig
+from ..values.errors import ConfigError, LaunchError
+from ..contract.kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
+from ..values.key import CompileKey, IntClass, int_class, int_class_rep
+from ..values.platform import Platform
 
 __all__ = ["BlockTableSlotMapping", "SlotMappingKey", "block_table_slot_mapping_reference", "block_table_width"]
 

@@ -4,9 +4,9 @@ SGLang calls :func:`register` in each of its processes (``sglang.srt.plugins.loa
 ``HookRegistry.apply_hooks()`` patches the registered targets (and their ``from X import Y`` bindings). Two hooks on
 ``sglang.srt.model_executor.model_runner.ModelRunner``:
 
-- BEFORE ``load_model``: :func:`warmreg.startup.prefetch`, so Triton's hash of itself, the plugins' import and the
+- BEFORE ``load_model``: :func:`warmreg.api.startup.prefetch`, so Triton's hash of itself, the plugins' import and the
   pack's install run while the weights load;
-- AROUND ``init_cuda_graphs``: :func:`warmreg.startup.warm_once` with the runner's ``server_args`` (the KV cache is
+- AROUND ``init_cuda_graphs``: :func:`warmreg.api.startup.warm_once` with the runner's ``server_args`` (the KV cache is
   allocated by then: ``Scheduler.init_memory_pools`` runs before ``init_all_cuda_graphs``), then SGLang's capture,
   then the JIT monitor armed (``WARMREG_MONITOR``). A draft model's runner (``is_draft_worker``) is skipped: the
   target's plan holds the speculative decoding kernels, and a process warms once.
@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from warmreg import ConfigError, startup
+from warmreg import ConfigError
+
+from warmreg.api import startup
 
 __all__ = ["RUNNER", "register"]
 

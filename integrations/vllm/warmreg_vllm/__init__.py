@@ -1,6 +1,6 @@
 """warmreg inside vLLM (0.33, 0.34): every Triton key of the deployment warmed in each worker at start-up.
 
-Two doors, both vLLM's own (the settings are :mod:`warmreg.startup`'s ``WARMREG_*`` variables):
+Two doors, both vLLM's own (the settings are :mod:`warmreg.api.startup`'s ``WARMREG_*`` variables):
 
 - the ``vllm.general_plugins`` entry point :func:`warmreg_vllm.plugin.register`, which vLLM calls in every
   process; with ``WARMREG_WARM=1`` it wraps ``vllm.v1.worker.gpu_worker.Worker``'s ``load_model`` (a prefetch,

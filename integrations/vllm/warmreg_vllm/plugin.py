@@ -4,9 +4,9 @@ vLLM calls :func:`register` in each of its processes (``vllm.plugins.load_genera
 engine core, ``WorkerWrapperBase.init_worker`` before it builds the worker). A general plugin gets no config and
 runs before the model exists, so it installs wrappers on ``vllm.v1.worker.gpu_worker.Worker``:
 
-- ``load_model``: :func:`warmreg.startup.prefetch` first, so Triton's hash of itself, the plugins' import and the
+- ``load_model``: :func:`warmreg.api.startup.prefetch` first, so Triton's hash of itself, the plugins' import and the
   pack's install run while vLLM loads the weights;
-- ``compile_or_warm_up_model``: :func:`warmreg.startup.warm_once` with the worker's ``vllm_config`` first. vLLM runs
+- ``compile_or_warm_up_model``: :func:`warmreg.api.startup.warm_once` with the worker's ``vllm_config`` first. vLLM runs
   it once the KV cache is allocated and the hybrid block size is final (``Platform.update_block_size_for_backend``
   runs after ``load_model``), and it holds vLLM's own ``kernel_warmup`` and ``capture_model``: warm comes before
   both, and the JIT monitor (``WARMREG_MONITOR``) is armed after them, so vLLM's own warmup compiling its kernels is
@@ -19,7 +19,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from warmreg import startup
+from warmreg.api import startup
 
 __all__ = ["install", "register"]
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from vllm.v1.worker.gpu_worker import Worker
 
-from warmreg import startup
+from warmreg.api import startup
 
 __all__ = ["WarmregWorker"]
 

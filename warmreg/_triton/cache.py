@@ -1,0 +1,313 @@
+"""Triton's disk cache and its key: what packs, distributed warms and replays rely on (part of the
+Triton adapter, checked against Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0; tested in
+``tests/test_triton_adapter.py``). The cache key formula (``get_cache_key``) is the same in all four;
+how ``preload`` decodes serialized constants is not (:class:`warmreg._triton.release.Release`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import triton
+from triton.runtime.jit import JITFunction
+
+from . import _device_id, cross_target, current_device, gpu_target
+from .release import RELEASE
+from ..values.errors import CacheError, WarmregError
+from ..values.platform import Platform
+
+log = logging.getLogger("warmreg.pipeline.compile")
+
+__all__ = [
+    "alive",
+    "cache_dir",
+    "check_cache_writable",
+    "cache_subdir",
+    "remove_unfinished",
+    "import_jit",
+    "in_disk_cache",
+    "local_cache_hash",
+    "memory_kernel",
+    "portable_specialization",
+    "prefetch_triton_key",
+    "ptxas_version",
+    "replay",
+    "wait_triton_key",
+]
+
+_key_lock = threading.Lock()
+_key_thread: threading.Thread | None = None
+
+
+def prefetch_triton_key() -> None:
+    """Start computing Triton's ``triton_key()`` on a background thread, once per process.
+
+    Triton hashes its own sources and the 415 MB ``libtriton.so`` the first time any compile or
+    cache lookup needs the key (~0.35 s on an H200 host); ``hashlib`` releases the GIL, so a warm
+    overlaps it with loading plugins and planning. The same thread then prepares the CUDA driver's
+    utility module (see ``_prefetch``). :func:`wait_triton_key` joins it.
+    """
+    global _key_thread
+    with _key_lock:
+        if _key_thread is None:
+            from triton.runtime import cache
+
+            _key_thread = threading.Thread(target=_prefetch, args=(cache.triton_key,), name="warmreg-triton-key", daemon=True)
+            _key_thread.start()
+
+
+def _prefetch(triton_key: Any) -> None:
+    triton_key()
+    # Then the CUDA driver's utility module (``cuda_utils``: module loads and, from 3.7, every
+    # launch), which Triton compiles with the host's C compiler into its cache at the first load:
+    # a fresh cache (a pack installed into one) paid 0.4-0.9 s for it in the warm on the H200 host.
+    # Building and loading the module initializes no CUDA context; without a driver (a CPU-only
+    # machine) Triton refuses at once, before compiling.
+    try:
+        from triton.backends.nvidia.driver import CudaUtils
+
+        CudaUtils()
+    except Exception as exc:
+        log.debug("no CUDA driver utilities prefetched: %s", exc)
+
+
+def wait_triton_key() -> None:
+    """Wait for :func:`prefetch_triton_key` (a no-op when it never started or has finished), so the
+    key is computed once rather than again on the calling thread."""
+    thread = _key_thread
+    if thread is not None:
+        thread.join()
+
+
+def replay(fn_name: str, specialization_data: str, platform: Platform) -> Any:
+    """Compile one recorded specialization with Triton's own ``JITFunction.preload``.
+
+    :raises WarmregError: if the function cannot be imported.
+    """
+    jit = import_jit(fn_name)
+    with cross_target(platform):
+        return jit.preload(portable_specialization(specialization_data))
+
+
+# -- cache (packs) ------------------------------------------------------------------------------
+
+
+def cache_dir() -> str:
+    """Triton's cache directory now (``knobs.cache.dir``, from TRITON_CACHE_DIR or ~/.triton/cache)."""
+    path = triton.knobs.cache.dir
+    if not path:
+        raise WarmregError("Triton has no cache directory", fix="set TRITON_CACHE_DIR")
+    return str(path)
+
+
+def remove_unfinished(jit: JITFunction, specialization_data: str, platform: Platform) -> int:
+    """Remove what a failed compile of this specialization left in the cache: the stages Triton
+    wrote (``.source``, ``.ttir``, ...) before the one that failed, in an entry that has no group
+    file (``__grp__*``: Triton never reads such an entry), and the temporary directories of its
+    writes that failed (``tmp.pid_<pid>_<id>``, e.g. on a full disk) of this process or of one that
+    has exited (a compile process). Returns how many files were removed.
+
+    Checked against Triton 3.6-3.9 (each writes every stage into the entry's directory as it goes
+    and the group file last).
+    """
+    try:
+        directory = Path(cache_dir()) / cache_subdir(local_cache_hash(jit, specialization_data, platform))
+        files = list(directory.iterdir()) if directory.is_dir() else []
+    except (OSError, WarmregError, ValueError, KeyError):
+        return 0
+    if not files or any(f.name.startswith("__grp__") for f in files):
+        return 0
+    removed = 0
+    for f in files:
+        with contextlib.suppress(OSError):
+            if f.is_dir():
+                pid = f.name.removeprefix("tmp.pid_").partition("_")[0]
+                if f.name.startswith("tmp.pid_") and pid.isdigit() and (int(pid) == os.getpid() or not alive(int(pid))):
+                    removed += sum(1 for _ in f.iterdir())
+                    shutil.rmtree(f)
+                continue
+            f.unlink()
+            removed += 1
+    with contextlib.suppress(OSError):  # another process is writing there: its files are its own
+        directory.rmdir()
+    return removed
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (one another user owns counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_cache_writable() -> Path:
+    """Refuse early, in one line, a Triton cache directory that cannot be written; returns it.
+
+    :raises CacheError: if it is not a directory or cannot be written.
+    """
+    directory = Path(cache_dir())
+    if directory.exists() and not directory.is_dir():
+        raise CacheError(str(directory), "is not a directory", fix="set TRITON_CACHE_DIR to a directory")
+    try:
+        os.makedirs(directory, exist_ok=True)
+        tempfile.NamedTemporaryFile(dir=directory, prefix=".warmreg-probe-").close()  # removed on close
+    except OSError as exc:
+        raise CacheError(str(directory), f"is not writable ({exc.strerror})", fix="set TRITON_CACHE_DIR to a writable directory") from exc
+    return directory
+
+
+def memory_kernel(jit: JITFunction, triton_key: str, platform: Platform) -> Any:
+    """The CompiledKernel a warm left in ``jit``'s in-memory cache for ``platform`` (or ``None``)."""
+    device = current_device() if platform.local else _device_id(platform)
+    caches = jit.device_caches.get(device)  # a plain get: a missing device must not create a binder
+    return caches[0].get(triton_key) if caches is not None else None
+
+
+def cache_subdir(binary_hash: str) -> str:
+    """Directory name of one cache entry: base32 of the hash (``triton.runtime.cache._base32``)."""
+    from triton.runtime.cache import _base32
+
+    return str(_base32(binary_hash))
+
+
+def ptxas_version(platform: Platform) -> str | None:
+    """The ptxas release Triton uses for this CUDA target (None for ROCm), first line only."""
+    if not platform.is_cuda:
+        return None
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    return str(get_ptxas_version(platform.sm)).strip().splitlines()[-1]
+
+
+#: Compile options that name files of the machine that recorded them (Triton 3.6.0: the libdevice
+#: path); they are dropped so the local backend fills in its own, as a local compile would.
+_MACHINE_OPTIONS = ("extern_libs",)
+
+
+def portable_specialization(specialization_data: str) -> str:
+    """Triton's serialized specialization without options that are paths on the recording machine."""
+    import json
+
+    data = json.loads(specialization_data)
+    for name in _MACHINE_OPTIONS:
+        data.get("options", {}).pop(name, None)
+    return json.dumps(data)
+
+
+def in_disk_cache(jit: JITFunction, specialization_data: str | None, platform: Platform) -> bool:
+    """Whether Triton's disk cache holds this specialization's binary for ``platform`` (its group
+    file, which Triton publishes last): what ``compile`` would find instead of compiling. ``False``
+    for no specialization or one the local Triton cannot hash (its compile says why)."""
+    from pathlib import Path
+
+    if specialization_data is None:
+        return False
+    try:
+        directory = Path(cache_dir()) / cache_subdir(local_cache_hash(jit, specialization_data, platform))
+    except Exception:
+        return False
+    return any(directory.glob("__grp__*.json"))
+
+
+def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform) -> str:
+    """The cache hash the *local* Triton gives a recorded specialization for ``platform``.
+
+    Mirrors ``JITFunction.preload`` up to ``compile``'s ``get_cache_key``, decoding constants as the
+    installed release does (3.7 resolves jit-function constants, 3.8 turns lists into tuples): the hash
+    includes ``triton_key()``, a digest of the Triton installation, so it differs between Python
+    builds of one release and must be recomputed where a pack is installed.
+
+    Remembered for the process (a warm asks for each key up to three times: the forked compile's and
+    the compile step's cache lookups, the pack install), keyed by everything else the hash covers:
+    the kernel's source hash and the cache-invalidating environment variables.
+    """
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+
+    env = get_cache_invalidating_env_vars()
+    memo = (jit, jit.cache_key, specialization_data, platform.target, tuple(sorted(env.items())))
+    found = _hashes.get(memo)
+    if found is None:
+        if len(_hashes) >= 4096:
+            _hashes.clear()
+        found = _hashes[memo] = _local_cache_hash(jit, specialization_data, platform, env)
+    return found
+
+
+_hashes: dict[tuple[Any, ...], str] = {}
+
+
+def _local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform, env: dict[str, Any]) -> str:
+    wait_triton_key()
+    import hashlib
+    import json
+
+    import triton.language as tl
+    from triton.compiler.compiler import ASTSource, make_backend
+    from triton.runtime.cache import get_cache_key
+    from triton.runtime.jit import convert_to_tuple_if_list
+
+    data = json.loads(portable_specialization(specialization_data))
+    lists = convert_to_tuple_if_list if RELEASE.constexpr_lists_as_tuples else (lambda value: value)
+
+    def decode(value: Any) -> Any:
+        if tl.dtype.is_dtype(value):
+            return tl.dtype(value)
+        if isinstance(value, dict) and "constexpr" in value:
+            return tl.constexpr(lists(value["constexpr"]))
+        if isinstance(value, dict) and "jit_function" in value and RELEASE.jit_function_constants:
+            return _registered_jit(value["jit_function"])
+        return lists(value)
+
+    constexprs = {tuple(k): decode(v) for k, v in zip(data["constant_keys"], data["constant_vals"])}
+    attrs = dict(zip(map(tuple, data["attrs_keys"]), data["attrs_vals"]))
+    signature = {k: convert_to_tuple_if_list(v) for k, v in data["signature"].items()}
+    backend = make_backend(gpu_target(platform))
+    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
+    src = ASTSource(jit, signature, constexprs, attrs)
+    key = get_cache_key(src, backend, options, env_vars=env)
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+
+
+def _registered_jit(name: str) -> Any:
+    """A jit function by Triton's ``module:qualname`` registry name (3.7+: how ``preload`` resolves
+    jit-function constants; Triton registers a function when it is first bound)."""
+    from triton.runtime import jit as jit_module
+
+    found = getattr(jit_module, "_triton_jit_function_registry", {}).get(name)
+    if found is None:
+        raise WarmregError(f"the Triton function {name!r} a specialization names is not loaded", fix="install the plugin that defines it")
+    return found
+
+
+def import_jit(fn_name: str) -> JITFunction:
+    """Import a jit function by its full name (``package.module.function``).
+
+    :raises WarmregError: if it cannot be imported or is not a jit function.
+    """
+    import importlib
+
+    module_name, _, qual = fn_name.rpartition(".")
+    obj: Any = None
+    while module_name:
+        try:
+            obj = importlib.import_module(module_name)
+            break
+        except ImportError:
+            module_name, _, head = module_name.rpartition(".")
+            qual = f"{head}.{qual}"
+    for part in qual.split(".") if obj is not None else ():
+        obj = getattr(obj, part, None)
+    if not isinstance(obj, JITFunction):
+        raise WarmregError(f"cannot import the Triton function {fn_name!r}", fix="install the plugin that defines it")
+    return obj

@@ -1,0 +1,1 @@
+"""The ``warmreg`` command line."""

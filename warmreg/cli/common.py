@@ -1,0 +1,124 @@
+"""What the CLI's verbs share: output (terminal or piped), ``--json``, the config and serving flags."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+__all__ = [
+    "STDOUT", "Command", "add_common", "add_json", "add_serving", "check_json_output", "emit_json", "err", "load_config", "out",
+    "serving_overrides", "show_table",
+]  # fmt: skip
+
+# Piped (not a terminal): lines are never wrapped and tables print as plain columns, whole.
+out = Console(soft_wrap=not sys.stdout.isatty())
+err = Console(stderr=True, soft_wrap=not sys.stderr.isatty())
+
+
+def show_table(title: str | None, columns: Sequence[str], rows: Sequence[Sequence[str]], *, console: Console | None = None) -> None:
+    """A table on a terminal; plain tab-separated lines (title, header, rows) when piped, so no
+    name is cut and no number is wrapped. Cells are plain text, never rich markup."""
+    console = console or out
+    if console.is_terminal:
+        table = Table(*columns, title=escape(title) if title else None)
+        for row in rows:
+            table.add_row(*(escape(cell) for cell in row))
+        console.print(table)
+        return
+    lines = ([title] if title else []) + ["\t".join(line) for line in (columns, *rows)]
+    console.file.write("".join(f"{line}\n" for line in lines))
+Command = Callable[[argparse.Namespace], int]
+
+#: ``--json`` alone: stdout.
+STDOUT = "-"
+
+
+def add_json(p: argparse.ArgumentParser, what: str) -> None:
+    """``--json [FILE]``, the same on every verb: the verb's result as JSON, on stdout (and nothing
+    else there) or, with FILE, written whole into FILE beside the usual output."""
+    p.add_argument("--json", nargs="?", const=STDOUT, default=None, metavar="FILE", help=f"{what} as JSON: on stdout, or into FILE")
+
+
+def check_json_output(args: argparse.Namespace) -> None:
+    """Refuse, before any work, a ``--json FILE`` that could not be written."""
+    if args.json not in (None, STDOUT):
+        from ..values._output import check_output
+
+        check_output(args.json, "--json")
+
+
+def emit_json(args: argparse.Namespace, text: str) -> bool:
+    """Write ``--json``'s JSON; returns whether it went to stdout (then print nothing else there).
+    A file is written whole or not at all (under torchrun every rank writes the same path)."""
+    if args.json == STDOUT:
+        sys.stdout.write(text.rstrip("\n") + "\n")
+        return True
+    out = Path(args.json)
+    staged = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    staged.write_text(text)
+    os.replace(staged, out)
+    err.print(f"JSON written to {args.json}", markup=False, highlight=False)
+    return False
+
+
+def add_serving(p: argparse.ArgumentParser) -> None:
+    """``--serving FILE|JSON`` and repeatable ``--set key=value``: serving settings over the config's."""
+    p.add_argument("--serving", default=None, metavar="FILE|JSON", help="serving settings: a JSON file or a JSON object")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
+        help="one serving setting (repeatable; VALUE is read as JSON, else as a string), e.g. max_num_batched_tokens=8192",
+    )  # fmt: skip
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="config.json of the model, or a warmreg config {model, serving}")
+    p.add_argument("--target", default=None, help="cross-compile target, e.g. cuda:90, cuda:100, rocm:gfx942 (default: local GPU)")
+    add_serving(p)
+    p.add_argument("--skip-broken-plugins", action="store_true", help="skip a plugin that fails instead of stopping")
+
+
+def serving_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The serving settings of ``--serving`` and then ``--set`` (later ones win)."""
+    from ..values import _json
+    from ..contract.config import CONFIG_FILE_MAX
+    from ..values.errors import ConfigError
+
+    out: dict[str, Any] = {}
+    if args.serving is not None:
+        text = args.serving.strip()
+        try:
+            raw = text if text.startswith("{") else _json.read_regular_file(text, limit=CONFIG_FILE_MAX)
+            data = _json.loads(raw, max_depth=16)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(args.serving, f"is neither a JSON object nor a readable JSON file ({exc})", fix="pass --serving '{\"max_num_seqs\": 256}' or a file", file=True) from exc
+        if not isinstance(data, dict):
+            raise ConfigError(args.serving, "must hold a JSON object of serving settings", fix="pass --serving '{\"max_num_seqs\": 256}'", file=True)
+        out.update(data)
+    for setting in args.settings:
+        key, sep, value = setting.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {setting}", "is not KEY=VALUE", fix="write e.g. --set max_num_batched_tokens=8192")
+        try:
+            out[key.strip()] = _json.loads(value, max_depth=4)
+        except ValueError:
+            out[key.strip()] = value  # a bare string: --set kv_cache_dtype=fp8
+    return out
+
+
+def load_config(args: argparse.Namespace) -> Any:
+    """The config (with ``--serving``/``--set``) and target, checked before the pipeline (and torch)
+    is imported: a bad one is one quick line."""
+    from ..contract.config import WarmConfig
+    from ..values.platform import Platform
+
+    if args.target is not None:
+        Platform.parse(args.target)
+    return WarmConfig.load(args.config, serving=serving_overrides(args))

@@ -1,0 +1,53 @@
+"""Hook specifications: the whole interface between warmreg and its plugins.
+
+A plugin is a module (or object) with functions marked ``@warmreg.hookimpl``, published through the
+entry-point group ``warmreg``::
+
+    [project.entry-points.warmreg]
+    my_family = "warmreg_my_family.plugin"
+
+Hooks are called with keyword arguments only; an implementation may accept any subset of them.
+Specs only ever grow by new arguments.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from .config import WarmConfig
+    from ..values.platform import Platform
+    from .registry import Registry
+
+__all__ = ["PROJECT", "hookimpl", "hookspec", "warmreg_model_types", "warmreg_register_kernels"]
+
+PROJECT = "warmreg"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+@hookspec
+def warmreg_register_kernels(registry: Registry, config: WarmConfig, platform: Platform) -> None:
+    """Declare the kernels a deployment of ``config`` on ``platform`` launches.
+
+    Call ``registry.add(kernel, when=...)`` once per kernel (instance) the deployment uses; return
+    nothing. Do no work beyond reading the config: no compiling, no allocation, no imports of
+    optional backends at module import time. Return early for configs of other model families.
+
+    :param registry: collects kernels; deduplicates by kernel name and key.
+    :param config: the deployment's :class:`~warmreg.WarmConfig`.
+    :param platform: the :class:`~warmreg.Platform` compiled for (local GPU or a cross target).
+    """
+
+
+@hookspec
+def warmreg_model_types() -> list[str]:  # type: ignore[empty-body]
+    """The ``model_type`` values this plugin serves (optional).
+
+    The core uses the answers to tell an unknown model type (an error naming ``model.model_type``)
+    from a known one whose deployment simply launches no kernel here.
+
+    :returns: model types, e.g. ``["deepseek_v4"]``.
+    """

@@ -1,0 +1,1 @@
+"""The warm pipeline: plan, bind, stages, compile, load, report (names no stage)."""

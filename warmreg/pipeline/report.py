@@ -1,0 +1,172 @@
+"""``WarmReport``: what a warm declared, compiled, loaded from cache and failed, and how long each took."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from typing import Any, Literal
+
+import attrs
+
+from ..values.key import CompileKey
+
+__all__ = ["KeyResult", "Status", "WarmReport"]
+
+Status = Literal["compiled", "disk_cache", "memory", "failed"]
+
+
+def _tuple(items: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(items)
+
+
+@attrs.frozen(kw_only=True)
+class KeyResult:
+    """The outcome of warming one key.
+
+    :param status: ``compiled`` (paid for now), ``disk_cache`` (found in Triton's cache directory),
+        ``memory`` (already loaded in this process) or ``failed``.
+    :param seconds: compile (or cache read) time of this key in its worker.
+    :param load_seconds: launcher build + module load at warm (local GPU only).
+    :param triton_key: Triton's specialization key of the binary (what its JIT hooks report).
+    :param binary_hash: Triton's cache hash of the binary.
+    :param specialization_data: Triton's serialized specialization (what ``JITFunction.preload`` compiles).
+    :param cache_files: the entry's metadata and binary in the local Triton cache (name -> path).
+    """
+
+    kernel: str
+    key: CompileKey
+    status: Status
+    seconds: float = 0.0
+    load_seconds: float = 0.0
+    error: str | None = None
+    triton_key: str | None = None
+    binary_hash: str | None = None
+    jit_name: str | None = None
+    specialization_data: str | None = attrs.field(default=None, repr=False)
+    cache_files: dict[str, str] = attrs.field(factory=dict, eq=False, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        data = attrs.asdict(self, recurse=False)
+        data["key"] = self.key.to_json()
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> KeyResult:
+        return cls(**{**data, "key": CompileKey.from_json(data["key"])})
+
+
+@attrs.frozen(kw_only=True)
+class WarmReport:
+    """JSON-serializable result of :func:`warmreg.warm`.
+
+    :param results: one :class:`KeyResult` per declared key.
+    :param seconds: wall time of the whole warm (planning, compiling, loading).
+    :param shard_compiled: in a distributed warm, keys this rank compiled for the job (its shard);
+        ``shard_received`` the entries it installed from other ranks, ``shard_launchers_received`` the
+        C launchers (local CUDA GPU) it installed from them.
+    :param tuning: on the local GPU, the candidate chosen for each tuning key of an autotuned
+        kernel (``warmreg.stages.tuning.Choice.to_json()``: kernel, key, config, source, microseconds);
+        ``tuning_seconds`` the time that took (benchmarks included).
+    :param rehearsed: on the local GPU, keys launched once for real by warm
+        (:mod:`warmreg.stages.rehearsal`), ``rehearsal_seconds`` the time that took.
+    :param processes: compile processes forked for the keys missing from Triton's disk cache
+        (:mod:`warmreg.stages.processes`; 0: none), ``processes_seconds`` the wall time of their compile.
+    :param already_warm: this process had warmed this very plan, and every key was still in memory
+        with its fast launch: nothing was done (the earlier warm's results, this call's time).
+    """
+
+    platform: str
+    model_type: str
+    triton_version: str
+    workers: int
+    seconds: float
+    plan_seconds: float
+    results: tuple[KeyResult, ...] = attrs.field(converter=_tuple)
+    plugins: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    skipped: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    plugin_problems: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    pack: str | None = None
+    rank: int = 0
+    world_size: int = 1
+    shard_compiled: int | None = None
+    shard_received: int | None = None
+    shard_launchers_received: int | None = None
+    tuning: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=_tuple)
+    tuning_seconds: float = 0.0
+    rehearsed: int = 0
+    rehearsal_seconds: float = 0.0
+    processes: int = 0
+    processes_seconds: float = 0.0
+    already_warm: bool = False
+
+    @property
+    def declared(self) -> int:
+        """Keys declared by the plan."""
+        return len(self.results)
+
+    def _count(self, *status: str) -> int:
+        return sum(1 for r in self.results if r.status in status)
+
+    @property
+    def compiled(self) -> int:
+        """Keys compiled during this warm."""
+        return self._count("compiled")
+
+    @property
+    def from_cache(self) -> int:
+        """Keys found in Triton's disk cache or already in memory."""
+        return self._count("disk_cache", "memory")
+
+    @property
+    def failed(self) -> tuple[KeyResult, ...]:
+        """The keys that failed, with their errors."""
+        return tuple(r for r in self.results if r.status == "failed")
+
+    @property
+    def ok(self) -> bool:
+        """Whether every declared key is warm."""
+        return not self.failed
+
+    def per_kernel(self) -> dict[str, dict[str, Any]]:
+        """Per kernel: keys, compiled, cached, failed and summed compile seconds."""
+        out: dict[str, dict[str, Any]] = {}
+        for r in self.results:
+            row = out.setdefault(r.kernel, {"keys": 0, "compiled": 0, "cached": 0, "failed": 0, "seconds": 0.0})
+            row["keys"] += 1
+            row["seconds"] += r.seconds + r.load_seconds
+            row["compiled" if r.status == "compiled" else "failed" if r.status == "failed" else "cached"] += 1
+        return out
+
+    def summary(self) -> str:
+        """One line: keys declared / compiled / from cache / failed, seconds."""
+        where = f" (rank {self.rank} of {self.world_size}: {self.shard_compiled} compiled for the job)" if self.world_size > 1 else ""
+        return (
+            f"{self.declared} keys over {len(self.per_kernel())} kernels for {self.platform}: "
+            f"{self.compiled} compiled, {self.from_cache} from cache, {len(self.failed)} failed in {self.seconds:.2f} s{where}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data = attrs.asdict(self, recurse=False)
+        data["results"] = [r.to_json() for r in self.results]
+        for name in ("plugins", "skipped", "plugin_problems", "tuning"):
+            data[name] = list(data[name])
+        data["summary"] = {
+            "declared": self.declared,
+            "compiled": self.compiled,
+            "from_cache": self.from_cache,
+            "failed": len(self.failed),
+            "per_kernel": self.per_kernel(),
+        }
+        return data
+
+    def dumps(self) -> str:
+        """The report as indented JSON."""
+        return json.dumps(self.to_json(), indent=2)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> WarmReport:
+        """Read back :meth:`to_json` output (key types must be importable)."""
+        fields = {f.name for f in attrs.fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in fields}
+        kwargs["results"] = [KeyResult.from_json(r) for r in data["results"]]
+        return cls(**kwargs)

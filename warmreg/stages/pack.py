@@ -1,0 +1,529 @@
+"""Packs: warm caches built ahead of time (on any machine), verified, and installed into Triton's cache.
+
+A pack is a directory or a single ``.tar`` / ``.tar.gz`` / ``.zip`` file holding ``manifest.json``,
+``files/<builder hash>/<kernel>.{json,cubin|hsaco}`` and, for CUDA targets, Triton's C launchers
+prebuilt for named Python versions, ``launchers/<Triton's launcher key>/__triton_launcher<ABI suffix>``
+(see :mod:`warmreg._triton.launchers`; installed only where the platform and Python ABI match). The manifest names the warmreg, Triton and
+ptxas versions, the target, each entry's kernel, key, source hash and Triton specialization, and
+each file's size and sha256; it carries a digest of itself, so an edited manifest is refused. No
+pickle anywhere: JSON and raw binaries only.
+
+Install does not copy directories: Triton's cache key hashes its own installation, which differs
+between Python builds of one release, so each entry is written under the hash the *local* Triton
+computes. Every file is verified before anything is written. Each entry is written as uniquely named
+files, then published by atomically replacing Triton's group file (``__grp__<name>.json``), which is
+how Triton finds a cache entry: readers see a whole entry or none, and a crash leaves only unused
+files behind. Packs are installed into the writable cache (not layered in front of it), so Triton's
+ordinary JIT path finds every binary with no hook.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+import uuid
+import zipfile
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import triton
+
+from .. import _triton
+from .._triton import cache as _triton_cache, launchers as _triton_launchers
+from . import tuning
+from ..values._output import check_output
+from .pack_format import _ARCHIVES, FORMAT, Manifest, PackChoice, PackEntry, PackError, PackFile, PackLauncher, _sha256
+from .pack_install import install_entries, local_hash
+from .pack_reader import Reader, check_entries, check_launchers
+from ..values._version import __version__
+from ..contract.config import WarmConfig
+from ..values.errors import CacheError, WarmregError
+from ..values.key import CompileKey
+from ..values.platform import Platform, resolve_platform
+from .processes import Processes
+from ..pipeline.report import KeyResult
+from ..pipeline.stage import Stage
+
+# The planning and compiling modules (and torch with them) are imported where a build or an entry
+# check needs them, so that a pack refused for what it is costs no torch import.
+
+__all__ = [
+    "FORMAT", "InstallReport", "Manifest", "PackError", "PackInstall", "PackLauncher", "build", "build_wheel", "entry_from_result",
+    "entry_keys", "inspect_pack", "install", "install_entries", "installed_for", "prefetch_install", "verify",
+]
+
+log = logging.getLogger("warmreg.stages.pack")
+
+def _check_machine(reader: Reader, manifest: Manifest, platform: Platform | None) -> None:
+    if manifest.triton_version != triton.__version__:
+        raise PackError(
+            reader.name,
+            f"was built with Triton {manifest.triton_version}, this machine has {triton.__version__}",
+            fix=f"install triton=={manifest.triton_version} or rebuild the pack here",
+        )
+    if platform is not None and Platform.parse(manifest.target).target.split("+")[0] != platform.target.split("+")[0]:
+        raise PackError(reader.name, f"targets {manifest.target}, this warm targets {platform.target}", fix="build a pack for this target")
+    if manifest.ptxas_version is not None:
+        local = _triton_cache.ptxas_version(Platform.parse(manifest.target))
+        if local != manifest.ptxas_version:
+            raise PackError(
+                reader.name, f"was built with ptxas {manifest.ptxas_version!r}, this Triton uses {local!r}", fix="rebuild the pack here"
+            )
+
+
+def _open(path: str | Path) -> Reader:
+    return Reader(Path(path))
+
+
+@attrs.frozen
+class _Checked:
+    """A pack read whole and checked as far as it can be without the plugins: what verify and
+    install both start from."""
+
+    name: str
+    manifest: Manifest
+    platform: Platform
+    entries: list[tuple[PackEntry, dict[str, bytes] | PackError]]  # each entry's files, or why it is refused
+    launchers: list[tuple[PackLauncher, bytes]]
+
+
+def _read_checked(path: str | Path, target: str | Platform | None) -> _Checked:
+    reader = _open(path)
+    try:
+        manifest = reader.manifest()
+        platform = resolve_platform(target) if target is not None else Platform.parse(manifest.target)
+        _check_machine(reader, manifest, platform)
+        entries = check_entries(reader, manifest)
+        launchers = check_launchers(reader, manifest)  # every launcher verified, whether it fits here or not
+    finally:
+        reader.close()
+    return _Checked(reader.name, manifest, platform, entries, launchers)
+
+
+def verify(path: str | Path, *, target: str | Platform | None = None, jits: Mapping[str, Any] | None = None) -> Manifest:
+    """Check a pack completely, exactly as install does before it writes: manifest digest and fields,
+    member names and types, every file's size and sha256, each entry's metadata, Triton/ptxas/target,
+    and each entry's Triton function (among ``jits``, as for :func:`install`; never imported), its
+    source hash and its specialization.
+
+    :returns: the manifest.
+    :raises PackError: on the first problem, saying which and why.
+    """
+    read = _read_checked(path, target)
+    known = _installed_jits(read.manifest) if jits is None else jits
+    for entry, blobs in read.entries:
+        if isinstance(blobs, PackError):
+            raise blobs
+        local_hash(entry, known, read.platform, read.name)
+    return read.manifest
+
+
+def inspect_pack(path: str | Path) -> Manifest:
+    """Read a pack's manifest (digest and fields checked; files not verified)."""
+    reader = _open(path)
+    try:
+        return reader.manifest()
+    finally:
+        reader.close()
+
+
+def _installed_jits(manifest: Manifest) -> Mapping[str, Any]:
+    """The jit functions of the kernels defined in this process once the installed plugins are loaded,
+    by full name; without loading the plugins (nor torch) when no entry names a function of a package
+    that a plugin provides or this process has imported (every entry is then refused, as it would be
+    after loading them)."""
+    from ..pipeline.plugins import plugin_packages
+
+    packages = plugin_packages() | {name.split(".", 1)[0] for name in list(sys.modules)}
+    if not any(e.jit_name.split(".", 1)[0] in packages for e in manifest.entries):
+        return {}
+    from ..pipeline.plugins import loaded_jits
+
+    return loaded_jits()
+
+
+# -- installing ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class InstallReport:
+    """What an install did: entries written, already present, and refused with reasons."""
+
+    pack: str
+    installed: int
+    present: int
+    refused: tuple[tuple[str, str], ...]
+    seconds: float
+    #: prebuilt C launchers written into the cache (those for this machine's Python ABI, not yet there)
+    launchers: int = 0
+    #: autotune choices written into the cache's choice files (:mod:`warmreg.stages.tuning`)
+    choices: int = 0
+    #: installed by :func:`warmreg.prefetch` in the background, before the warm that reports it
+    prefetched: bool = False
+
+
+def install(
+    path: str | Path, *, target: str | Platform | None = None, all_or_nothing: bool = False, jits: Mapping[str, Any] | None = None
+) -> InstallReport:
+    """Install a pack into Triton's cache directory (``TRITON_CACHE_DIR``), under local cache keys.
+
+    Everything :func:`verify` checks is checked before the first write. A pack never causes an
+    import: each entry's Triton function is looked up among ``jits``.
+
+    :param target: the platform this machine warms for (default: the pack's target).
+    :param all_or_nothing: refuse the whole pack if any entry is refused.
+    :param jits: the Triton functions entries may be installed for, by full name (default: those of
+        every kernel class defined in this process once the installed plugins are loaded,
+        :func:`warmreg.pipeline.plugins.loaded_jits`); entries for any other function are refused.
+    :raises PackError: for a pack that does not fit this machine at all, or under ``all_or_nothing``.
+    :raises CacheError: if the cache directory cannot be written (nothing unverified is left in it).
+    """
+    start = time.perf_counter()
+    return _install_read(_read_checked(path, target), start, all_or_nothing=all_or_nothing, jits=jits)
+
+
+def _install_read(read: _Checked, start: float, *, all_or_nothing: bool, jits: Mapping[str, Any] | None) -> InstallReport:
+    launcher_blobs = [(x, data) for x, data in read.launchers if _triton_launchers.fits_here(x.platform_key, x.file.name)]
+    if jits is None:
+        _triton_cache.check_cache_writable()  # before the plugins load: an unusable cache is one quick line
+        jits = _installed_jits(read.manifest)
+    installed, present, refused = install_entries(read.entries, read.platform, pack=read.name, jits=jits, all_or_nothing=all_or_nothing)
+    try:
+        launchers = sum(_triton_launchers.install(x.cache_key, x.file.name, data) for x, data in launcher_blobs)
+        choices = tuning.keep(read.manifest.tuning)
+    except OSError as exc:
+        raise CacheError(_triton_cache.cache_dir(), f"cannot take the pack's C launchers or choices ({exc.strerror or exc})") from exc
+    return InstallReport(read.name, installed, present, tuple(refused), time.perf_counter() - start, launchers, choices)
+
+
+class PackInstall(Stage):
+    """The warm stage that installs packs into Triton's cache: after every key is bound (its launch
+    code ran while Triton's installation was still being hashed), before any cache lookup, on every
+    branch of a warm (local or distributed). A pack :func:`prefetch_install` installed into this
+    cache for this target is waited for, not installed again."""
+
+    def __init__(self, paths: Iterable[str | os.PathLike[str]]) -> None:
+        self.paths = [os.fspath(p) for p in paths]
+        self.reports: list[InstallReport] = []
+
+    @classmethod
+    def for_plan(cls, plan: Any, pack: str | os.PathLike[str] | None = None) -> PackInstall | None:
+        """The stage for a warm of ``plan``: the installed pack wheels that fit it
+        (:func:`installed_for`), then ``pack``; ``None`` when there is nothing to install."""
+        paths: list[str | os.PathLike[str]] = [*installed_for(plan.platform, plan.config.model_type)]
+        if pack is not None:
+            paths.append(pack)
+        return cls(paths) if paths else None
+
+    def before_compile(self, plan: Any, tasks: Any) -> None:
+        for path in self.paths:
+            report = _prefetched_install(path, plan.platform)
+            self.reports.append(report or install(path, target=plan.platform, jits=plan.jits()))
+
+    def note(self) -> str | None:
+        """One line per pack installed, for the warm report."""
+        lines = [
+            f"{r.pack}: {r.installed} installed, {r.present} present, {len(r.refused)} refused, {r.launchers} C launchers "
+            f"in {r.seconds:.2f} s{' (at prefetch)' if r.prefetched else ''}"
+            for r in self.reports
+        ]
+        return "; ".join(lines) or None
+
+
+#: Packs :func:`warmreg.prefetch` installs in the background, by (real path, cache directory): the
+#: outcome and the target it was installed for.
+_PREFETCHED: dict[tuple[str, str], Future[tuple[InstallReport, str]]] = {}
+_prefetch_lock = threading.Lock()
+
+
+def prefetch_install(path: str | os.PathLike[str], after: threading.Thread | None = None) -> None:
+    """Install the pack at ``path`` into the current cache directory on a background thread, for its
+    own target and the kernels of the installed plugins (after ``after``, the thread importing
+    them), so that a warm with that pack finds it installed (see :func:`warmreg.prefetch`). Errors
+    are not raised here: the warm then installs the pack itself and reports them."""
+    key = (os.path.realpath(path), _triton_cache.cache_dir())
+    with _prefetch_lock:
+        if key in _PREFETCHED:
+            return
+        future: Future[tuple[InstallReport, str]] = Future()
+        _PREFETCHED[key] = future
+
+    def run() -> None:
+        try:
+            if after is not None:
+                after.join()
+            start = time.perf_counter()
+            _check_cache_is(key[1])
+            read = _read_checked(os.fspath(path), None)
+            report = attrs.evolve(_install_read(read, start, all_or_nothing=False, jits=None), prefetched=True)
+            _check_cache_is(key[1])  # the install wrote where the warm will look
+            future.set_result((report, read.platform.target))
+        except BaseException as exc:  # the warm installs the pack again and reports this
+            log.debug("prefetch could not install %s: %r", path, exc)
+            future.set_exception(exc)
+
+    # not a daemon: an interpreter exiting waits for the entries being published (~0.1 s) rather
+    # than leave temporary files in the cache
+    threading.Thread(target=run, name="warmreg-pack-prefetch").start()
+
+
+def _check_cache_is(directory: str) -> None:
+    if _triton_cache.cache_dir() != directory:
+        raise CacheError(directory, f"is no longer Triton's cache directory ({_triton_cache.cache_dir()} is)", fix="prefetch again")
+
+
+def _prefetched_install(path: str | os.PathLike[str], platform: Platform) -> InstallReport | None:
+    """The report of :func:`prefetch_install` of ``path`` into the current cache, once every prefetch
+    of that pack is done (none writes while the warm installs), if it installed the whole pack for
+    ``platform``'s target; else ``None``: the warm installs it, for the plan's kernels, reporting
+    what is wrong."""
+    real = os.path.realpath(path)
+    with _prefetch_lock:
+        mine = {k: _PREFETCHED.pop(k) for k in [k for k in _PREFETCHED if k[0] == real]}
+    for pending in mine.values():
+        pending.exception()  # waits
+    future = mine.get((real, _triton_cache.cache_dir()))
+    if future is None or future.exception() is not None:
+        return None
+    report, target = future.result()
+    return report if target == platform.target and not report.refused else None
+
+
+def entry_from_result(result: KeyResult, kernel: Any) -> tuple[PackEntry, dict[str, bytes]]:
+    """A pack entry and its files' bytes for one warmed key (read from the local Triton cache).
+
+    :raises PackError: if the result has no binary in the cache.
+    """
+    if result.status == "failed" or not result.cache_files or not result.specialization_data or not result.jit_name:
+        raise PackError("<build>", f"no binary was recorded for {result.kernel} {result.key}", fix="report this as a warmreg bug")
+    blobs = {name: Path(path).read_bytes() for name, path in sorted(result.cache_files.items())}
+    files = [PackFile(name, len(data), _sha256(data)) for name, data in blobs.items()]
+    entry = PackEntry(
+        kernel=result.kernel, key=result.key.to_json(), jit_name=result.jit_name,
+        source_hash=_triton.source_hash(kernel.jit_for(result.key)), specialization_data=result.specialization_data,
+        binary_hash=result.binary_hash or "", files=files,
+    )  # fmt: skip
+    return entry, blobs
+
+
+# -- building -----------------------------------------------------------------------------------
+
+
+@contextmanager
+def _cache_at(directory: str) -> Iterator[None]:
+    previous = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = directory
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = previous
+
+
+def build(
+    config: Any,
+    output: str | Path,
+    *,
+    target: str | Platform | None = None,
+    workers: int | None = None,
+    plugins: Iterable[Any] = (),
+    entry_points: bool = True,
+    force: bool = False,
+    launcher_pythons: Iterable[str | None] | None = None,
+    progress: bool | None = None,
+    tuning_choices: str | os.PathLike[str] | None = None,
+) -> Manifest:
+    """Compile every key of ``config`` for ``target`` and write a pack (no GPU needed for a cross target).
+
+    Every autotune candidate is compiled. Which one each tuning key uses is recorded in the pack
+    (installed with it, so a serving host benchmarks nothing) when it is known: built on the local
+    GPU, the build tunes them; a cross build takes them from ``tuning_choices``, a choice file a
+    warm on the serving GPU model kept (``warmreg-tuning/<device>-triton-<release>.json`` in its
+    Triton cache). Without either, a warm from the pack on the GPU benchmarks the compiled
+    candidates (it compiles nothing).
+
+    :param output: a directory, or a file ending in ``.tar``, ``.tar.gz`` or ``.zip``.
+    :param force: replace an existing output.
+    :param progress: show a progress bar while compiling (default: when stderr is a terminal).
+    :param launcher_pythons: for CUDA targets, Python interpreters (names or paths; ``None`` is this
+        one) whose ABI the pack carries Triton's C launchers for, so that a serving host with that
+        Python neither runs a C compiler nor waits for one; empty for none. Default: this interpreter
+        when a C compiler and its headers are at hand (the pack then simply has none otherwise).
+    :raises PackError: if no kernel declares a key for the config, a key failed to compile (no pack is
+        written), a launcher could not be built, or the output exists.
+    """
+    out = Path(output)
+    if out.exists() and not force:
+        raise PackError(str(out), "already exists", fix="pass force=True (--force) or another path")
+    check_output(out, "pack output", create_parents=True)  # before compiling, not after
+    config = WarmConfig.load(config)  # a bad config or target is refused before the pipeline imports
+    resolve_platform(target)
+    from ..pipeline.run import default_workers, run
+    from ..pipeline.planning import plan
+
+    the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points)
+    platform = the_plan.platform
+    if not the_plan.num_keys:
+        raise PackError(
+            str(out), f"no kernel declares a key for model_type {the_plan.config.model_type!r} on {platform.target}",
+            fix="install the model family's plugin (`warmreg plugins` lists what is loaded)",
+        )
+    with tempfile.TemporaryDirectory(prefix="warmreg-build-") as tmp:
+        with _cache_at(os.path.join(tmp, "cache")):
+            _triton.forget_compiled()  # compile into the empty cache, even keys this process has loaded
+            workers = workers or default_workers()
+            tune = tuning.Tune.for_plan(the_plan)
+            stages = [s for s in (Processes.for_plan(the_plan, workers), tune) if s is not None]
+            results = run(the_plan, workers=workers, on_error="continue", stages=stages, progress=progress)
+            failed = [r for r in results if r.status == "failed"]
+            if failed:
+                raise PackError(str(out), f"{len(failed)} key(s) failed to compile; first: {failed[0].kernel}: {failed[0].error}", fix="fix the kernel")
+            entries = []
+            staged = Path(tmp) / "pack"
+            for r in results:
+                entry, blobs = entry_from_result(r, the_plan.kernel(r.kernel).kernel_for(r.key))
+                for name, data in blobs.items():
+                    dest = staged / entry.member(PackFile(name, len(data), ""))
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    dest.write_bytes(data)
+                entries.append(entry)
+            pythons: list[str | None] = [None] if launcher_pythons is None else list(launcher_pythons)
+            launchers = _build_launchers(
+                results, platform, pythons, staged, str(out), workers or default_workers(), required=launcher_pythons is not None
+            )
+        manifest = Manifest(
+            format=FORMAT, warmreg_version=__version__, triton_version=triton.__version__, ptxas_version=_triton_cache.ptxas_version(platform),
+            target=platform.target, python=sys.version.split()[0], created=time.time(), model_type=the_plan.config.model_type,
+            entries=entries, launchers=launchers, tuning=_choices(the_plan, tune, tuning_choices),
+        )  # fmt: skip
+        (staged / "manifest.json").write_text(json.dumps(manifest.to_json(), indent=1))
+        _publish_pack(staged, out)
+    return manifest
+
+
+def _choices(the_plan: Any, tune: tuning.Tune | None, path: str | os.PathLike[str] | None) -> list[PackChoice]:
+    if tune is not None:
+        return tuning.pack_choices(the_plan, tune.choices, _triton.device_name())
+    return tuning.choices_from_file(the_plan, path) if path is not None else []
+
+
+def build_wheel(config: Any, out_dir: str | Path, *, label: str | None = None, **kwargs: Any) -> tuple[Path, Manifest]:
+    """:func:`build` a pack and write it as an installable wheel into ``out_dir``
+    (``warmreg_pack_<label>_<target>-<version>-py3-none-any.whl``); returns the wheel's path and the
+    pack's manifest.
+
+    :param label: names the deployment in the wheel's name (default: the config file's stem, or the
+        model type for a config that is not a file).
+
+    ``pip install`` of the wheel registers the pack in the ``warmreg.packs`` entry-point group, and
+    :func:`warmreg.warm` installs it first wherever its model type, target and Triton release match.
+    Keyword arguments are :func:`build`'s.
+    """
+    from .pack_wheel import write_wheel
+
+    out = Path(out_dir)
+    check_output(out / "probe.whl", "wheel output", create_parents=True)
+    with tempfile.TemporaryDirectory(prefix="warmreg-wheel-") as tmp:
+        pack_dir = Path(tmp) / "pack"
+        manifest = build(config, pack_dir, **kwargs)
+        if label is None:
+            label = Path(config).stem if isinstance(config, (str, os.PathLike)) else manifest.model_type
+        return write_wheel(pack_dir, manifest, out, label), manifest
+
+
+def installed_for(platform: Platform, model_type: str) -> list[Path]:
+    """The installed pack wheels' packs built for ``model_type`` on ``platform`` with this Triton
+    release; any other installed pack is skipped with a logged reason."""
+    from .pack_wheel import installed_packs
+
+    found = []
+    for name, path in installed_packs():
+        try:
+            m = inspect_pack(path)
+        except WarmregError as exc:
+            log.warning("installed pack %s skipped: %s", name, exc)
+            continue
+        if m.model_type != model_type:
+            continue  # another model's pack: not this warm's business
+        if m.target != platform.target:
+            log.info("installed pack %s skipped: built for %s, this warm is for %s", name, m.target, platform.target)
+        elif m.triton_version != triton.__version__:
+            log.warning("installed pack %s skipped: built with Triton %s, this machine has %s", name, m.triton_version, triton.__version__)
+        else:
+            found.append(path)
+    return found
+
+
+def _build_launchers(
+    results: list[KeyResult], platform: Platform, pythons: list[str | None], staged: Path, out: str, workers: int, *, required: bool
+) -> list[PackLauncher]:
+    if not pythons or platform.backend != "cuda" or not _triton_launchers.PER_KERNEL:
+        return []  # Triton 3.7+ launches every kernel through one generic launcher: nothing to carry
+    compiled = []
+    for r in results:
+        kernel = _triton_cache.memory_kernel(_triton_cache.import_jit(r.jit_name or ""), r.triton_key or "", platform)
+        if kernel is None:
+            raise PackError(out, f"the compiled kernel of {r.kernel} {r.key} is not in memory", fix="report this as a warmreg bug")
+        compiled.append(kernel)
+    try:
+        built = _triton_launchers.build(compiled, pythons, workers=workers)
+    except _triton_launchers.LauncherError as exc:
+        if not required:
+            log.warning("pack %s carries no C launchers: %s", out, exc)
+            return []
+        raise PackError(out, f"cannot build Triton's C launchers: {exc}", fix="fix the above, or pass --no-launchers") from exc
+    launchers = []
+    for x in built:
+        launcher = PackLauncher(cache_key=x.cache_key, platform_key=x.platform_key, python=x.python, file=PackFile(x.name, len(x.data), _sha256(x.data)))
+        dest = staged / launcher.member()
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(x.data)
+        launchers.append(launcher)
+    return launchers
+
+
+def _publish_pack(staged: Path, out: Path) -> None:
+    """Stage, then rename: readers never see a half-written pack."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    if out.name.endswith(_ARCHIVES):
+        if out.name.endswith(".zip"):
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
+                for p in sorted(staged.rglob("*")):
+                    if p.is_file():
+                        zf.write(p, p.relative_to(staged).as_posix())
+        else:
+            with tarfile.open(tmp, "w:gz" if out.name.endswith(("gz", "tgz")) else "w") as tar:
+                for p in sorted(staged.rglob("*")):
+                    if p.is_file():
+                        tar.add(p, p.relative_to(staged).as_posix(), recursive=False)
+    else:
+        shutil.copytree(staged, tmp)
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    os.replace(tmp, out)
+
+
+def entry_keys(manifest: Manifest) -> list[CompileKey | None]:
+    """The compile keys of a manifest's entries (``None`` where the key type is not importable)."""
+    keys: list[CompileKey | None] = []
+    for e in manifest.entries:
+        try:
+            keys.append(CompileKey.from_json(e.key))
+        except WarmregError:
+            keys.append(None)
+    return keys
+

@@ -1,0 +1,242 @@
+"""Compiling a warm's cache misses in forked processes: the stage :class:`Processes`.
+
+Triton's frontend (the AST walk that generates each kernel's IR) is Python and holds the GIL, so a
+compile pool of threads runs it one key at a time: a cold DeepSeek-V4-Flash warm on 16 threads took
+2.3-4.9 s on H200 hosts, 1.2-2.6 s with this stage (Triton 3.6.0 and 3.8.0, the README's Results).
+This stage forks up to ``workers`` children right before the compile step;
+each one compiles keys missing from Triton's disk cache into it, side by side on every core. The
+compile step then finds every key in the cache: this process compiles each as a hit, so Triton's
+hooks, warmreg's listener and the loads see every key as before, and the key reports ``compiled``.
+
+A child is forked from the warming process (nothing but a key's index is sent to it, and nothing
+imported again), swaps Triton's driver for the stand-in of its target so that it never touches the
+GPU (CUDA cannot be used in a child forked after it started), and writes only through Triton's own
+cache manager (atomic renames): a child that fails or is killed leaves the cache as consistent as an
+interrupted compile would, and a key a child did not compile is compiled by the compile step here,
+which reports its error. On Triton 3.6, for the local CUDA GPU, each child also builds the C
+launchers of the kernels it compiled (one child per distinct launcher), which the warm's loads
+would otherwise build after the compile. Linux only, CUDA and ROCm targets, and only when at least
+:data:`MIN_MISSES` keys miss (a fork is not worth it for a handful), with as many children as the
+fork budget pays for (:data:`FORK_BUDGET_S`: a fork's cost grows with the resident memory), and with
+the cores shared among the ranks of a job on this host (``LOCAL_WORLD_SIZE``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import TYPE_CHECKING, Any
+
+from .. import _triton
+from .._triton import cache as _triton_cache, launchers as _triton_launchers
+from ..pipeline.stage import Stage
+
+if TYPE_CHECKING:
+    from ..pipeline.bind import Task
+    from ..pipeline.planning import Plan
+
+__all__ = ["ENABLED", "FORK_BASE_MS", "FORK_BUDGET_S", "FORK_MS_PER_GIB", "MIN_MISSES", "Processes"]
+
+log = logging.getLogger("warmreg.pipeline.compile")
+
+#: Whether warms and pack builds compile their misses in forked processes (``False``: threads only,
+#: as the benchmarks compare).
+ENABLED = True
+#: Fewer misses than this compile on threads.
+MIN_MISSES = 4
+#: A fork copies the page tables of what the warming process has resident: about 2 ms per GiB with
+#: 4 KiB pages (the CPU machine: 8 GiB resident, 15-19 ms a fork), after a few ms for any process
+#: (:data:`FORK_BASE_MS`; the H200 host with CUDA up, 0.66 GiB resident: 7 ms a fork).
+#: A warm forks only as many children as fit in :data:`FORK_BUDGET_S` (an engine that keeps large
+#: host buffers, such as pinned swap space, forks fewer children, or none and compiles on threads).
+FORK_BASE_MS = 5.0
+FORK_MS_PER_GIB = 2.2
+FORK_BUDGET_S = 0.25
+
+
+class Processes(Stage):
+    """The stage that compiles the keys missing from Triton's disk cache in forked children.
+
+    :ivar compiled: keys a child compiled; ``processes`` the children forked (0: none were needed).
+    :ivar seconds: wall time of the forked compile.
+    """
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self.compiled = 0
+        self.processes = 0
+        self.seconds = 0.0
+
+    @classmethod
+    def for_plan(cls, plan: Plan, workers: int) -> Processes | None:
+        """The stage, where it can run: Linux, a CUDA or ROCm target, more than one worker."""
+        ok = (
+            ENABLED
+            and workers > 1
+            and sys.platform.startswith("linux")
+            and (plan.platform.is_cuda or plan.platform.is_rocm)
+        )
+        return cls(workers) if ok else None
+
+    def first(self, plan: Plan, tasks: list[Task]) -> list[Task]:
+        """Compile the misses among the tasks to compile first (after a distributed warm picked this
+        rank's share); returns them unchanged, for the compile step."""
+        platform = plan.platform
+        misses = []
+        for t in tasks:
+            if t.launch is not None:
+                t.in_cache = _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform)
+                if not t.in_cache:
+                    misses.append(t)
+        affordable = _affordable_forks() if len(misses) >= MIN_MISSES else 0
+        share = self.workers // _ranks_on_this_host()  # the ranks of a job on one host all warm at once
+        if affordable >= 2 and share >= 2:
+            start = time.perf_counter()
+            self.processes = min(share, len(misses), affordable)
+            try:
+                self._fork(misses, plan)
+            except Exception as exc:  # e.g. a child killed (BrokenProcessPool): the compile step compiles the rest
+                log.warning(
+                    "compiling in processes failed (%s: %s); the rest compiles on threads", type(exc).__name__, exc
+                )
+            self.seconds = time.perf_counter() - start
+        return tasks
+
+    def _fork(self, misses: list[Task], plan: Plan) -> None:
+        global _CLAIMS
+        with _lock:
+            _LAUNCHES[:] = [t.launch for t in misses]
+            _CLAIMS = _Claims() if plan.platform.is_cuda and plan.platform.local else None
+            try:
+                pool = ProcessPoolExecutor(
+                    max_workers=self.processes, mp_context=multiprocessing.get_context("fork"),
+                    initializer=_child_init, initargs=(plan.platform, os.getpid()),
+                )  # fmt: skip
+                try:
+                    with warnings.catch_warnings():  # Python 3.12+ warns about forking a process that runs threads
+                        warnings.filterwarnings(
+                            "ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning
+                        )
+                        futures = {pool.submit(_child_compile, i): task for i, task in enumerate(misses)}
+                    for future in as_completed(futures):
+                        task = futures[future]
+                        error, seconds = future.result()
+                        task.seconds += seconds
+                        if error is not None:  # the compile step compiles it again, and reports the error
+                            log.debug("a compile process could not compile %s %s: %s", task.kp.name, task.key, error)
+                            continue
+                        task.precompiled = True
+                        self.compiled += 1
+                        if self.progress is not None:
+                            self.progress(task)
+                finally:
+                    pool.shutdown(wait=True, cancel_futures=True)
+            finally:
+                _LAUNCHES.clear()
+                _CLAIMS = None
+
+
+def _affordable_forks() -> int:
+    """How many children the fork budget pays for, by this process's resident memory."""
+    resident = _resident_gib()
+    per_fork_s = (FORK_BASE_MS + FORK_MS_PER_GIB * resident) / 1000
+    affordable = int(FORK_BUDGET_S // per_fork_s)
+    if affordable < 2:
+        log.info("compiling on threads: forking with %.0f GiB resident costs about %.0f ms a child", resident, per_fork_s * 1000)
+    return affordable
+
+
+def _ranks_on_this_host() -> int:
+    """The processes of a job on this host that warm at the same time: ``LOCAL_WORLD_SIZE`` (set by
+    torchrun and most launchers; 1 without it), so that they share the cores rather than each
+    forking as many children as there are CPUs."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def _resident_gib() -> float:
+    """This process's resident memory (``/proc/self/statm``), in GiB."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0.0
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+_lock = threading.Lock()
+#: The launches of the forked compile running now, which its children inherit (one at a time).
+_LAUNCHES: list[Any] = []
+
+
+class _Claims:
+    """The C launchers the children of one forked compile claimed (Triton 3.6, local CUDA GPU), so
+    that a launcher several keys share is built once: their cache keys (64 hex digits each) in an
+    anonymous shared mapping under a lock, both inherited through the fork (nothing on disk)."""
+
+    SLOTS = 1024  # launchers (the Flash example has 25); past them a child builds unclaimed
+
+    def __init__(self) -> None:
+        self.lock = multiprocessing.get_context("fork").Lock()
+        self.memory = mmap.mmap(-1, 4 + 64 * self.SLOTS)  # a count, then the keys
+
+    def claim(self, key: str) -> bool:
+        """Whether the calling child is the first to claim launcher ``key``."""
+        entry = key.encode().ljust(64, b"\0")[:64]
+        with self.lock:
+            count = int.from_bytes(self.memory[:4], "little")
+            if any(self.memory[4 + 64 * i : 4 + 64 * (i + 1)] == entry for i in range(count)):
+                return False
+            if count < self.SLOTS:
+                self.memory[4 + 64 * count : 4 + 64 * (count + 1)] = entry
+                self.memory[:4] = (count + 1).to_bytes(4, "little")
+            return True
+
+
+#: Where the children of the forked compile running now claim the launchers they build (else ``None``).
+_CLAIMS: _Claims | None = None
+
+
+#: Linux's ``prctl`` option that sends the child a signal when its parent dies.
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_init(platform: Any, parent: int) -> None:
+    """A child dies with the warm (were it killed, the child would wait for work forever, holding
+    the warm's standard streams), ignores interrupts (the warm stops the pool), ends on SIGTERM
+    without the handler an engine may have installed, and only compiles."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the warm died before the line above
+        os._exit(1)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _triton.compile_worker(platform)
+
+
+def _child_compile(index: int) -> tuple[str | None, float]:
+    """In a child: compile launch ``index`` into Triton's disk cache; ``(error or None, seconds)``."""
+    jit, grid, kwargs, options = _LAUNCHES[index]
+    start = time.perf_counter()
+    try:
+        compiled = _triton.retrying_ast_race(_triton.warmup, jit, grid, kwargs, options)
+    except Exception as exc:
+        from ..pipeline.bind import describe  # (bind imports torch, which the CLI's refusals never import)
+
+        return describe(exc), time.perf_counter() - start
+    if _CLAIMS is not None:
+        try:
+            _triton_launchers.prebuild(compiled, _CLAIMS.claim)
+        except Exception as exc:  # the warm's load builds it again, and reports a failure
+            log.debug("a compile process could not build the launcher of %s: %s", _triton.full_name(jit), exc)
+    return None, time.perf_counter() - start

@@ -1,0 +1,99 @@
+"""Rehearsal: on the local GPU, warm launches every key once for real, so a first launch costs what
+a later one does.
+
+A key that is compiled, loaded and has its fast launch still pays, on its first real launch, for
+what only a launch does: the driver's first launch of the function, the first run of the op's launch
+code and the C launch path on real tensors, the allocator's first block of an output size. The
+:class:`Rehearse` stage (after tuning, so a tuned kernel launches its chosen candidate) moves that
+into warm: each kernel's own launch code runs once per key on :meth:`~warmreg.TritonKernel.tuning_inputs`
+(by default its warmup inputs as zero-filled device tensors: every index 0, every length 0), as
+often as CPython needs before a function runs specialized bytecode (``_RUNS``), then the GPU is
+synchronized, so a kernel that faults on them fails the warm, not the first request.
+
+The launches are warmreg's own (the monitor ignores them, as it does compiles in warm). A launch
+whose inputs would not give back the key is not made (a contract error, logged); a kernel whose
+launch is unsafe on zeros overrides ``tuning_inputs`` or sets ``rehearse = False``.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from .. import _triton
+from ..contract.domains import runtime_platform
+from ..pipeline.stage import Stage
+from .tuning import _Probe
+
+if TYPE_CHECKING:
+    from ..pipeline.bind import Task
+    from ..pipeline.planning import Plan
+
+__all__ = ["Rehearse"]
+
+log = logging.getLogger("warmreg.stages.rehearsal")
+
+#: Launches of each key after the contract check: CPython 3.12+ specializes bytecode at its 2nd run,
+#: 3.11 only once a function's 8th call quickened it (``QUICKENING_WARMUP_DELAY``); 3.10 never.
+_RUNS = 9 if sys.version_info[:2] == (3, 11) else 2
+
+
+class Rehearse(Stage):
+    """The stage that launches every loaded key once on the local GPU.
+
+    :ivar launched: keys launched (a tuned kernel's tuning key counts once: its chosen candidate).
+    :ivar skipped: ``(kernel, key, why)`` of keys not rehearsed.
+    :ivar seconds: time spent, the final synchronize included.
+    """
+
+    def __init__(self) -> None:
+        self.launched = 0
+        self.skipped: list[tuple[str, str, str]] = []
+        self.seconds = 0.0
+
+    @classmethod
+    def for_plan(cls, plan: Plan) -> Rehearse | None:
+        """The stage, if ``plan`` is for the local GPU."""
+        return cls() if plan.platform.local else None
+
+    def after_load(self, plan: Plan, tasks: list[Task]) -> None:
+        import torch
+
+        from ..runtime.launch import WARM_SESSION
+
+        start = time.perf_counter()
+        device = _triton.torch_device()
+        runtime_platform()  # launch code's defaults read it (launch_pdl): detected once, now
+        done: set[tuple[str, Any]] = set()
+        for task in tasks:
+            if task.status == "failed" or task.compiled is None:
+                continue
+            kernel = task.kp.kernel_for(task.key)
+            key = attrs.evolve(task.key, config=None) if kernel.tune_configs else task.key  # type: ignore[call-arg]
+            if (task.kp.name, key) in done or not getattr(kernel, "rehearse", True):
+                continue
+            done.add((task.kp.name, key))
+            try:
+                inputs = kernel.tuning_inputs(key, device)
+                launcher = getattr(kernel, kernel.launcher)
+                probe = _Probe()
+                token = WARM_SESSION.set(probe)
+                try:
+                    launcher(**inputs)
+                finally:
+                    WARM_SESSION.reset(token)
+                if probe.key != key:
+                    self.skipped.append((task.kp.name, str(key), f"its inputs launch {probe.key}"))
+                    continue
+                for _ in range(_RUNS):
+                    launcher(**inputs)
+                self.launched += 1
+            except Exception as exc:  # inputs the launch code refuses: the key serves as it is
+                log.warning("no rehearsal of %s %s: %s", task.kp.name, key, exc)
+                self.skipped.append((task.kp.name, str(key), f"{type(exc).__name__}: {exc}"))
+        torch.cuda.synchronize(device)  # a kernel that faults on its rehearsal fails the warm here
+        self.seconds = time.perf_counter() - start
