@@ -1,19 +1,30 @@
-"""Render the README's Results section from the H200 runs (``benchmarks/results/h200_triton-*.json``,
-one per Triton release, from ``benchmarks/run_gpu.py``) and the CPU machine's and the 2-GPU run's
-result files.
+"""Render the results docs from the result files: the full history of the H200 runs
+(``benchmarks/results/h200_triton-*.json``, one per Triton release, from ``benchmarks/run_gpu.py``), the
+summary runs (``summary.json``, from ``benchmarks/summary.py``), the CPU machine's and the 2-GPU run's files,
+into ``docs/results.md``, and a short summary table into ``README.md``, each between the markers
+``<!-- results:start -->`` and ``<!-- results:end -->``. Everything else in either file is kept as it is
+(in ``docs/results.md`` the generated block starts the file; the notes after it are written by hand).
 
-    python benchmarks/render_results.py          # rewrites the block between the markers in README.md
+    python3 benchmarks/render_results.py            # rewrites both blocks (and docs/warm_time.png, with matplotlib)
+    python3 benchmarks/render_results.py --check    # exit 1, naming the file, if either block is stale
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+README = ROOT / "README.md"
+RESULTS_DOC = ROOT / "docs" / "results.md"
+COMMAND = "python3 benchmarks/render_results.py"
 
 
 def _load(name: str) -> dict[str, Any] | None:
@@ -53,7 +64,7 @@ def warm_table(runs: list[tuple[str, dict[str, Any]]]) -> list[str]:
     """One row per (machine, config): wall seconds of each warm variant, side by side."""
     out = ["Warm time in seconds (each variant a fresh process with its own Triton cache; CUDA context created "
            "before the timer, as in an engine). \"processes\": in runs from 2026-12-02 on, the default path, the misses "
-           "compiled in forked children (`warmreg.processes`); in the earlier H200 runs, fresh processes that each imported "
+           "compiled in forked children (`warmreg.stages.processes`); in the earlier H200 runs, fresh processes that each imported "
            "torch and the plugins and compiled a shard:", "",
            "| machine | config | keys / kernels | " + " | ".join(label for _, label in _VARIANTS) + " |",
            "| --- | --- | --- |" + " ---: |" * len(_VARIANTS)]  # fmt: skip
@@ -84,8 +95,6 @@ def profile_lines(d: dict[str, Any]) -> list[str]:
 
 
 def proof_lines(d: dict[str, Any]) -> list[str]:
-    import statistics
-
     s, lo = d["sweep"], d["launch_overhead_us"]
     pairs = [w / x for w, x in zip(lo["warmreg"], lo["triton_direct_with_output_alloc"])]
     paired = lo.get("ratio_same_work_paired", statistics.median(pairs))
@@ -146,8 +155,6 @@ def sweep_table(d: dict[str, Any]) -> list[str]:
 
 
 def all_keys_table(d: dict[str, Any]) -> list[str]:
-    import statistics
-
     out = ["Every warmed key launched for real (`benchmarks/gpu_all_keys.py`, monitor recording), first launch after "
            "warm against the median of 20 steady-state launches (ms, synchronized, medians over keys):", "",
            "| config | warm | keys launched | launch failures | misses | launches through `JITFunction.run` | first launch ms | steady launch ms |",
@@ -354,13 +361,14 @@ def fidelity_lines() -> list[str]:
 
 
 def render() -> str:
+    """The full results history: every table of every run, as ``docs/results.md`` holds it."""
     lines: list[str] = []
     gpus = gpu_runs()
     summary = _load("summary")
     if summary:
         lines += summary_table(summary)
     if (ROOT / "docs" / "warm_time.png").exists():
-        lines += ["![warm time](docs/warm_time.png)", ""]
+        lines += ["![warm time](warm_time.png)", ""]
     runs = [
         (f"H200 host, Triton {version}", result)
         for version, gpu in gpus
@@ -440,14 +448,155 @@ def chart() -> Path | None:
     return out
 
 
-def main() -> None:
+def _release(path: Path) -> str:
+    return path.stem.split("_triton-", 1)[1].split("_", 1)[0]
+
+
+def _where(machine: dict[str, Any]) -> str:
+    return f"{machine['gpu']}, {machine['cpus']} CPUs, Python {machine['python']}, torch {machine['torch']}"
+
+
+def _range(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def _vllm_rows(releases: list[str]) -> tuple[list[str], list[tuple[str, str]]]:
+    """Summary rows of the ops against vLLM's own kernels (vLLM's time over warmreg's, above 1: warmreg
+    faster), one cell per release, and the (file, machine) each came from."""
+    rows: list[str] = []
+    sources: list[tuple[str, str]] = []
+    for pattern, label in (
+        ("kernels_attn_res_h200_triton-*.json", "`kimi_k3.attn_res` against vLLM's `_attn_res_kernel`"),
+        ("kernels_kda_recurrent_h200_triton-*.json", "`kimi_k3.kda_recurrent` against vLLM's `fused_recurrent_kda`"),
+    ):
+        cells = dict.fromkeys(releases, "-")
+        for path in sorted(RESULTS.glob(pattern)):
+            d = json.loads(path.read_text())
+            if "num_sites" in d:  # attn_res: every call site at every token count, outputs compared bitwise
+                ratios = [x for xs in _ratios(d["rows"], "vllm", "warmreg").values() for x in xs]
+                same = sum(1 for r in d["rows"] if r.get("check", {}).get("warmreg_vs_vllm", {}).get("differing") == 0)
+                shape = f"{d['num_sites']} call sites x {len(d['tokens'])} token counts"
+            else:  # kda_recurrent: each step shape, outputs and state pool compared bitwise
+                ratios = [r["vllm_over_warmreg"] for r in d["rows"]]
+                checks = [r["check"] for r in d["rows"]]
+                same = sum(1 for c in checks if c["o_vs_vllm"]["differing"] == c["pool_vs_vllm"]["differing"] == 0)
+                shape = f"{len(d['rows'])} step shapes"
+            cells[_release(path)] = f"{_range(ratios)} ({shape}; {same}/{len(d['rows'])} bitwise equal)"
+            sources.append((f"`{path.name}` {d['time']}", _where(d["machine"])))
+        rows.append(f"| {label}: vLLM's time / warmreg's | " + " | ".join(cells[r] for r in releases) + " |")
+    return rows, sources
+
+
+def readme_summary() -> str:
+    """The README's summary table: a handful of figures per Triton release, each cell from a result file."""
+    summary = _load("summary")
+    if not summary:
+        return "No summary run in `benchmarks/results/` yet: see [docs/results.md](docs/results.md)."
+    entries = sorted(summary.items(), key=lambda kv: _release_key(Path(f"x_{kv[0]}")))
+    releases = [name.removeprefix("triton-") for name, _ in entries]
+    es = [e for _, e in entries]
+
+    def row(label: str, cell: Callable[[dict[str, Any]], str]) -> str:
+        return f"| {label} | " + " | ".join(cell(e) for e in es) + " |"
+
+    def launch(e: dict[str, Any], ours: str, theirs: str) -> str:
+        return f"{e[ours]:.1f} / {e[theirs]:.1f} ({e[ours] / e[theirs]:.2f}x)"
+
+    vllm, vllm_sources = _vllm_rows(releases)
+    sources = [(f"`summary.json` {r} {e['time']}", _where(e["machine"])) for r, e in zip(releases, es)]
+    machines = sorted({m for _, m in sources + vllm_sources})
+    warms = [json.loads((RESULTS / e["files"]["warm"]).read_text()) for e in es]
+    sweeps = [json.loads((RESULTS / e["files"]["sweep"]).read_text()) for e in es]
+    warmed = sorted({f"`{Path(w['config']).name}` ({e['warm_keys']} keys)" for e, w in zip(es, warms)})
+    rounds = "/".join(sorted({str(w["rounds"]) for w in warms}))
+    swept = "/".join(sorted({str(len(s["configs"])) for s in sweeps}))
+    out = [
+        f"Measured on {' and on '.join(machines)}, from `benchmarks/results/` "
+        f"({', '.join(s for s, _ in sources + vllm_sources)}). Warm: {', '.join(warmed)} after `warmreg.prefetch()` "
+        f"as an engine calls it, each figure the median of {rounds} fresh processes.",
+        "",
+        "| | " + " | ".join(f"Triton {r}" for r in releases) + " |",
+        "| --- |" + " ---: |" * len(releases),
+        row("warm from a pack (installed by `prefetch(pack=...)`), s", lambda e: f"{e['warm_pack_s']:.2f}"),
+        row("warm from the disk cache, s", lambda e: f"{e['warm_cache_s']:.2f}"),
+        row(
+            f"cold warm, every core ({'/'.join(sorted({str(e['warm_cpus']) for e in es}))} CPUs), s",
+            lambda e: f"{e['warm_cold_s']:.2f}",
+        ),
+        row(
+            f"runtime compiles after warm: sweep of {swept} example configs, monitor in `error` (misses / launches)",
+            lambda e: f"**{e['sweep_misses']}** / {e['sweep_launches']}",
+        ),
+        row(
+            "host µs per launch at T = 1, the whole Q/KV RMSNorm op / Triton's `kernel[grid](...)` allocating the same two outputs",
+            lambda e: launch(e, "launch_op_us", "launch_triton_same_alloc_us"),
+        ),
+        row(
+            "host µs per launch at T = 1, warmreg's guarded fast launch / Triton's `kernel[grid](...)`, outputs preallocated",
+            lambda e: launch(e, "launch_fast_us", "launch_triton_prealloc_us"),
+        ),
+        *vllm,
+        "",
+        "Every run, kernel and table, with the targets each figure is held to: [docs/results.md](docs/results.md).",
+    ]
+    return "\n".join(out)
+
+
+def results_doc() -> str:
+    """The generated head of ``docs/results.md``: what generates it, then :func:`render`."""
+    return "\n".join([
+        "# Results",
+        "",
+        f"Generated by `{COMMAND}` from `benchmarks/results/*.json` (each file holds the command, the machine and "
+        "the raw numbers); do not edit it between the `results` markers, rerun the command (`--check` fails while "
+        "it is stale). The notes after the generated part are written by hand about the runs of their dates, and "
+        "the render keeps them.",
+        "",
+        render(),
+    ])  # fmt: skip
+
+
+def _with_block(path: Path, block: str) -> str:
+    """``path``'s text with the part between the markers replaced by ``block``; a missing file is the block alone.
+
+    :raises SystemExit: the file exists without both markers.
+    """
+    if not path.exists():
+        return f"{START}\n{block}\n{END}\n"
+    text = path.read_text()
+    head, start, rest = text.partition(START)
+    _, end, tail = rest.partition(END)
+    if not (start and end):
+        raise SystemExit(f"{path}: no {START} ... {END} block to render into; add both markers where it goes")
+    return f"{head}{START}\n{block}\n{END}{tail}"
+
+
+def expected() -> dict[Path, str]:
+    """What each generated file should hold, rendered from the result files now."""
+    return {README: _with_block(README, readme_summary()), RESULTS_DOC: _with_block(RESULTS_DOC, results_doc())}
+
+
+def stale() -> list[Path]:
+    """The generated files whose text differs from what the result files render."""
+    return [path for path, text in expected().items() if not path.exists() or path.read_text() != text]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Rewrite both files (``--check``: only report the stale ones). Returns the exit code."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="exit 1 if README.md or docs/results.md is stale")
+    args = parser.parse_args(argv)
+    if args.check:
+        old = stale()
+        for path in old:
+            shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+            print(f"{shown} is stale: run {COMMAND}", file=sys.stderr)
+        return 1 if old else 0
     chart()
-    readme = ROOT / "README.md"
-    text = readme.read_text()
-    head, _, rest = text.partition(START)
-    _, _, tail = rest.partition(END)
-    readme.write_text(f"{head}{START}\n{render()}\n{END}{tail}")
+    for path, text in expected().items():
+        path.write_text(text)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
