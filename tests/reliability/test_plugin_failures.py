@@ -91,3 +91,29 @@ def test_two_plugins_register_conflicting_kernels_under_one_name() -> None:
     Impostor.name = "tests.scale"
     with pytest.raises(warmreg.PluginError, match="Impostor"):
         warmreg.plan(CONFIG, target="cuda:90", plugins=[_good(), Plugin(Impostor())], entry_points=False)
+
+
+class _Serving(Plugin):
+    """A plugin that declares the model types it serves, and counts the calls of its register hook."""
+
+    def __init__(self, types: list[str]) -> None:
+        super().__init__(Scale(sizes=(16,)))
+        self.types, self.calls = types, 0
+
+    @warmreg.hookimpl
+    def warmreg_model_types(self) -> list[str]:
+        return self.types
+
+    @warmreg.hookimpl
+    def warmreg_register_kernels(self, registry: warmreg.Registry) -> None:
+        self.calls += 1
+        super().warmreg_register_kernels(registry)
+
+
+def test_the_core_calls_a_plugin_only_for_the_model_types_it_serves() -> None:
+    """No model-type guard in a plugin: the core filters its register hook by its ``warmreg_model_types``;
+    a plugin that declares none is called for every config."""
+    mine, other, any_type = _Serving(["test"]), _Serving(["other_llm"]), Plugin(Scale(sizes=(16,)))
+    plan = warmreg.plan(CONFIG, target="cuda:90", plugins=[mine, other, any_type], entry_points=False)
+    assert (mine.calls, other.calls) == (1, 0)
+    assert plan.num_keys >= 1 and len(plan.kernels) == 1

@@ -34,7 +34,8 @@ def warmreg_register_kernels(registry: Registry, config: WarmConfig, platform: P
 
     Call ``registry.add(kernel, when=...)`` once per kernel (instance) the deployment uses; return
     nothing. Do no work beyond reading the config: no compiling, no allocation, no imports of
-    optional backends at module import time. Return early for configs of other model families.
+    optional backends at module import time. A plugin that answers :func:`warmreg_model_types` is
+    called only for configs of those model types; one that does not is called for every config.
 
     :param registry: collects kernels; deduplicates by kernel name and key.
     :param config: the deployment's :class:`~warmreg.WarmConfig`.
@@ -46,7 +47,8 @@ def warmreg_register_kernels(registry: Registry, config: WarmConfig, platform: P
 def warmreg_model_types() -> list[str]:  # type: ignore[empty-body]
     """The ``model_type`` values this plugin serves (optional).
 
-    The core uses the answers to tell an unknown model type (an error naming ``model.model_type``)
+    The core calls this plugin's :func:`warmreg_register_kernels` only for configs of these model
+    types, and uses the answers to tell an unknown model type (an error naming ``model.model_type``)
     from a known one whose deployment simply launches no kernel here.
 
     :returns: model types, e.g. ``["deepseek_v4"]``.

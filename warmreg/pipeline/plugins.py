@@ -141,6 +141,8 @@ def call_register_hooks(
     kwargs = {"registry": registry, "config": config, "platform": platform}
     problems: list[PluginProblem] = []
     for impl in plugins.manager.hook.warmreg_register_kernels.get_hookimpls():
+        if not _serves(plugins, impl.plugin, config.model_type):
+            continue  # another family's config: the plugin's hook is not called
         try:
             with registry.scope(impl.plugin_name):
                 impl.function(**{a: kwargs[a] for a in impl.argnames})
@@ -154,6 +156,14 @@ def call_register_hooks(
             problems.append(PluginProblem(impl.plugin_name, f"skipped, warmreg_register_kernels raised {exc!r}"))
             log.warning("warmreg plugin %s skipped: %r", impl.plugin_name, exc)
     return problems
+
+
+def _serves(plugins: PluginSet, plugin: Any, model_type: str) -> bool:
+    """Whether ``plugin`` serves ``model_type``: the model types it declares include it, or it declares
+    none (its ``warmreg_register_kernels`` then reads every config)."""
+    caller = plugins.manager.hook.warmreg_model_types
+    impls = [i for i in caller.get_hookimpls() if i.plugin is plugin]
+    return not impls or any(model_type in impl.function() for impl in impls)
 
 
 def loaded_jits(plugins: Iterable[Any] = (), *, entry_points: bool = True) -> dict[str, Any]:
