@@ -27,7 +27,7 @@ import json, time, torch.distributed as dist, warmreg
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank={rank}, world_size={world})
 t = time.perf_counter()
 r = warmreg.warm({config!r}, target={target!r}, workers={workers}, progress=False)
-print(json.dumps({{"wall": time.perf_counter() - t, "shard_compiled": r.shard_compiled, "received": r.shard_received, "keys": r.declared}}))
+print(json.dumps({{"wall": time.perf_counter() - t, "shard_compiled": r.stage("shard").get("compiled"), "received": r.stage("shard").get("received"), "keys": r.declared}}))
 dist.destroy_process_group()
 """
 

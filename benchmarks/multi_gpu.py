@@ -122,9 +122,9 @@ def main() -> None:
         "warm_wall_s": warm_wall,
         "job_wall_s": job_wall,
         "summary": report.summary(),
-        "shard_compiled": report.shard_compiled,
-        "shard_received": report.shard_received,
-        "shard_launchers_received": report.shard_launchers_received,
+        "shard_compiled": report.stage("shard").get("compiled"),
+        "shard_received": report.stage("shard").get("received"),
+        "shard_launchers_received": report.stage("shard").get("launchers_received"),
         "launcher_builds": dict(builds),
         "failed": [(r.kernel, str(r.key), r.error) for r in report.failed],
     }

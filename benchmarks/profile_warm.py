@@ -114,7 +114,7 @@ for name, thread, a, b in events:
     row["last"] = max(row["last"], b - t0)
 for row in stages.values():
     row["threads"] = len(row["threads"])
-print(json.dumps({"wall": wall, "summary": r.summary(), "plan_seconds": r.plan_seconds, "pack": r.pack,
+print(json.dumps({"wall": wall, "summary": r.summary(), "plan_seconds": r.plan_seconds, "pack": r.stage("pack").get("summary"),
                   "sympy_imported": "sympy" in sys.modules, "stages": stages}))
 """
 

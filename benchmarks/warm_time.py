@@ -49,9 +49,9 @@ wall = time.perf_counter() - t
 t = time.perf_counter()
 again = warmreg.warm({config!r}, target={target!r}, workers={workers}, on_error="continue", progress=False)
 print(json.dumps({{"wall": wall, "again_wall": time.perf_counter() - t, "already_warm": again.already_warm,
-                   "rehearsed": r.rehearsed, "rehearsal_seconds": r.rehearsal_seconds,
-                   "processes": r.processes, "processes_seconds": r.processes_seconds,
-                   "plan_seconds": r.plan_seconds, "keys": r.declared, "kernels": len(r.per_kernel()), "pack": r.pack,
+                   "rehearsed": r.stage("rehearsal").get("launched", 0), "rehearsal_seconds": r.stage("rehearsal").get("seconds", 0.0),
+                   "processes": r.stage("processes").get("processes", 0), "processes_seconds": r.stage("processes").get("seconds", 0.0),
+                   "plan_seconds": r.plan_seconds, "keys": r.declared, "kernels": len(r.per_kernel()), "pack": r.stage("pack").get("summary"),
                    "compiled": r.compiled, "from_cache": r.from_cache, "failed": len(r.failed),
                    "load_seconds": sum(x.load_seconds for x in r.results),
                    "compile_seconds": sum(x.seconds for x in r.results),

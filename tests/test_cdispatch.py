@@ -242,7 +242,7 @@ def test_a_cross_warm_rehearses_nothing() -> None:
     from tests.helpers import CONFIG, Plugin, Scale
 
     report = warmreg_warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False, target="cuda:90")
-    assert report.rehearsed == 0 and report.rehearsal_seconds == 0.0
+    assert report.stage("rehearsal").get("launched", 0) == 0 and report.stage("rehearsal").get("seconds", 0.0) == 0.0
 
 
 def warmreg_warm(*args: Any, **kwargs: Any) -> Any:
@@ -257,13 +257,13 @@ def test_gpu_warm_rehearses_every_key_once() -> None:
     from tests.helpers import CONFIG, Plugin, Scale
 
     report = warmreg_warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False)
-    assert report.rehearsed == report.declared == 3 and report.rehearsal_seconds > 0
-    assert warmreg_warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False, rehearse=False).rehearsed == 0
+    assert report.stage("rehearsal").get("launched", 0) == report.declared == 3 and report.stage("rehearsal").get("seconds", 0.0) > 0
+    assert warmreg_warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False, rehearse=False).stage("rehearsal").get("launched", 0) == 0
 
     class Unsafe(Scale):
         rehearse = False
 
-    assert warmreg_warm(CONFIG, plugins=[Plugin(Unsafe())], entry_points=False).rehearsed == 0
+    assert warmreg_warm(CONFIG, plugins=[Plugin(Unsafe())], entry_points=False).stage("rehearsal")["launched"] == 0
 
 
 @pytest.mark.gpu

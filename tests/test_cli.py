@@ -134,13 +134,14 @@ def test_build_shows_progress_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_pa
 
     from tests.helpers import CONFIG, Plugin, Scale
     from warmreg.stages import pack as packs
+    from warmreg.stages import build as packs_build
 
     pipeline = importlib.import_module("warmreg.pipeline.run")
     shown: list[int] = []
     real = pipeline._progress
     monkeypatch.setattr(pipeline, "_progress", lambda show, title, total: (show and shown.append(total)) or real(show, title, total))
-    packs.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, progress=True)
-    packs.build(CONFIG, tmp_path / "q", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, progress=False)
+    packs_build.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, progress=True)
+    packs_build.build(CONFIG, tmp_path / "q", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, progress=False)
     assert shown == [3]
 
 

@@ -38,8 +38,8 @@ out = []
 for _ in range(2):  # the second warm finds every key cached on every rank: nothing is exchanged
     r = warmreg.warm(CONFIG, target="cuda:90", plugins=[plugin], entry_points=False, workers=1, on_error="continue")
     out.append({{"ok": r.ok, "declared": r.declared, "compiled": r.compiled, "from_cache": r.from_cache,
-                "shard_compiled": r.shard_compiled, "shard_received": r.shard_received, "world": r.world_size,
-                "failed": [f.error for f in r.failed], "launchers_received": r.shard_launchers_received}})
+                "shard_compiled": r.stage("shard").get("compiled"), "shard_received": r.stage("shard").get("received"), "world": r.stage("shard").get("world_size", 1),
+                "failed": [f.error for f in r.failed], "launchers_received": r.stage("shard").get("launchers_received")}})
 if {fake_launchers}:
     out.append({{r: (open(p, "rb").read().decode() if (p := get_cache_manager("%064x" % (r + 1)).get_file(name)) else None)
                 for r in range({world})}})
@@ -141,7 +141,7 @@ dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank={rank
 # both others; n == 1 is a constant, so each rank's keys need one launcher, not the other rank's
 r = warmreg.warm(CONFIG, plugins=[Plugin(*(Scale(block=b, sizes=(1, 17)) for b in (32, 64)))], entry_points=False, workers=2)
 dist.destroy_process_group()
-print(json.dumps({{"ok": r.ok, "shard": r.shard_compiled, "received": r.shard_launchers_received, "sent": [x.cache_key for x in sent], **builds}}))
+print(json.dumps({{"ok": r.ok, "shard": r.stage("shard").get("compiled"), "received": r.stage("shard").get("launchers_received"), "sent": [x.cache_key for x in sent], **builds}}))
 """
 
 
@@ -195,7 +195,7 @@ def test_torchrun_cli(tmp_path: Path) -> None:
     done = subprocess.run(cmd, env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "cache")}, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads(report.read_text())
-    assert data["world_size"] == 2 and not data["summary"]["failed"]
+    assert data["stages"]["shard"]["world_size"] == 2 and not data["summary"]["failed"]
 
 
 def test_a_launcher_corrupted_in_transit_is_refused_by_name() -> None:

@@ -13,6 +13,7 @@ import pytest
 import warmreg
 from tests.helpers import CONFIG, CountedScale, Plugin
 from warmreg.stages import pack as packs
+from warmreg.stages import build as packs_build
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,11 +36,11 @@ def test_local_warm_runs_each_launch_code_once(counted: type[CountedScale]) -> N
 
 
 def test_pack_build_and_a_warm_from_it_run_each_launch_code_once(counted: type[CountedScale], tmp_path: Path) -> None:
-    packs.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[_plugin()], entry_points=False, workers=2)
+    packs_build.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[_plugin()], entry_points=False, workers=2)
     assert sorted(counted.calls.values()) == [1] * 6
     counted.calls.clear()
     report = warmreg.warm(CONFIG, target="cuda:90", plugins=[_plugin()], entry_points=False, pack=tmp_path / "p")
-    assert report.from_cache == 6 and "6 installed" in (report.pack or "")
+    assert report.from_cache == 6 and "6 installed" in (report.stage("pack").get("summary") or "")
     assert sorted(counted.calls.values()) == [1] * 6
 
 
@@ -55,7 +56,7 @@ for _ in range(2):  # the exchange, then the fast path (every key cached on ever
     CountedScale.calls.clear()
     r = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(CountedScale(block=32), CountedScale(block=64))],
                      entry_points=False, workers=1)
-    runs.append({{"ok": r.ok, "world": r.world_size, "calls": sorted(CountedScale.calls.values())}})
+    runs.append({{"ok": r.ok, "world": r.stage("shard").get("world_size", 1), "calls": sorted(CountedScale.calls.values())}})
 dist.destroy_process_group()
 print(json.dumps(runs))
 """

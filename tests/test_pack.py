@@ -12,13 +12,14 @@ import pytest
 import warmreg
 from tests.helpers import CONFIG, Plugin, Scale
 from warmreg.stages import pack as packs
+from warmreg.stages import build as packs_build
 from warmreg.stages.pack import PackError
 
 
 @pytest.fixture
 def built(tmp_path: Path) -> Path:
     out = tmp_path / "scale.tar"
-    packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2)
+    packs_build.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2)
     return out
 
 
@@ -30,7 +31,7 @@ def test_build_install_then_warm_compiles_nothing(built: Path, triton_cache: Pat
     manifest = packs.verify(built, target="cuda:90")
     assert len(manifest.entries) == 3 and manifest.triton_version and manifest.ptxas_version
     report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, pack=built)
-    assert report.compiled == 0 and report.from_cache == 3 and "3 installed" in (report.pack or "")
+    assert report.compiled == 0 and report.from_cache == 3 and "3 installed" in (report.stage("pack").get("summary") or "")
     again = packs.install(built)
     assert again.installed == 0 and again.present == 3
 
@@ -38,10 +39,10 @@ def test_build_install_then_warm_compiles_nothing(built: Path, triton_cache: Pat
 @pytest.mark.parametrize("fmt", ["dir", "scale.zip", "scale.tar.gz"])
 def test_formats(tmp_path: Path, fmt: str) -> None:
     out = tmp_path / ("pack" if fmt == "dir" else fmt)
-    packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False)
+    packs_build.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False)
     assert packs.install(out).installed == 1
     with pytest.raises(PackError, match="already exists"):
-        packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False)
+        packs_build.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False)
 
 
 def test_a_pack_prefetched_is_installed_before_the_warm_and_the_warm_installs_nothing(
@@ -51,7 +52,7 @@ def test_a_pack_prefetched_is_installed_before_the_warm_and_the_warm_installs_no
     monkeypatch.setattr(packs, "install", lambda *a, **k: pytest.fail("the warm installed the pack again"))
     report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, pack=built)
     assert report.compiled == 0 and report.from_cache == 3
-    assert "3 installed, 0 present, 0 refused" in (report.pack or "") and "(at prefetch)" in (report.pack or "")
+    assert "3 installed, 0 present, 0 refused" in (report.stage("pack").get("summary") or "") and "(at prefetch)" in (report.stage("pack").get("summary") or "")
     assert len(list(triton_cache.rglob("__grp__*.json"))) == 3
 
 
@@ -67,7 +68,7 @@ def test_a_prefetched_pack_is_not_taken_for_another_cache_or_target(
     report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, pack=built)
     # the warm waited for the prefetch (which wrote nowhere, or whole entries, wherever the variable
     # pointed as it went), then installed the pack into the cache it uses
-    assert report.compiled == 0 and "(at prefetch)" not in (report.pack or "") and "0 refused" in (report.pack or "")
+    assert report.compiled == 0 and "(at prefetch)" not in (report.stage("pack").get("summary") or "") and "0 refused" in (report.stage("pack").get("summary") or "")
     assert len(list(other.rglob("__grp__*.json"))) == 3 and not list(other.rglob("*.tmp.*"))
 
 
@@ -85,6 +86,7 @@ sys.path.insert(0, {root!r})
 from tests.helpers import CONFIG, Plugin, Scale
 for _ in range(3):
     from warmreg.stages import pack as packs
+    from warmreg.stages import build as packs_build
     packs.install({pack!r})
     r = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=1)
     assert r.ok and r.compiled == 0, r.summary()
@@ -124,7 +126,7 @@ def test_a_pack_of_another_triton_release_is_refused_in_one_line_naming_both(tmp
     from warmreg.stages import pack_format as _pack_format
 
     out = tmp_path / "pack"
-    packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False, launcher_pythons=[])
+    packs_build.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False, launcher_pythons=[])
     doc = json.loads((out / "manifest.json").read_text())
     other = "3.7.1" if not triton.__version__.startswith("3.7") else "3.8.0"
     body = {**doc["body"], "triton_version": other}
@@ -140,5 +142,5 @@ def test_a_pack_of_another_triton_release_is_refused_in_one_line_naming_both(tmp
 def test_build_of_a_config_no_kernel_serves_names_the_model_type_and_writes_nothing(tmp_path: Path) -> None:
     out = tmp_path / "p.tar.gz"
     with pytest.raises(PackError, match="no kernel declares a key for model_type 'nobody'") as info:
-        packs.build({**CONFIG, "model": {"model_type": "nobody"}}, out, target="cuda:90", entry_points=False)
+        packs_build.build({**CONFIG, "model": {"model_type": "nobody"}}, out, target="cuda:90", entry_points=False)
     assert "warmreg plugins" in str(info.value) and not out.exists()

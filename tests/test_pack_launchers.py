@@ -20,6 +20,7 @@ from warmreg import _triton
 from warmreg.stages import pack_format as _pack_format
 from warmreg._triton import launchers as _triton_launchers
 from warmreg.stages import pack as packs
+from warmreg.stages import build as packs_build
 from warmreg.stages.pack import PackError
 from warmreg.values.platform import Platform
 
@@ -65,7 +66,7 @@ def test_launcher_source_and_key_are_the_ones_triton_builds(monkeypatch: pytest.
 def with_launchers(tmp_path: Path) -> Path:
     out = tmp_path / "scale.tar"
     pythons = [None, PY312] if PY312 else [None]
-    packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2, launcher_pythons=pythons)
+    packs_build.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2, launcher_pythons=pythons)
     return out
 
 
@@ -116,7 +117,7 @@ def test_a_corrupt_launcher_is_refused_before_anything_is_written(with_launchers
 
 def test_a_format_1_pack_without_launchers_still_installs(tmp_path: Path, triton_cache: Path) -> None:
     out = tmp_path / "old"
-    packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False, launcher_pythons=[])
+    packs_build.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False, launcher_pythons=[])
     doc = json.loads((out / "manifest.json").read_text())
     body = {k: v for k, v in doc["body"].items() if k != "launchers"}
     body["format"] = 1
@@ -129,7 +130,7 @@ def test_a_format_1_pack_without_launchers_still_installs(tmp_path: Path, triton
 @ONLY_36
 def test_an_interpreter_without_headers_is_named(tmp_path: Path) -> None:
     with pytest.raises(PackError, match="no-such-python"):
-        packs.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False,
+        packs_build.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False,
                     launcher_pythons=["no-such-python"])  # fmt: skip
     assert not (tmp_path / "p").exists()
 
@@ -140,7 +141,7 @@ def test_gpu_warm_from_a_pack_with_launchers_runs_no_c_compiler(tmp_path: Path, 
     import triton.runtime.build as tb
 
     out = tmp_path / "local.tar"
-    packs.build(CONFIG, out, plugins=[Plugin(Scale())], entry_points=False)  # the local GPU, this Python
+    packs_build.build(CONFIG, out, plugins=[Plugin(Scale())], entry_points=False)  # the local GPU, this Python
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "fresh"))
     _triton.forget_compiled()
     builds: list[str] = []
@@ -181,7 +182,7 @@ def test_without_per_kernel_launchers_a_pack_carries_none_and_says_so(tmp_path: 
     import sys
 
     out = tmp_path / "scale.tar"
-    manifest = packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2, launcher_pythons=[None])
+    manifest = packs_build.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2, launcher_pythons=[None])
     assert manifest.launchers == () and manifest.triton_version == triton.__version__
     with tarfile.open(out) as tar:
         assert not [m for m in tar.getnames() if m.startswith("launchers/")]

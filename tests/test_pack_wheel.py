@@ -17,6 +17,7 @@ from tests.reliability.hostile import Pack
 from warmreg import _triton
 from warmreg.stages import pack_wheel as _pack_wheel
 from warmreg.stages import pack as packs
+from warmreg.stages import build as packs_build
 from warmreg._triton.release import RELEASE
 from warmreg.runtime.launch import FAST_TABLES
 
@@ -44,7 +45,7 @@ def _warm(target: str = "cuda:90") -> warmreg.WarmReport:
 
 
 def test_a_pip_installed_pack_wheel_makes_the_next_warm_compile_nothing(tmp_path: Path, site: Path, triton_cache: Path) -> None:
-    wheel, manifest = packs.build_wheel(CONFIG, tmp_path / "dist", label="scale", target="cuda:90", plugins=[Plugin(Scale())],
+    wheel, manifest = packs_build.build_wheel(CONFIG, tmp_path / "dist", label="scale", target="cuda:90", plugins=[Plugin(Scale())],
                                         entry_points=False, workers=2)  # fmt: skip
     assert wheel.name == "warmreg_pack_scale_cuda90-0.1.0-py3-none-any.whl" and len(manifest.entries) == 3
     with zipfile.ZipFile(wheel) as whl:
@@ -54,11 +55,11 @@ def test_a_pip_installed_pack_wheel_makes_the_next_warm_compile_nothing(tmp_path
     _pip_install(wheel, site)
     report = _warm()
     assert report.compiled == 0 and report.from_cache == 3, report.summary()
-    assert "3 installed" in (report.pack or "") and "warmreg_pack_scale_cuda90" in (report.pack or "")
+    assert "3 installed" in (report.stage("pack").get("summary") or "") and "warmreg_pack_scale_cuda90" in (report.stage("pack").get("summary") or "")
 
 
 def test_an_installed_pack_wheel_is_never_imported(tmp_path: Path, site: Path, triton_cache: Path) -> None:
-    wheel, _ = packs.build_wheel(CONFIG, tmp_path / "dist", label="scale", target="cuda:90", plugins=[Plugin(Scale())],
+    wheel, _ = packs_build.build_wheel(CONFIG, tmp_path / "dist", label="scale", target="cuda:90", plugins=[Plugin(Scale())],
                                  entry_points=False, workers=2)  # fmt: skip
     _pip_install(wheel, site)
     (site / "warmreg_pack_scale_cuda90" / "__init__.py").write_text("raise SystemExit('a pack wheel was imported')\n")
@@ -68,18 +69,18 @@ def test_an_installed_pack_wheel_is_never_imported(tmp_path: Path, site: Path, t
 def test_pack_wheels_for_another_target_or_triton_release_are_skipped_with_the_reason(
     tmp_path: Path, site: Path, triton_cache: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    other, _ = packs.build_wheel(CONFIG, tmp_path / "dist", label="scale", target="cuda:80", plugins=[Plugin(Scale())],
+    other, _ = packs_build.build_wheel(CONFIG, tmp_path / "dist", label="scale", target="cuda:80", plugins=[Plugin(Scale())],
                                  entry_points=False, workers=2)  # fmt: skip
     _pip_install(other, site)
     pack_dir = tmp_path / "old"
-    packs.build(CONFIG, pack_dir, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2)
+    packs_build.build(CONFIG, pack_dir, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2)
     doc = Pack.of({"manifest.json": (pack_dir / "manifest.json").read_bytes()})
     doc.body["triton_version"] = "3.9.0" if RELEASE.series == "3.6" else "3.6.0"
     (pack_dir / "manifest.json").write_bytes(doc.final()["manifest.json"])
     _pip_install(_pack_wheel.write_wheel(pack_dir, packs.inspect_pack(pack_dir), tmp_path / "dist", "scale_old"), site)
     with caplog.at_level(logging.INFO, logger="warmreg.stages.pack"):
         report = _warm()
-    assert report.compiled == 3 and report.pack is None  # neither installed a file
+    assert report.compiled == 3 and report.stage("pack").get("summary") is None  # neither installed a file
     reasons = " ".join(r.getMessage() for r in caplog.records)
     assert "warmreg_pack_scale_cuda80 skipped: built for cuda:80, this warm is for cuda:90" in reasons
     assert f"warmreg_pack_scale_old_cuda90 skipped: built with Triton {doc.body['triton_version']}" in reasons

@@ -47,7 +47,7 @@ def test_the_misses_compile_in_processes_and_this_process_only_finds_them(
         forked = _warm(tmp_path / "forked", monkeypatch, workers=2)
     finally:
         triton.knobs.compilation.listener = previous
-    assert forked.processes == 2 and forked.processes_seconds > 0
+    assert forked.stage("processes")["processes"] == 2 and forked.stage("processes")["seconds"] > 0
     assert misses_here == [], "every binary this process compiled was a hit: a child had compiled it"
     statuses = {(r.kernel, r.status) for r in forked.results}
     assert statuses == {("tests.scale", "compiled"), ("tests.broken", "failed")}
@@ -56,7 +56,7 @@ def test_the_misses_compile_in_processes_and_this_process_only_finds_them(
 
     monkeypatch.setattr(processes, "ENABLED", False)
     threads = _warm(tmp_path / "threads", monkeypatch, workers=2)
-    assert threads.processes == 0
+    assert threads.stage("processes").get("processes", 0) == 0
     assert _outcomes(forked) == _outcomes(threads), "the same keys, statuses and binaries as a warm on threads"
 
 
@@ -64,12 +64,12 @@ def test_nothing_is_forked_for_a_warm_cache_or_a_handful_of_misses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = tmp_path / "cache"
-    assert _warm(cache, monkeypatch, workers=2).processes == 2
+    assert _warm(cache, monkeypatch, workers=2).stage("processes")["processes"] == 2
     again = _warm(cache, monkeypatch, workers=2)
-    assert again.processes == 0 and {r.status for r in again.results} == {"disk_cache", "failed"}
+    assert again.stage("processes").get("processes", 0) == 0 and {r.status for r in again.results} == {"disk_cache", "failed"}
     few = _warm(tmp_path / "few", monkeypatch, workers=2, plugins=[Plugin(Scale(sizes=(16, 17)))])
-    assert few.processes == 0 and few.compiled == 2, f"fewer than {processes.MIN_MISSES} misses compile on threads"
-    assert _warm(tmp_path / "one", monkeypatch, workers=1).processes == 0, "one worker forks nothing"
+    assert few.stage("processes").get("processes", 0) == 0 and few.compiled == 2, f"fewer than {processes.MIN_MISSES} misses compile on threads"
+    assert _warm(tmp_path / "one", monkeypatch, workers=1).stage("processes").get("processes", 0) == 0, "one worker forks nothing"
 
 
 def _dies_on_first(index: int) -> tuple[str | None, float]:
@@ -95,19 +95,19 @@ def test_the_children_forked_are_what_the_resident_memory_affords(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(processes, "_resident_gib", lambda: 30.0)  # 71 ms a fork: 3 fit in 0.25 s
-    assert _warm(tmp_path / "some", monkeypatch, workers=8).processes == 3
+    assert _warm(tmp_path / "some", monkeypatch, workers=8).stage("processes")["processes"] == 3
     monkeypatch.setattr(processes, "_resident_gib", lambda: 200.0)  # 445 ms a fork: none
     report = _warm(tmp_path / "none", monkeypatch, workers=8)
-    assert report.processes == 0
+    assert report.stage("processes").get("processes", 0) == 0
     assert {(r.kernel, r.status) for r in report.results} == {("tests.scale", "compiled"), ("tests.broken", "failed")}
 
 
 def test_the_ranks_on_one_host_share_the_cores(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # as torchrun sets it: 4 ranks warm at once here
-    assert _warm(tmp_path / "a", monkeypatch, workers=8).processes == 2
-    assert _warm(tmp_path / "b", monkeypatch, workers=4).processes == 0, "one core each: threads"
+    assert _warm(tmp_path / "a", monkeypatch, workers=8).stage("processes")["processes"] == 2
+    assert _warm(tmp_path / "b", monkeypatch, workers=4).stage("processes").get("processes", 0) == 0, "one core each: threads"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "not a number")
-    assert _warm(tmp_path / "c", monkeypatch, workers=2).processes == 2
+    assert _warm(tmp_path / "c", monkeypatch, workers=2).stage("processes")["processes"] == 2
 
 
 def test_a_launcher_is_claimed_once_across_forked_children(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,7 +31,7 @@ def test_every_candidate_of_every_tuning_key_is_a_planned_key() -> None:
 
 def test_a_cross_warm_compiles_each_candidate_with_its_constexprs_and_options() -> None:
     report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(TunedDouble())], entry_points=False, workers=1)
-    assert report.ok and report.compiled == 2 and report.tuning == ()  # no GPU here: nothing benchmarked
+    assert report.ok and report.compiled == 2 and tuple(report.stage("tuning").get("choices", ())) == ()  # no GPU here: nothing benchmarked
     specs = {r.key.config: json.loads(r.specialization_data or "{}") for r in report.results}  # type: ignore[attr-defined]
     assert set(specs) == {0, 1}
     assert specs[0]["constant_vals"] == [16] and specs[1]["constant_vals"] == [64]  # BLOCK, Triton's specialization
@@ -184,11 +184,12 @@ def test_a_cross_built_pack_carries_the_gpu_hosts_choices_and_its_install_keeps_
     gpu_standin: _Bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from warmreg.stages import pack as packs
+    from warmreg.stages import build as packs_build
 
     choice_file = tmp_path / "gpu-choices.json"
     choice_file.write_bytes(_gpu_choice_file(gpu_standin).read_bytes())
     out = tmp_path / "pack"
-    manifest = packs.build(
+    manifest = packs_build.build(
         CONFIG, out, target="cuda:90", plugins=[Plugin(TunedDouble())], entry_points=False, launcher_pythons=[],
         tuning_choices=choice_file,
     )  # fmt: skip
@@ -210,8 +211,9 @@ def test_a_cross_built_pack_carries_the_gpu_hosts_choices_and_its_install_keeps_
 
 def test_a_cross_build_without_choices_records_none(tmp_path: Path) -> None:
     from warmreg.stages import pack as packs
+    from warmreg.stages import build as packs_build
 
-    manifest = packs.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(TunedDouble())], entry_points=False, launcher_pythons=[])
+    manifest = packs_build.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(TunedDouble())], entry_points=False, launcher_pythons=[])
     assert manifest.tuning == () and "tuning" not in json.loads((tmp_path / "p" / "manifest.json").read_text())["body"]
 
 
@@ -229,11 +231,12 @@ def test_a_hostile_choice_in_a_manifest_is_refused_naming_the_field(
 ) -> None:
     from warmreg.stages import pack_format as _pack_format
     from warmreg.stages import pack as packs
+    from warmreg.stages import build as packs_build
 
     choice_file = tmp_path / "gpu-choices.json"
     choice_file.write_bytes(_gpu_choice_file(gpu_standin).read_bytes())
     out = tmp_path / "pack"
-    packs.build(
+    packs_build.build(
         CONFIG, out, target="cuda:90", plugins=[Plugin(TunedDouble())], entry_points=False, launcher_pythons=[],
         tuning_choices=choice_file,
     )  # fmt: skip
@@ -250,7 +253,7 @@ def test_coverage_counts_candidates_not_chosen_apart_from_unused() -> None:
 
     report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(TunedDouble())], entry_points=False, workers=1)
     base = TunedKey(dtype="float32")
-    tuned = attrs.evolve(report, tuning=({"kernel": "tests.tuned_double", "key": base.to_json(), "config": 1},))
+    tuned = attrs.evolve(report, stages={"tuning": {"choices": [{"kernel": "tests.tuned_double", "key": base.to_json(), "config": 1}]}})
     (row,) = coverage(tuned, {"tests.tuned_double": {attrs.evolve(base, config=1)}}, []).kernels
     assert (row.declared, row.hit, row.unused, row.not_chosen) == (2, 1, 0, 1)
     (row,) = coverage(report, {}, []).kernels  # no choice made (a cross warm): both candidates unused
@@ -260,7 +263,7 @@ def test_coverage_counts_candidates_not_chosen_apart_from_unused() -> None:
 @pytest.mark.gpu
 def test_gpu_warm_tunes_keeps_and_serves_the_choice_with_no_miss() -> None:
     report = warmreg.warm(CONFIG, plugins=[Plugin(TunedDouble())], entry_points=False, workers=2)
-    (choice,) = report.tuning
+    (choice,) = tuple(report.stage("tuning").get("choices", ()))
     assert choice["source"] == "benchmark" and set(choice["microseconds"]) == {"0", "1"}  # JSON keys
     chosen = choice["config"]
     x = torch.arange(100, dtype=torch.float32, device="cuda")
@@ -269,4 +272,4 @@ def test_gpu_warm_tunes_keeps_and_serves_the_choice_with_no_miss() -> None:
     assert torch.equal(out, 2 * x) and block.item() == (16, 64)[chosen] and not mon.misses
     launch.TUNED.clear()
     again = warmreg.warm(CONFIG, plugins=[Plugin(TunedDouble())], entry_points=False, workers=2)
-    assert again.from_cache == 2 and [c["source"] for c in again.tuning] == ["kept"] and again.tuning[0]["config"] == chosen
+    assert again.from_cache == 2 and [c["source"] for c in again.stage("tuning")["choices"]] == ["kept"] and again.stage("tuning")["choices"][0]["config"] == chosen

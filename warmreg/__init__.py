@@ -8,9 +8,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .values._version import __version__
 from .contract.config import WarmConfig
 from .contract.domains import next_pow2, powers_of_two, runtime_platform, token_counts
+from .contract.hookspecs import hookimpl
+from .pipeline.report import KeyResult, WarmReport
+from .values._version import __version__
 from .values.errors import (
     CacheError,
     CompileFailed,
@@ -22,7 +24,6 @@ from .values.errors import (
     TargetError,
     WarmregError,
 )
-from .contract.hookspecs import hookimpl
 from .values.key import CompileKey, FieldDiff, IntClass, dtype_name, int_class, int_class_rep, is_aligned
 from .values.platform import (
     Platform,
@@ -37,16 +38,15 @@ from .values.platform import (
     sm_below,
     supports_pdl,
 )
-from .pipeline.report import KeyResult, WarmReport
 
 if TYPE_CHECKING:
+    from .api.warm import prefetch, reset_state, warm
     from .contract.kernel import LaunchSpec, TritonKernel, TuneConfig, kernel_launcher, meta, output
-    from .runtime.launch import use_config
-    from .monitoring import JitMissError, Miss, Monitor, arm, disarm, monitor
-    from .pipeline.planning import KernelPlan, Plan, plan
     from .contract.registry import Registry
     from .contract.space import enumerate_keys
-    from .api.warm import prefetch, reset_state, warm
+    from .monitoring import JitMissError, Miss, Monitor, arm, disarm, monitor
+    from .pipeline.planning import KernelPlan, Plan, plan
+    from .runtime.launch import use_config
 
 # Imported on first use: these modules import torch (about 2 s on a small machine), which the CLI's
 # refusals, pack checks and config checks do not need.

@@ -11,6 +11,7 @@ import pytest
 
 from tests.helpers import CONFIG, Plugin, Scale
 from warmreg.stages import pack as packs
+from warmreg.stages import build as packs_build
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -20,6 +21,7 @@ sys.path.insert(0, {root!r})
 import warmreg
 from warmreg import _triton
 from warmreg.stages import pack as packs
+from warmreg.stages import build as packs_build
 from tests.helpers import CONFIG, Plugin, Scale
 plugin = Plugin(Scale(), Scale(block=128))
 for round in range(50):
@@ -34,7 +36,7 @@ print("ok")
 def test_eight_processes_fifty_rounds(tmp_path: Path, triton_cache: Path) -> None:
     """8 processes x 50 rounds of pack install and warm on one cache: zero errors, every entry read back is whole"""
     pack = tmp_path / "p.tar"
-    packs.build(CONFIG, pack, target="cuda:90", plugins=[Plugin(Scale(), Scale(block=128))], entry_points=False)
+    packs_build.build(CONFIG, pack, target="cuda:90", plugins=[Plugin(Scale(), Scale(block=128))], entry_points=False)
     code = _WORKER.format(root=str(ROOT), pack=str(pack))
     procs = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(8)]
     outs = [p.communicate(timeout=900) for p in procs]

@@ -18,6 +18,7 @@ import warmreg
 from tests.helpers import CONFIG, Plugin, Scale
 from tests.reliability.hostile import assert_nothing_written, assert_refused, files_under, run_cli
 from warmreg.stages import pack as packs
+from warmreg.stages import build as packs_build
 from warmreg.contract.config import SERVING_FIELDS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,7 +29,7 @@ KIMI = json.loads((ROOT / "examples" / "kimi_k3.json").read_text())
 @pytest.fixture(scope="module")
 def good_pack(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("good") / "scale.tar"
-    packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2, launcher_pythons=[])
+    packs_build.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2, launcher_pythons=[])
     return out
 
 

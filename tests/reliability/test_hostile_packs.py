@@ -27,6 +27,7 @@ from tests.reliability.hostile import (
     write_zip,
 )
 from warmreg.stages import pack as packs
+from warmreg.stages import build as packs_build
 
 Case = Callable[[Members, Path], tuple[Path, str]]
 CASES: dict[str, Case] = {}
@@ -43,7 +44,7 @@ def case(cls: str, name: str) -> Callable[[Case], Case]:
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Members:
     out = tmp_path_factory.mktemp("base") / "pack"
-    packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2, launcher_pythons=[])
+    packs_build.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2, launcher_pythons=[])
     return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
 
 

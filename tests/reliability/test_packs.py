@@ -15,13 +15,14 @@ import warmreg
 from tests.helpers import CONFIG, Plugin, Scale
 from warmreg.stages import pack_install as _pack_install
 from warmreg.stages import pack as packs
+from warmreg.stages import build as packs_build
 from warmreg.stages.pack import PackError
 
 
 @pytest.fixture
 def built(tmp_path: Path) -> Path:
     out = tmp_path / "scale.tar"
-    packs.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2)
+    packs_build.build(CONFIG, out, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=2)
     return out
 
 
@@ -117,7 +118,7 @@ def test_bad_packs_are_refused_and_nothing_is_written(kind: str, built: Path, tm
 def test_truncated_archive(built: Path, tmp_path: Path, triton_cache: Path) -> None:
     """a truncated archive is refused; nothing is written"""
     cut = tmp_path / "cut.tar.gz"
-    packs.build(CONFIG, tmp_path / "full.tar.gz", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False)
+    packs_build.build(CONFIG, tmp_path / "full.tar.gz", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False)
     data = (tmp_path / "full.tar.gz").read_bytes()
     cut.write_bytes(data[: len(data) // 2])
     with pytest.raises(PackError, match="truncated"):

@@ -30,10 +30,10 @@ from triton.backends.driver import DriverBase
 from triton.runtime.driver import driver as _driver
 from triton.runtime.jit import JITFunction, compute_cache_key
 
-from . import launchers as _triton_launchers
-from .release import RELEASE, SUPPORTED_TRITON, UnsupportedTriton, check_version
 from ..values.errors import TargetError
 from ..values.platform import Platform
+from . import launchers as _triton_launchers
+from .release import RELEASE, SUPPORTED_TRITON, UnsupportedTriton, check_version
 
 if TYPE_CHECKING:
     import torch

@@ -18,10 +18,10 @@ from typing import Any
 import triton
 from triton.runtime.jit import JITFunction
 
-from . import _device_id, cross_target, current_device, gpu_target
-from .release import RELEASE
 from ..values.errors import CacheError, WarmregError
 from ..values.platform import Platform
+from . import _device_id, cross_target, current_device, gpu_target
+from .release import RELEASE
 
 log = logging.getLogger("warmreg.pipeline.compile")
 

@@ -41,8 +41,8 @@ from typing import Any
 
 import attrs
 
-from .release import RELEASE
 from ..values.errors import WarmregError
+from .release import RELEASE
 
 __all__ = [
     "Launcher", "LauncherError", "PER_KERNEL", "PythonABI", "build", "built_here", "fits_here", "install", "is_built",

@@ -32,9 +32,9 @@ from typing import Any, Literal, cast
 
 import attrs
 
-from ..values.errors import ConfigError
 from ..monitoring import MODES, Mode, Monitor, arm
 from ..pipeline.report import WarmReport
+from ..values.errors import ConfigError
 from .warm import prefetch as _prefetch
 from .warm import warm
 

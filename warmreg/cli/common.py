@@ -87,8 +87,8 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 def serving_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The serving settings of ``--serving`` and then ``--set`` (later ones win)."""
-    from ..values import _json
     from ..contract.config import CONFIG_FILE_MAX
+    from ..values import _json
     from ..values.errors import ConfigError
 
     out: dict[str, Any] = {}

@@ -15,9 +15,10 @@ from typing import Any
 
 from rich.markup import escape
 
-from . import monitor as cli_monitor, pack as cli_pack
-from .common import add_common, add_json, check_json_output, emit_json, err, load_config, out, show_table
 from ..values.errors import WarmregError
+from . import monitor as cli_monitor
+from . import pack as cli_pack
+from .common import add_common, add_json, check_json_output, emit_json, err, load_config, out, show_table
 
 __all__ = ["build_parser", "main"]
 

@@ -11,15 +11,15 @@ from typing import Any
 
 from rich.markup import escape
 
-from .common import add_json, add_serving, emit_json, load_config, out, show_table
 from .._triton.release import release_of
+from .common import add_json, add_serving, emit_json, load_config, out, show_table
 
 __all__ = ["add_commands"]
 
 
 
 def _cmd_build(args: argparse.Namespace) -> int:
-    from ..stages.pack import build, build_wheel
+    from ..stages.build import build, build_wheel
 
     pythons = [] if args.no_launchers else args.launcher_python  # None: this interpreter, if it can
     config = load_config(args)  # config, --serving/--set and target, checked before anything compiles

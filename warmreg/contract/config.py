@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 
 import attrs
 
-from ..values import _json
 from .. import engines
+from ..values import _json
 from ..values.errors import ConfigError
 
 __all__ = ["CONFIG_FILE_MAX", "MODEL_INT_MAX", "SERVING_FIELDS", "WarmConfig"]

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import functools
 
-from .config import WarmConfig
 from ..values.platform import Platform
+from .config import WarmConfig
 
 __all__ = ["next_pow2", "powers_of_two", "runtime_platform", "token_counts"]
 

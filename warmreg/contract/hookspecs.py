@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from .config import WarmConfig
     from ..values.platform import Platform
+    from .config import WarmConfig
     from .registry import Registry
 
 __all__ = ["PROJECT", "hookimpl", "hookspec", "warmreg_model_types", "warmreg_register_kernels"]

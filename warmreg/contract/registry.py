@@ -13,10 +13,10 @@ from typing import Any
 
 import attrs
 
-from .config import WarmConfig
 from ..values.errors import PluginError
-from .kernel import TritonKernel
 from ..values.platform import Platform, Predicate
+from .config import WarmConfig
+from .kernel import TritonKernel
 
 __all__ = ["Registration", "Registry", "Skipped"]
 

@@ -24,8 +24,7 @@ from typing import Any, Literal
 import attrs
 
 from .. import _triton
-from ..values.errors import WarmregError
-from ..values.key import CompileKey
+from ..pipeline.report import WarmReport
 from ..runtime.launch import (
     IN_WARMUP,
     add_launch_listener,
@@ -34,7 +33,8 @@ from ..runtime.launch import (
     remove_launch_listener,
     remove_untuned_listener,
 )
-from ..pipeline.report import WarmReport
+from ..values.errors import WarmregError
+from ..values.key import CompileKey
 
 __all__ = ["KNOWLEDGE", "MODES", "JitMissError", "Miss", "MissKind", "Mode", "Monitor", "arm", "current", "disarm", "monitor", "note_launch"]
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import attrs
 
+from ..pipeline.report import WarmReport
 from ..values.errors import WarmregError
 from ..values.key import CompileKey
 from . import Miss
-from ..pipeline.report import WarmReport
 
 __all__ = ["Coverage", "KernelCoverage", "coverage", "load_observations"]
 
@@ -80,7 +80,7 @@ def coverage(report: WarmReport | None, used: dict[str, set[CompileKey]], misses
     """Combine what warm compiled with what runtime used and missed."""
     declared: dict[str, set[CompileKey]] = {}
     compiled: dict[str, int] = {}
-    chosen = {(c["kernel"], json.dumps(c["key"], sort_keys=True)): c["config"] for c in (report.tuning if report else ())}
+    chosen = {(c["kernel"], json.dumps(c["key"], sort_keys=True)): c["config"] for c in (report.stage("tuning").get("choices", ()) if report else ())}
     for r in report.results if report else ():
         declared.setdefault(r.kernel, set()).add(r.key)
         compiled[r.kernel] = compiled.get(r.kernel, 0) + (r.status != "failed")

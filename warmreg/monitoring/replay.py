@@ -6,11 +6,11 @@ from pathlib import Path
 
 import attrs
 
-from ..values import _json
 from .._triton import cache as _triton_cache
+from ..values import _json
 from ..values.errors import WarmregError
-from . import Miss
 from ..values.platform import Platform
+from . import Miss
 
 __all__ = ["RECORDS_MAX", "ReplayResult", "read_records", "replay"]
 

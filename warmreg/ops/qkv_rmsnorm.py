@@ -22,8 +22,8 @@ from triton.language.extra import cuda as tl_cuda
 
 from ..contract.config import WarmConfig
 from ..contract.domains import next_pow2, runtime_platform, token_counts
-from ..values.errors import LaunchError
 from ..contract.kernel import LaunchSpec, TritonKernel, kernel_launcher, meta, output
+from ..values.errors import LaunchError
 from ..values.key import CompileKey, IntClass, dtype_name, int_class, int_class_rep, is_aligned
 from ..values.platform import Platform
 

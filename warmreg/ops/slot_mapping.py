@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 
 from ..contract.config import WarmConfig
-from ..values.errors import ConfigError, LaunchError
 from ..contract.kernel import LaunchSpec, TritonKernel, kernel_launcher, meta
+from ..values.errors import ConfigError, LaunchError
 from ..values.key import CompileKey, IntClass, int_class, int_class_rep
 from ..values.platform import Platform
 

@@ -16,10 +16,10 @@ from typing import Any, Literal
 
 from .. import _triton
 from .._triton import cache as _triton_cache
-from ..values.errors import KernelContractError, WarmregError
 from ..contract.kernel import LaunchSpec, TritonKernel, check_no_option_kwargs
-from ..values.key import CompileKey
 from ..runtime.launch import WARM_SESSION
+from ..values.errors import KernelContractError, WarmregError
+from ..values.key import CompileKey
 from .planning import KernelPlan
 from .report import KeyResult
 

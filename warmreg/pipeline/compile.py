@@ -21,9 +21,9 @@ from typing import Any
 
 from .. import _triton
 from .._triton import cache as _triton_cache
-from .bind import OnError, Task, cancel_rest, describe
 from ..runtime.launch import FAST_LAUNCH, IN_WARMUP, remember_fast_launch
 from ..values.platform import Platform
+from .bind import OnError, Task, cancel_rest, describe
 
 __all__ = ["INLINE_HITS", "compile_scope", "compile_tasks", "prepare_fast_launches", "remove_failed"]
 

@@ -14,15 +14,15 @@ import attrs
 
 from .. import _triton
 from ..contract.config import WarmConfig
-from ..values.errors import ConfigError, KernelContractError
 from ..contract.kernel import TritonKernel
+from ..contract.registry import Registration, Registry, Skipped
+from ..contract.space import enumerate_keys
+from ..values.errors import ConfigError, KernelContractError
 from ..values.key import CompileKey
 from ..values.platform import Platform, check_features, resolve_platform
 from .plugins import OnPluginError, PluginProblem, call_register_hooks, load_plugins
-from ..contract.registry import Registration, Registry, Skipped
-from ..contract.space import enumerate_keys
 
-__all__ = ["KernelPlan", "Plan", "plan"]
+__all__ = ["KernelPlan", "OnPluginError", "Plan", "Platform", "plan"]
 
 
 @attrs.frozen

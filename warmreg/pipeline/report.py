@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 import attrs
@@ -55,22 +55,21 @@ class KeyResult:
         return cls(**{**data, "key": CompileKey.from_json(data["key"])})
 
 
+def _sections(value: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {str(name): dict(section) for name, section in value.items()}
+
+
 @attrs.frozen(kw_only=True)
 class WarmReport:
     """JSON-serializable result of :func:`warmreg.warm`.
 
     :param results: one :class:`KeyResult` per declared key.
     :param seconds: wall time of the whole warm (planning, compiling, loading).
-    :param shard_compiled: in a distributed warm, keys this rank compiled for the job (its shard);
-        ``shard_received`` the entries it installed from other ranks, ``shard_launchers_received`` the
-        C launchers (local CUDA GPU) it installed from them.
-    :param tuning: on the local GPU, the candidate chosen for each tuning key of an autotuned
-        kernel (``warmreg.stages.tuning.Choice.to_json()``: kernel, key, config, source, microseconds);
-        ``tuning_seconds`` the time that took (benchmarks included).
-    :param rehearsed: on the local GPU, keys launched once for real by warm
-        (:mod:`warmreg.stages.rehearsal`), ``rehearsal_seconds`` the time that took.
-    :param processes: compile processes forked for the keys missing from Triton's disk cache
-        (:mod:`warmreg.stages.processes`; 0: none), ``processes_seconds`` the wall time of their compile.
+    :param skipped: kernels whose predicate excluded them, with the reason; ``plugin_problems`` the
+        plugins skipped, with theirs.
+    :param stages: each stage's own section, by the stage's name (:meth:`warmreg.pipeline.stage.Stage.section`:
+        e.g. ``pack``, ``shard``, ``processes``, ``tuning``, ``rehearsal``); a section's ``summary``
+        line joins :meth:`summary`.
     :param already_warm: this process had warmed this very plan, and every key was still in memory
         with its fast launch: nothing was done (the earlier warm's results, this call's time).
     """
@@ -85,19 +84,12 @@ class WarmReport:
     plugins: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
     skipped: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
     plugin_problems: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
-    pack: str | None = None
-    rank: int = 0
-    world_size: int = 1
-    shard_compiled: int | None = None
-    shard_received: int | None = None
-    shard_launchers_received: int | None = None
-    tuning: tuple[dict[str, Any], ...] = attrs.field(default=(), converter=_tuple)
-    tuning_seconds: float = 0.0
-    rehearsed: int = 0
-    rehearsal_seconds: float = 0.0
-    processes: int = 0
-    processes_seconds: float = 0.0
+    stages: dict[str, dict[str, Any]] = attrs.field(factory=dict, converter=_sections)
     already_warm: bool = False
+
+    def stage(self, name: str) -> Mapping[str, Any]:
+        """The section of the stage ``name`` (empty when that stage did not run)."""
+        return self.stages.get(name, {})
 
     @property
     def declared(self) -> int:
@@ -138,17 +130,17 @@ class WarmReport:
         return out
 
     def summary(self) -> str:
-        """One line: keys declared / compiled / from cache / failed, seconds."""
-        where = f" (rank {self.rank} of {self.world_size}: {self.shard_compiled} compiled for the job)" if self.world_size > 1 else ""
-        return (
+        """One line: keys declared / compiled / from cache / failed, seconds; then each stage's summary."""
+        line = (
             f"{self.declared} keys over {len(self.per_kernel())} kernels for {self.platform}: "
-            f"{self.compiled} compiled, {self.from_cache} from cache, {len(self.failed)} failed in {self.seconds:.2f} s{where}"
+            f"{self.compiled} compiled, {self.from_cache} from cache, {len(self.failed)} failed in {self.seconds:.2f} s"
         )
+        return "; ".join([line, *(str(s["summary"]) for s in self.stages.values() if s.get("summary"))])
 
     def to_json(self) -> dict[str, Any]:
         data = attrs.asdict(self, recurse=False)
         data["results"] = [r.to_json() for r in self.results]
-        for name in ("plugins", "skipped", "plugin_problems", "tuning"):
+        for name in ("plugins", "skipped", "plugin_problems"):
             data[name] = list(data[name])
         data["summary"] = {
             "declared": self.declared,

@@ -1,7 +1,7 @@
 """The warm pipeline: plan → bind every key once → stages → compile → load → results.
 
 :func:`run` is the one pipeline every warm goes through: :func:`warmreg.warm` (with the pack install
-and, under torch.distributed, the exchange between ranks as stages) and :func:`warmreg.stages.pack.build`
+and, under torch.distributed, the exchange between ranks as stages) and :func:`warmreg.stages.build.build`
 (which compiles into an empty cache and writes a pack from the results). A :class:`Stage` steps in
 between binding and loading; the pipeline owns the progress display, so every branch shows the same.
 """
@@ -13,13 +13,15 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 
-from .bind import OnError, Task, bind_all
+from .._triton import cache as _triton_cache
+from ..values.errors import WarmregError
+from .bind import OnError, Task, bind_all, check_on_error
 from .compile import compile_scope, compile_tasks, prepare_fast_launches, remove_failed
 from .planning import Plan
 from .report import KeyResult
-from .stage import Stage
+from .stage import Stage, sections
 
-__all__ = ["default_workers", "run"]
+__all__ = ["OnError", "check_on_error", "check_workers", "default_workers", "run", "sections"]
 
 
 def default_workers() -> int:
@@ -28,6 +30,15 @@ def default_workers() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - not Linux
         return max(1, os.cpu_count() or 1)
+
+
+def check_workers(workers: int | None) -> int:
+    """Validate a ``workers`` argument (``None``: :func:`default_workers`)."""
+    if workers is None:
+        return default_workers()
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise WarmregError(f"workers={workers!r} must be an int >= 1", fix="pass e.g. workers=8, or None for all CPUs")
+    return workers
 
 
 def run(
@@ -40,13 +51,13 @@ def run(
 ) -> list[KeyResult]:
     """Warm every key of ``plan``: bind each once, run the stages, compile, load (local GPU).
 
-    :param workers: compile threads (1 compiles inline); a :class:`warmreg.stages.processes.Processes`
-        stage forks its own.
+    :param workers: compile threads (1 compiles inline); a stage may fork compile processes of its own.
     :param on_error: ``"raise"``/``"continue"`` warm every key; ``"stop"`` stops at the first failure.
     :param stages: stage objects (see the module's docstring).
     :param progress: show a progress bar (default: when stderr is a terminal).
     :returns: one :class:`KeyResult` per key of the plan, in order.
     """
+    _triton_cache.check_cache_writable()
     tasks = [Task(kp, key) for kp, key in plan.items()]
     show = sys.stderr.isatty() if progress is None else progress
     with _progress(show, f"{plan.platform} ({workers} workers)", len(tasks)) as on_done, compile_scope(plan.platform):

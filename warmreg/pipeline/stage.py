@@ -1,31 +1,33 @@
 """A stage of the warm pipeline: what steps in between binding every key and loading the binaries.
 
-Packs (:class:`warmreg.stages.pack.PackInstall`) and the exchange between the ranks of a distributed warm
-(:class:`warmreg.stages.distributed.Shard`) are stages, and so is choosing each autotuned kernel's candidate
-(:class:`warmreg.stages.tuning.Tune`), as is compiling the misses in forked processes
-(:class:`warmreg.stages.processes.Processes`); :func:`warmreg.pipeline.run.run` calls them.
+A stage owns its options (given to its constructor) and its own section of the warm report
+(:meth:`Stage.section`, filed under :attr:`Stage.name`); the pipeline (:func:`warmreg.pipeline.run.run`)
+calls its steps in order and knows no stage by name. :mod:`warmreg.stages` holds the stages and composes
+them for a warm and for a pack build.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from .bind import Task
     from .planning import Plan
 
-__all__ = ["Stage"]
+__all__ = ["Stage", "sections"]
 
 
 class Stage:
     """A step between binding and loading. Its methods are called in this order, each by default
     doing nothing; subclasses override what they need.
 
+    :ivar name: the stage's section in the warm report (:attr:`warmreg.WarmReport.stages`).
     :ivar progress: set by the pipeline before the first call: the warm's per-key progress callback
         (``None`` when none is shown), for a stage that finishes keys itself; a key counts once.
     """
 
+    name: ClassVar[str] = ""
     progress: Callable[[Task], None] | None = None
 
     def before_compile(self, plan: Plan, tasks: list[Task]) -> None:
@@ -40,5 +42,15 @@ class Stage:
         key not done yet is compiled next."""
 
     def after_load(self, plan: Plan, tasks: list[Task]) -> None:
-        """Every key compiled and, on the local GPU, loaded with its fast launch (e.g. autotuning,
-        :class:`warmreg.stages.tuning.Tune`), still inside the warm's compile scope."""
+        """Every key compiled and, on the local GPU, loaded with its fast launch (e.g. autotuning),
+        still inside the warm's compile scope."""
+
+    def section(self) -> dict[str, Any] | None:
+        """What this stage did, as JSON values for the report (``None``: nothing to say); a
+        ``summary`` entry is one line the report's :meth:`~warmreg.WarmReport.summary` adds."""
+        return None
+
+
+def sections(stages: Iterable[Stage]) -> dict[str, dict[str, Any]]:
+    """The report sections of ``stages``, by name."""
+    return {s.name: section for s in stages if (section := s.section()) is not None}

@@ -27,8 +27,8 @@ from typing import Any, Protocol
 import torch
 
 from .. import _triton
-from . import fast as _triton_fast
 from ..values.key import CompileKey
+from . import fast as _triton_fast
 
 __all__ = [
     "FAST_LAUNCH", "FAST_TABLES", "FORCE_CONFIG", "IN_WARMUP", "TUNED", "WARM_SESSION", "LaunchListener", "WarmSession",

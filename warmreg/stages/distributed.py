@@ -27,29 +27,19 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from .._triton import cache as _triton_cache, launchers as _triton_launchers
+from .._triton import cache as _triton_cache
+from .._triton import launchers as _triton_launchers
 from ..pipeline.bind import Task
-from ..values.errors import WarmregError
-from ..values.key import CompileKey
-from .pack import PackEntry, PackFile, _sha256, entry_from_result, install_entries
 from ..pipeline.planning import Plan
 from ..pipeline.report import KeyResult
 from ..pipeline.stage import Stage
+from ..values.errors import WarmregError
+from ..values.key import CompileKey
+from .pack import entry_from_result
+from .pack_format import PackEntry, PackFile, _sha256
+from .pack_install import install_entries
 
-__all__ = ["Shard", "ShardStats", "resolve_group"]
-
-
-@attrs.frozen
-class ShardStats:
-    """What the sharded phase did on this rank."""
-
-    rank: int
-    world_size: int
-    compiled_here: int
-    received: int
-    fast_path: bool
-    exchange_seconds: float
-    launchers_received: int = 0
+__all__ = ["Shard", "resolve_group"]
 
 
 def resolve_group(group: Any, distributed: bool | None) -> Any:
@@ -163,6 +153,8 @@ class Shard(Stage):
     nothing is exchanged and each rank warms every key locally.
     """
 
+    name = "shard"
+
     def __init__(self, group: Any) -> None:
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
@@ -217,7 +209,11 @@ class Shard(Stage):
             if _triton_launchers.fits_here(x.platform_key, x.name):
                 self.launchers += _triton_launchers.install(x.cache_key, x.name, x.data)
 
-    def stats(self) -> ShardStats:
-        """What the sharded phase did on this rank."""
+    def section(self) -> dict[str, Any]:
+        """This rank, the keys it compiled for the job and the entries and C launchers it received."""
         compiled = 0 if self.fast_path else sum(1 for t in self.mine if t.status == "compiled")
-        return ShardStats(self.rank, self.world, compiled, self.received, self.fast_path, self.exchange_seconds, self.launchers)
+        return {
+            "rank": self.rank, "world_size": self.world, "compiled": compiled, "received": self.received,
+            "launchers_received": self.launchers, "fast_path": self.fast_path, "exchange_seconds": self.exchange_seconds,
+            "summary": f"rank {self.rank} of {self.world}: {compiled} compiled for the job",
+        }  # fmt: skip

@@ -19,12 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from ..values import _json
 from .. import _triton
 from .._triton import cache as _triton_cache
-from .pack_format import PackEntry, PackError, _one_line, check_name
+from ..values import _json
 from ..values.errors import CacheError, WarmregError
 from ..values.platform import Platform
+from .pack_format import PackEntry, PackError, _one_line, check_name
 
 __all__ = ["install_entries", "local_hash"]
 

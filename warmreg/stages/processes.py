@@ -37,7 +37,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import TYPE_CHECKING, Any
 
 from .. import _triton
-from .._triton import cache as _triton_cache, launchers as _triton_launchers
+from .._triton import cache as _triton_cache
+from .._triton import launchers as _triton_launchers
 from ..pipeline.stage import Stage
 
 if TYPE_CHECKING:
@@ -70,6 +71,8 @@ class Processes(Stage):
     :ivar seconds: wall time of the forked compile.
     """
 
+    name = "processes"
+
     def __init__(self, workers: int) -> None:
         self.workers = workers
         self.compiled = 0
@@ -86,6 +89,10 @@ class Processes(Stage):
             and (plan.platform.is_cuda or plan.platform.is_rocm)
         )
         return cls(workers) if ok else None
+
+    def section(self) -> dict[str, Any]:
+        """The children forked (0: none were needed), the keys they compiled and the wall time."""
+        return {"processes": self.processes, "compiled": self.compiled, "seconds": self.seconds}
 
     def first(self, plan: Plan, tasks: list[Task]) -> list[Task]:
         """Compile the misses among the tasks to compile first (after a distributed warm picked this

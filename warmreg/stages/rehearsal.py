@@ -50,6 +50,8 @@ class Rehearse(Stage):
     :ivar seconds: time spent, the final synchronize included.
     """
 
+    name = "rehearsal"
+
     def __init__(self) -> None:
         self.launched = 0
         self.skipped: list[tuple[str, str, str]] = []
@@ -59,6 +61,10 @@ class Rehearse(Stage):
     def for_plan(cls, plan: Plan) -> Rehearse | None:
         """The stage, if ``plan`` is for the local GPU."""
         return cls() if plan.platform.local else None
+
+    def section(self) -> dict[str, Any]:
+        """The keys launched, those skipped with why, and the time it took."""
+        return {"launched": self.launched, "skipped": [list(s) for s in self.skipped], "seconds": self.seconds}
 
     def after_load(self, plan: Plan, tasks: list[Task]) -> None:
         import torch

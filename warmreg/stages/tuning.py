@@ -37,10 +37,10 @@ import triton
 
 from .. import _triton
 from .._triton import cache as _triton_cache
-from .pack_format import PackChoice
+from ..pipeline.stage import Stage
 from ..values.errors import KernelContractError, WarmregError
 from ..values.key import CompileKey
-from ..pipeline.stage import Stage
+from .pack_format import PackChoice
 
 if TYPE_CHECKING:  # the launch state imports torch: a pack install that only keeps choices needs neither
     from ..pipeline.bind import Task
@@ -208,6 +208,8 @@ class Tune(Stage):
     :ivar seconds: time spent benchmarking.
     """
 
+    name = "tuning"
+
     def __init__(self, *, warmup_ms: float = 5.0, rep_ms: float = 20.0) -> None:
         self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
         self.choices: list[Choice] = []
@@ -217,6 +219,10 @@ class Tune(Stage):
     def for_plan(cls, plan: Plan) -> Tune | None:
         """The stage, if ``plan`` is for the local GPU and has a tuned kernel."""
         return cls() if plan.platform.local and any(kp.kernel.tune_configs for kp in plan.kernels) else None
+
+    def section(self) -> dict[str, Any]:
+        """Each choice (:meth:`Choice.to_json`: kernel, key, config, source, microseconds) and the time it took."""
+        return {"choices": [c.to_json() for c in self.choices], "seconds": self.seconds}
 
     def after_load(self, plan: Plan, tasks: list[Task]) -> None:
         from ..runtime.launch import TUNED

@@ -1,0 +1,72 @@
+"""Prefetch: the part of a warm that depends on no config, started early on background threads."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+from .. import _triton
+from .._triton import cache as _triton_cache
+from ..stages.pack import prefetch_install
+
+__all__ = ["prefetch", "wait_for_plugins"]
+
+log = logging.getLogger("warmreg.api.prefetch")
+
+
+def prefetch(pack: str | os.PathLike[str] | None = None) -> None:
+    """Start, on background threads, the part of a warm that depends on no config: Triton's hash of
+    its own installation (``triton_key()``, which reads the 415 MB ``libtriton.so``: ~0.5 s on the
+    H200 host, the largest single cost of a warm from a warm cache or a pack), importing the
+    installed plugins with their kernels (~0.4 s there: the first plan's cost), then the modules
+    Triton imports at its first specialization and each kernel's source hash, and the CUDA driver's
+    utility module Triton compiles into a fresh cache (0.4-0.9 s of a warm from a pack there).
+
+    :param pack: a pack the engine will warm with: installed too, once the plugins are imported,
+        into the cache directory ``TRITON_CACHE_DIR`` names now, for the pack's own target (read,
+        verified and written as :func:`warmreg.stages.pack.install` does). A warm of that pack into that
+        cache then waits for it instead of installing; it installs the pack itself if the
+        prefetch failed, refused an entry, or installed it for another target or cache directory.
+
+    Call it early in an engine's start-up (before loading weights); :func:`warm` starts it too if it
+    has not started, and waits for each part only where it needs it. Idempotent; returns at once.
+    """
+    global _plugins_thread
+    _triton_cache.prefetch_triton_key()
+    with _plugins_lock:
+        if _plugins_thread is None:
+            _plugins_thread = threading.Thread(target=_import_plugins, name="warmreg-plugins", daemon=True)
+            _plugins_thread.start()
+    if pack is not None:
+        prefetch_install(pack, after=_plugins_thread)
+
+
+_plugins_lock = threading.Lock()
+_plugins_thread: threading.Thread | None = None
+
+
+def wait_for_plugins() -> None:
+    """Start :func:`prefetch` if the engine did not, and wait for its import of the plugins."""
+    prefetch()
+    assert _plugins_thread is not None
+    _plugins_thread.join()  # one import of the plugins, not two racing
+
+
+def _import_plugins() -> None:
+    from ..pipeline.plugins import loaded_jits
+
+    try:
+        jits = loaded_jits()  # the installed plugins imported, and their kernels' jit functions
+    except Exception as exc:  # the warm's own plan loads them again and reports the problem
+        log.debug("prefetch could not import the plugins: %r", exc)
+        return
+    # what the first warm of a process computes once, whatever the config: the modules Triton
+    # imports at its first specialization, and each kernel's source hash (an AST walk of its callees)
+    _triton.preimport()
+    for jit in jits.values():
+        try:
+            _triton.source_hash(jit)
+        except Exception as exc:  # the warm computes it again and reports the kernel that fails
+            log.debug("prefetch could not hash %s: %r", _triton.full_name(jit), exc)
+

@@ -1,0 +1,226 @@
+"""Building packs: a plan compiled into an empty Triton cache, its entries and C launchers staged, published whole.
+
+:func:`build` runs the warm pipeline with the build's stages (:func:`warmreg.stages.compose.for_build`) into
+a temporary cache directory, then writes the pack (the format: :mod:`warmreg.stages.pack_format`); readers
+never see a half-written pack. :func:`build_wheel` wraps a pack as an installable wheel.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+import time
+import uuid
+import zipfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import triton
+
+from .. import _triton
+from .._triton import cache as _triton_cache
+from .._triton import launchers as _triton_launchers
+from ..contract.config import WarmConfig
+from ..pipeline.report import KeyResult
+from ..values._output import check_output
+from ..values._version import __version__
+from ..values.platform import Platform, resolve_platform
+from . import tuning
+from .pack import entry_from_result
+from .pack_format import _ARCHIVES, FORMAT, Manifest, PackChoice, PackEntry, PackError, PackFile, PackLauncher, _sha256
+
+__all__ = ["build", "build_wheel"]
+
+log = logging.getLogger("warmreg.stages.build")
+
+
+
+
+@contextmanager
+def _cache_at(directory: str) -> Iterator[None]:
+    previous = os.environ.get("TRITON_CACHE_DIR")
+    os.environ["TRITON_CACHE_DIR"] = directory
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TRITON_CACHE_DIR", None)
+        else:
+            os.environ["TRITON_CACHE_DIR"] = previous
+
+
+def build(
+    config: Any,
+    output: str | Path,
+    *,
+    target: str | Platform | None = None,
+    workers: int | None = None,
+    plugins: Iterable[Any] = (),
+    entry_points: bool = True,
+    force: bool = False,
+    launcher_pythons: Iterable[str | None] | None = None,
+    progress: bool | None = None,
+    tuning_choices: str | os.PathLike[str] | None = None,
+) -> Manifest:
+    """Compile every key of ``config`` for ``target`` and write a pack (no GPU needed for a cross target).
+
+    Every autotune candidate is compiled. Which one each tuning key uses is recorded in the pack
+    (installed with it, so a serving host benchmarks nothing) when it is known: built on the local
+    GPU, the build tunes them; a cross build takes them from ``tuning_choices``, a choice file a
+    warm on the serving GPU model kept (``warmreg-tuning/<device>-triton-<release>.json`` in its
+    Triton cache). Without either, a warm from the pack on the GPU benchmarks the compiled
+    candidates (it compiles nothing).
+
+    :param output: a directory, or a file ending in ``.tar``, ``.tar.gz`` or ``.zip``.
+    :param force: replace an existing output.
+    :param progress: show a progress bar while compiling (default: when stderr is a terminal).
+    :param launcher_pythons: for CUDA targets, Python interpreters (names or paths; ``None`` is this
+        one) whose ABI the pack carries Triton's C launchers for, so that a serving host with that
+        Python neither runs a C compiler nor waits for one; empty for none. Default: this interpreter
+        when a C compiler and its headers are at hand (the pack then simply has none otherwise).
+    :raises PackError: if no kernel declares a key for the config, a key failed to compile (no pack is
+        written), a launcher could not be built, or the output exists.
+    """
+    out = Path(output)
+    if out.exists() and not force:
+        raise PackError(str(out), "already exists", fix="pass force=True (--force) or another path")
+    check_output(out, "pack output", create_parents=True)  # before compiling, not after
+    config = WarmConfig.load(config)  # a bad config or target is refused before the pipeline imports
+    resolve_platform(target)
+    from ..pipeline.planning import plan
+    from ..pipeline.run import default_workers, run
+
+    the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points)
+    platform = the_plan.platform
+    if not the_plan.num_keys:
+        raise PackError(
+            str(out), f"no kernel declares a key for model_type {the_plan.config.model_type!r} on {platform.target}",
+            fix="install the model family's plugin (`warmreg plugins` lists what is loaded)",
+        )
+    with tempfile.TemporaryDirectory(prefix="warmreg-build-") as tmp:
+        with _cache_at(os.path.join(tmp, "cache")):
+            _triton.forget_compiled()  # compile into the empty cache, even keys this process has loaded
+            workers = workers or default_workers()
+            from . import compose  # the stages import torch: after the refusals above
+
+            stages = compose.for_build(the_plan, workers=workers)
+            tune = next((s for s in stages if isinstance(s, tuning.Tune)), None)
+            results = run(the_plan, workers=workers, on_error="continue", stages=stages, progress=progress)
+            failed = [r for r in results if r.status == "failed"]
+            if failed:
+                raise PackError(str(out), f"{len(failed)} key(s) failed to compile; first: {failed[0].kernel}: {failed[0].error}", fix="fix the kernel")
+            staged = Path(tmp) / "pack"
+            entries = _stage_entries(the_plan, results, staged)
+            pythons: list[str | None] = [None] if launcher_pythons is None else list(launcher_pythons)
+            launchers = _build_launchers(
+                results, platform, pythons, staged, str(out), workers or default_workers(), required=launcher_pythons is not None
+            )
+        manifest = Manifest(
+            format=FORMAT, warmreg_version=__version__, triton_version=triton.__version__, ptxas_version=_triton_cache.ptxas_version(platform),
+            target=platform.target, python=sys.version.split()[0], created=time.time(), model_type=the_plan.config.model_type,
+            entries=entries, launchers=launchers, tuning=_choices(the_plan, tune, tuning_choices),
+        )  # fmt: skip
+        (staged / "manifest.json").write_text(json.dumps(manifest.to_json(), indent=1))
+        _publish_pack(staged, out)
+    return manifest
+
+
+def _stage_entries(the_plan: Any, results: list[KeyResult], staged: Path) -> list[PackEntry]:
+    """Each result's entry, its files written under ``staged``."""
+    entries = []
+    for r in results:
+        entry, blobs = entry_from_result(r, the_plan.kernel(r.kernel).kernel_for(r.key))
+        for name, data in blobs.items():
+            dest = staged / entry.member(PackFile(name, len(data), ""))
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(data)
+        entries.append(entry)
+    return entries
+
+
+def _choices(the_plan: Any, tune: tuning.Tune | None, path: str | os.PathLike[str] | None) -> list[PackChoice]:
+    if tune is not None:
+        return tuning.pack_choices(the_plan, tune.choices, _triton.device_name())
+    return tuning.choices_from_file(the_plan, path) if path is not None else []
+
+
+def build_wheel(config: Any, out_dir: str | Path, *, label: str | None = None, **kwargs: Any) -> tuple[Path, Manifest]:
+    """:func:`build` a pack and write it as an installable wheel into ``out_dir``
+    (``warmreg_pack_<label>_<target>-<version>-py3-none-any.whl``); returns the wheel's path and the
+    pack's manifest.
+
+    :param label: names the deployment in the wheel's name (default: the config file's stem, or the
+        model type for a config that is not a file).
+
+    ``pip install`` of the wheel registers the pack in the ``warmreg.packs`` entry-point group, and
+    :func:`warmreg.warm` installs it first wherever its model type, target and Triton release match.
+    Keyword arguments are :func:`build`'s.
+    """
+    from .pack_wheel import write_wheel
+
+    out = Path(out_dir)
+    check_output(out / "probe.whl", "wheel output", create_parents=True)
+    with tempfile.TemporaryDirectory(prefix="warmreg-wheel-") as tmp:
+        pack_dir = Path(tmp) / "pack"
+        manifest = build(config, pack_dir, **kwargs)
+        if label is None:
+            label = Path(config).stem if isinstance(config, (str, os.PathLike)) else manifest.model_type
+        return write_wheel(pack_dir, manifest, out, label), manifest
+
+
+def _build_launchers(
+    results: list[KeyResult], platform: Platform, pythons: list[str | None], staged: Path, out: str, workers: int, *, required: bool
+) -> list[PackLauncher]:
+    if not pythons or platform.backend != "cuda" or not _triton_launchers.PER_KERNEL:
+        return []  # Triton 3.7+ launches every kernel through one generic launcher: nothing to carry
+    compiled = []
+    for r in results:
+        kernel = _triton_cache.memory_kernel(_triton_cache.import_jit(r.jit_name or ""), r.triton_key or "", platform)
+        if kernel is None:
+            raise PackError(out, f"the compiled kernel of {r.kernel} {r.key} is not in memory", fix="report this as a warmreg bug")
+        compiled.append(kernel)
+    try:
+        built = _triton_launchers.build(compiled, pythons, workers=workers)
+    except _triton_launchers.LauncherError as exc:
+        if not required:
+            log.warning("pack %s carries no C launchers: %s", out, exc)
+            return []
+        raise PackError(out, f"cannot build Triton's C launchers: {exc}", fix="fix the above, or pass --no-launchers") from exc
+    launchers = []
+    for x in built:
+        launcher = PackLauncher(cache_key=x.cache_key, platform_key=x.platform_key, python=x.python, file=PackFile(x.name, len(x.data), _sha256(x.data)))
+        dest = staged / launcher.member()
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(x.data)
+        launchers.append(launcher)
+    return launchers
+
+
+def _publish_pack(staged: Path, out: Path) -> None:
+    """Stage, then rename: readers never see a half-written pack."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
+    if out.name.endswith(_ARCHIVES):
+        if out.name.endswith(".zip"):
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
+                for p in sorted(staged.rglob("*")):
+                    if p.is_file():
+                        zf.write(p, p.relative_to(staged).as_posix())
+        else:
+            with tarfile.open(tmp, "w:gz" if out.name.endswith(("gz", "tgz")) else "w") as tar:
+                for p in sorted(staged.rglob("*")):
+                    if p.is_file():
+                        tar.add(p, p.relative_to(staged).as_posix(), recursive=False)
+    else:
+        shutil.copytree(staged, tmp)
+    if out.exists():
+        shutil.rmtree(out) if out.is_dir() else out.unlink()
+    os.replace(tmp, out)
+
