@@ -91,9 +91,9 @@ def test_whether_a_load_builds_a_launcher(monkeypatch: pytest.MonkeyPatch) -> No
     cuda = types.SimpleNamespace(target=types.SimpleNamespace(backend="cuda"))
     ast = types.SimpleNamespace(signature={"x_ptr": "*fp32"}, constants={})
     kernel = types.SimpleNamespace(module=None, src=ast, metadata=cuda)
-    monkeypatch.setattr(_triton, "RELEASE", attrs.evolve(_triton.RELEASE, per_signature_launcher=False))
+    monkeypatch.setattr(_triton.compiler, "RELEASE", attrs.evolve(_triton.RELEASE, per_signature_launcher=False))
     assert not _triton.builds_on_load(kernel)  # Triton 3.7+: one generic launcher, nothing to build
-    monkeypatch.setattr(_triton, "RELEASE", attrs.evolve(_triton.RELEASE, per_signature_launcher=True))
+    monkeypatch.setattr(_triton.compiler, "RELEASE", attrs.evolve(_triton.RELEASE, per_signature_launcher=True))
     built = {"yes": True}
     monkeypatch.setattr(_triton_launchers, "is_built", lambda compiled: built["yes"])
     assert not _triton.builds_on_load(kernel)

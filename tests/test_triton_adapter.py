@@ -18,7 +18,7 @@ import warmreg
 from tests.helpers import _scale_kernel
 from warmreg import _triton
 from warmreg._triton import cache as _triton_cache
-from warmreg.runtime import interp as _triton_interp
+from warmreg._triton import interp as _triton_interp
 from warmreg._triton import release as _triton_release
 from warmreg._triton.release import RELEASE
 from warmreg.values.platform import Platform
@@ -323,7 +323,7 @@ def test_kernels_that_differ_only_in_a_block_size_share_one_launcher_lock() -> N
         block64, block128, n_one = (_scale_kernel.warmup(x, x, n, 2.0, BLOCK=b, grid=(1,)) for n, b in [(64, 64), (64, 128), (1, 64)])
 
     def identity(c: object) -> str:
-        return _triton._launcher_identity(c, c.src.signature, c.src.constants)  # type: ignore[attr-defined]
+        return _triton.compiler._launcher_identity(c, c.src.signature, c.src.constants)
 
     # one C compiler run for both block sizes (Triton's launcher source is the same); n == 1 is a constant: another
     assert identity(block64) == identity(block128) != identity(n_one)
@@ -388,9 +388,9 @@ def test_loads_without_a_per_kernel_launcher_run_side_by_side() -> None:
 
 def test_nothing_outside_the_adapter_touches_a_private_triton_name() -> None:
     """Triton's internals (runtime, compiler, backends, knobs, _C, underscored names) are reached only
-    from the adapter, ``warmreg/_triton/``, and the two runtime modules that launch through them
-    (``runtime/fast.py``, the guarded fast launch; ``runtime/interp.py``, the interpreter); kernels may
-    use the language (``triton.jit``, ``triton.language``)."""
+    from the adapter, ``warmreg/_triton/``, and the runtime's guarded fast launch (``runtime/fast.py``),
+    which launches a compiled kernel through them; kernels may use the language (``triton.jit``,
+    ``triton.language``)."""
     import ast
     from pathlib import Path
 
@@ -400,7 +400,7 @@ def test_nothing_outside_the_adapter_touches_a_private_triton_name() -> None:
     package = Path(warmreg.__file__).parent
     for path in sorted(package.rglob("*.py")):
         where = path.relative_to(package).as_posix()
-        if where.startswith("_triton/") or where in ("runtime/fast.py", "runtime/interp.py"):
+        if where.startswith("_triton/") or where == "runtime/fast.py":
             continue
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
@@ -452,7 +452,7 @@ import sys, torch, warmreg
 from warmreg import _triton
 from warmreg.values.platform import Platform
 from tests.helpers import _scale_kernel
-missing = [m for m in _triton._LAZY_IMPORTS if __import__("importlib.util").util.find_spec(m) is None]
+missing = [m for m in _triton.compiler._LAZY_IMPORTS if __import__("importlib.util").util.find_spec(m) is None]
 _triton.preimport()
 before = set(sys.modules)
 with _triton.cross_target(Platform.parse("cuda:90")):

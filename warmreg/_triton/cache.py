@@ -20,7 +20,7 @@ from triton.runtime.jit import JITFunction
 
 from ..values.errors import CacheError, WarmregError
 from ..values.platform import Platform
-from . import _device_id, cross_target, current_device, gpu_target
+from .target import _device_id, cross_target, current_device, gpu_target
 from .release import RELEASE
 
 log = logging.getLogger("warmreg.pipeline.compile")

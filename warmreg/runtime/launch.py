@@ -127,7 +127,7 @@ def run(kernel: Any, spec: Any) -> Any:
             return spec.outputs
     options = kernel.launch_options(spec.key)
     if _on_cpu(spec.kwargs):
-        from . import interp as _triton_interp  # the interpreter (and numpy) only for a CPU launch
+        from .._triton import interp as _triton_interp  # the interpreter (and numpy) only for a CPU launch
 
         _triton_interp.interpreted(jit)[spec.grid](**spec.kwargs, **options)
         return spec.outputs
