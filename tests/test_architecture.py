@@ -25,7 +25,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 #: The layers, lowest first: a module may import its own layer and those before it.
 LAYERS = (
-    "values", "_triton", "engines", "runtime", "contract", "ops", "pipeline", "stages", "monitoring", "api", "cli",
+    "values", "support", "_triton", "engines", "runtime", "contract", "ops", "pipeline", "stages", "monitoring", "api", "cli",
     "testing", "top",
 )  # fmt: skip
 #: values + contract + runtime (Python) + pipeline: what a reader of the core reads. Growth there removes as

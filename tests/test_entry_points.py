@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from warmreg.values import _entry_points
+from warmreg.support import entry_points as _entry_points
 
 
 def _dist(site: Path, name: str) -> None:

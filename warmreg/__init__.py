@@ -12,7 +12,7 @@ from .contract.config import WarmConfig
 from .contract.domains import next_pow2, powers_of_two, runtime_platform, token_counts
 from .contract.hookspecs import hookimpl
 from .pipeline.report import KeyResult, WarmReport
-from .values._version import __version__
+from .support.version import __version__
 from .values.errors import (
     CacheError,
     CompileFailed,

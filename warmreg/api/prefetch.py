@@ -54,7 +54,7 @@ def wait_for_plugins() -> None:
 
 
 def _import_plugins() -> None:
-    from ..pipeline.plugins import loaded_jits
+    from ..stages.pack import loaded_jits
 
     try:
         jits = loaded_jits()  # the installed plugins imported, and their kernels' jit functions

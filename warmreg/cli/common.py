@@ -50,7 +50,7 @@ def add_json(p: argparse.ArgumentParser, what: str) -> None:
 def check_json_output(args: argparse.Namespace) -> None:
     """Refuse, before any work, a ``--json FILE`` that could not be written."""
     if args.json not in (None, STDOUT):
-        from ..values._output import check_output
+        from ..support.outputs import check_output
 
         check_output(args.json, "--json")
 
@@ -88,7 +88,7 @@ def add_common(p: argparse.ArgumentParser) -> None:
 def serving_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The serving settings of ``--serving`` and then ``--set`` (later ones win)."""
     from ..contract.config import CONFIG_FILE_MAX
-    from ..values import _json
+    from ..support import bounded_json as _json
     from ..values.errors import ConfigError
 
     out: dict[str, Any] = {}

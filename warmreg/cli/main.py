@@ -115,7 +115,7 @@ def _version() -> str:
     """``warmreg 0.1.0 (Triton 3.8.0, torch 2.13.0+cpu)``, from the distributions' metadata (nothing imported)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from ..values._version import __version__
+    from ..support.version import __version__
 
     def of(dist: str) -> str:
         try:

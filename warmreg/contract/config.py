@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 import attrs
 
 from .. import engines
-from ..values import _json
+from ..support import bounded_json as _json
 from ..values.errors import ConfigError
 
 __all__ = ["CONFIG_FILE_MAX", "MODEL_INT_MAX", "SERVING_FIELDS", "WarmConfig"]

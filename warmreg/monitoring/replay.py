@@ -7,7 +7,7 @@ from pathlib import Path
 import attrs
 
 from .._triton import cache as _triton_cache
-from ..values import _json
+from ..support import bounded_json as _json
 from ..values.errors import WarmregError
 from ..values.platform import Platform
 from . import Miss

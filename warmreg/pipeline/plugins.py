@@ -17,16 +17,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import attrs
 import pluggy
 
-from .. import _triton
 from ..contract import hookspecs
-from ..values._entry_points import entry_points as installed_entry_points
+from ..support.entry_points import entry_points as installed_entry_points
 from ..values.errors import PluginError, WarmregError
 
 if TYPE_CHECKING:
     from ..contract.registry import Registry
 
 __all__ = [
-    "HOOKS", "OnPluginError", "PluginProblem", "PluginSet", "call_register_hooks", "load_plugins", "loaded_jits", "plugin_packages",
+    "HOOKS", "OnPluginError", "PluginProblem", "PluginSet", "call_register_hooks", "load_plugins", "plugin_packages",
 ]  # fmt: skip
 
 log = logging.getLogger("warmreg")
@@ -164,22 +163,3 @@ def _serves(plugins: PluginSet, plugin: Any, model_type: str) -> bool:
     caller = plugins.manager.hook.warmreg_model_types
     impls = [i for i in caller.get_hookimpls() if i.plugin is plugin]
     return not impls or any(model_type in impl.function() for impl in impls)
-
-
-def loaded_jits(plugins: Iterable[Any] = (), *, entry_points: bool = True) -> dict[str, Any]:
-    """The ``@triton.jit`` functions of every kernel class defined in this process, by Triton's full
-    name, once the installed plugins (and ``plugins``) are loaded: what a pack may supply binaries
-    for. Nothing is imported on behalf of a pack; a plugin that fails to load is skipped.
-    """
-    from ..contract.kernel import TritonKernel  # torch with it: not for a pack refused before the plugins load
-
-    load_plugins(plugins, entry_points=entry_points, on_plugin_error="skip")
-    found: dict[str, Any] = {}
-    todo: list[type[Any]] = [TritonKernel]
-    while todo:
-        cls = todo.pop()
-        todo.extend(cls.__subclasses__())
-        jit = cls.__dict__.get("jit")
-        if _triton.is_jit(jit):
-            found[_triton.full_name(jit)] = jit
-    return found

@@ -29,8 +29,8 @@ from .._triton import cache as _triton_cache
 from .._triton import launchers as _triton_launchers
 from ..contract.config import WarmConfig
 from ..pipeline.report import KeyResult
-from ..values._output import check_output
-from ..values._version import __version__
+from ..support.outputs import check_output
+from ..support.version import __version__
 from ..values.platform import Platform, resolve_platform
 from . import tuning
 from .pack import entry_from_result

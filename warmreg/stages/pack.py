@@ -49,7 +49,7 @@ from .pack_reader import Reader, check_entries, check_launchers
 # check needs them, so that a pack refused for what it is costs no torch import.
 
 __all__ = [
-    "FORMAT", "InstallReport", "Manifest", "PackError", "PackInstall", "PackLauncher", "entry_from_result", "entry_keys", "inspect_pack", "install", "install_entries", "installed_for", "prefetch_install", "verify",
+    "FORMAT", "InstallReport", "Manifest", "PackError", "PackInstall", "PackLauncher", "entry_from_result", "entry_keys", "inspect_pack", "install", "install_entries", "installed_for", "loaded_jits", "prefetch_install", "verify",
 ]
 
 log = logging.getLogger("warmreg.stages.pack")
@@ -137,8 +137,6 @@ def _installed_jits(manifest: Manifest) -> Mapping[str, Any]:
     packages = plugin_packages() | {name.split(".", 1)[0] for name in list(sys.modules)}
     if not any(e.jit_name.split(".", 1)[0] in packages for e in manifest.entries):
         return {}
-    from ..pipeline.plugins import loaded_jits
-
     return loaded_jits()
 
 
@@ -174,7 +172,7 @@ def install(
     :param all_or_nothing: refuse the whole pack if any entry is refused.
     :param jits: the Triton functions entries may be installed for, by full name (default: those of
         every kernel class defined in this process once the installed plugins are loaded,
-        :func:`warmreg.pipeline.plugins.loaded_jits`); entries for any other function are refused.
+        :func:`loaded_jits`); entries for any other function are refused.
     :raises PackError: for a pack that does not fit this machine at all, or under ``all_or_nothing``.
     :raises CacheError: if the cache directory cannot be written (nothing unverified is left in it).
     """
@@ -342,3 +340,22 @@ def entry_from_result(result: KeyResult, kernel: Any) -> tuple[PackEntry, dict[s
     )  # fmt: skip
     return entry, blobs
 
+
+def loaded_jits(plugins: Iterable[Any] = (), *, entry_points: bool = True) -> dict[str, Any]:
+    """The ``@triton.jit`` functions of every kernel class defined in this process, by Triton's full
+    name, once the installed plugins (and ``plugins``) are loaded: what a pack may supply binaries
+    for. Nothing is imported on behalf of a pack; a plugin that fails to load is skipped.
+    """
+    from ..contract.kernel import TritonKernel  # torch with it: not for a pack refused before the plugins load
+    from ..pipeline.plugins import load_plugins
+
+    load_plugins(plugins, entry_points=entry_points, on_plugin_error="skip")
+    found: dict[str, Any] = {}
+    todo: list[type[Any]] = [TritonKernel]
+    while todo:
+        cls = todo.pop()
+        todo.extend(cls.__subclasses__())
+        jit = cls.__dict__.get("jit")
+        if _triton.is_jit(jit):
+            found[_triton.full_name(jit)] = jit
+    return found

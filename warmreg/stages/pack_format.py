@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from ..values import _json
+from ..support import bounded_json as _json
 from ..values.errors import WarmregError
 
 __all__ = [

@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import _triton
 from .._triton import cache as _triton_cache
-from ..values import _json
+from ..support import bounded_json as _json
 from ..values.errors import CacheError, WarmregError
 from ..values.platform import Platform
 from .pack_format import PackEntry, PackError, _one_line, check_name

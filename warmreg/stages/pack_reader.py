@@ -19,7 +19,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from ..values import _json
+from ..support import bounded_json as _json
 from .pack_format import (
     LIMITS,
     Manifest,

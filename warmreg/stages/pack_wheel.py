@@ -21,7 +21,7 @@ import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..values._entry_points import entry_points
+from ..support.entry_points import entry_points
 from .pack_format import Manifest
 
 __all__ = ["GROUP", "installed_packs", "wheel_name", "write_wheel"]

@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import WarmregError
+from ..values.errors import WarmregError
 
 __all__ = ["check_output"]
 
