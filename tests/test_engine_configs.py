@@ -264,4 +264,4 @@ def test_engines_module_imports_only_the_standard_library_attrs_and_errors() -> 
     tree = ast.parse((Path(engines.__file__)).read_text())
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {("." * n.level) + (n.module or "") for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert names <= {"__future__", "enum", "importlib", "collections.abc", "typing", "attrs", "..values.errors", "..values._json"}, names
+    assert names <= {"__future__", "enum", "importlib", "collections.abc", "typing", "attrs", "..values.errors", "..support.bounded_json"}, names

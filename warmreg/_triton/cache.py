@@ -20,8 +20,8 @@ from triton.runtime.jit import JITFunction
 
 from ..values.errors import CacheError, WarmregError
 from ..values.platform import Platform
-from .target import _device_id, cross_target, current_device, gpu_target
 from .release import RELEASE
+from .target import _device_id, cross_target, current_device, gpu_target
 
 log = logging.getLogger("warmreg.pipeline.compile")
 
