@@ -228,3 +228,17 @@ def test_the_package_exports_what_it_lists() -> None:
     import warmreg.api.warm  # importing the modules rebinds nothing: no module shares a function's name
 
     assert callable(warmreg.warm) and callable(warmreg.monitor) and warmreg.monitoring.current() is None
+
+
+def test_every_error_is_defined_in_one_module() -> None:
+    """Every ``WarmregError`` subclass lives in ``values/errors.py`` (other modules may re-export them)."""
+    import warmreg.values.errors as errors
+
+    names = {n for n in dir(errors) if isinstance(getattr(errors, n), type) and issubclass(getattr(errors, n), Exception)}
+    for module, path in _modules().items():
+        if module == "values.errors":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+                assert not bases & names, f"{_path(module)} defines the error {node.name}: define it in warmreg/values/errors.py"

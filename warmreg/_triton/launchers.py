@@ -41,7 +41,7 @@ from typing import Any
 
 import attrs
 
-from ..values.errors import WarmregError
+from ..values.errors import LauncherError
 from .release import RELEASE
 
 __all__ = [
@@ -53,10 +53,6 @@ __all__ = [
 PER_KERNEL: bool = RELEASE.per_signature_launcher
 
 _NAME = "__triton_launcher"
-
-
-class LauncherError(WarmregError):
-    """A C launcher could not be built for a pack."""
 
 
 @attrs.frozen

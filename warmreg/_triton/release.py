@@ -14,7 +14,7 @@ import warnings
 import attrs
 import triton
 
-from ..values.errors import WarmregError
+from ..values.errors import UnsupportedTriton
 
 __all__ = [
     "ALLOW_UNSUPPORTED", "RELEASE", "RELEASES", "Release", "SUPPORTED_TRITON", "UnsupportedTriton", "check_version",
@@ -81,10 +81,6 @@ RELEASES: dict[str, Release] = {
 }
 #: Triton release series warmreg's adapter was checked against.
 SUPPORTED_TRITON = tuple(RELEASES)
-
-
-class UnsupportedTriton(WarmregError):
-    """The installed Triton release is not one warmreg's adapter was checked against."""
 
 
 def _series(version: str) -> str:

@@ -33,7 +33,7 @@ from ..runtime.launch import (
     remove_launch_listener,
     remove_untuned_listener,
 )
-from ..values.errors import WarmregError
+from ..values.errors import JitMissError, WarmregError
 from ..values.key import CompileKey
 
 __all__ = ["KNOWLEDGE", "MODES", "JitMissError", "Miss", "MissKind", "Mode", "Monitor", "arm", "current", "disarm", "monitor", "note_launch"]
@@ -42,7 +42,6 @@ log = logging.getLogger("warmreg.monitor")
 Mode = Literal["off", "warn", "error", "record"]
 MissKind = Literal["compile", "load", "autotune"]
 MODES: tuple[str, ...] = ("off", "warn", "error", "record")
-
 
 
 @attrs.frozen(kw_only=True)
@@ -116,16 +115,6 @@ class Miss:
                     kwargs[name] = None
         kwargs["diff"], kwargs["triton_diff"] = tuple(kwargs.get("diff", ())), tuple(kwargs.get("triton_diff", ()))
         return cls(**kwargs)
-
-
-class JitMissError(WarmregError, RuntimeError):
-    """Raised in ``error`` mode before a runtime compile (or load, or autotune) is paid for."""
-
-    def __init__(self, miss: Miss) -> None:
-        self.miss = miss
-        self.kernel = miss.kernel or miss.jit_name
-        self.key = miss.runtime_key
-        super().__init__(f"warmreg monitor (mode=error) refused a {miss.explain()}")
 
 
 class _Knowledge:

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from ..support import bounded_json as _json
-from ..values.errors import WarmregError
+from ..values.errors import PackError
 
 __all__ = [
     "FORMAT", "LIMITS", "Limits", "Manifest", "PackChoice", "PackEntry", "PackError", "PackFile", "PackLauncher", "check_name",
@@ -51,14 +51,6 @@ _HEX = re.compile(r"[0-9a-f]{16,128}")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_<][A-Za-z0-9_<>]*)*")
 _FIX = "do not use this pack; rebuild it with warmreg build"
-
-
-class PackError(WarmregError):
-    """A pack is malformed, corrupt, or does not fit this machine; nothing was written to the cache."""
-
-    def __init__(self, pack: str, problem: str, *, fix: str | None = None) -> None:
-        self.pack = pack
-        super().__init__(f"pack {pack}: {problem}", fix=fix)
 
 
 def check_name(name: object, what: str, pack: str) -> str:

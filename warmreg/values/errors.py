@@ -9,8 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
-    "CacheError", "CompileFailed", "CompileKeyError", "ConfigError", "KernelContractError", "LaunchError", "PluginError", "TargetError",
-    "WarmregError",
+    "CacheError", "CompileFailed", "CompileKeyError", "ConfigError", "JitMissError", "KernelContractError", "LaunchError",
+    "LauncherError", "PackError", "PluginError", "TargetError", "UnsupportedTriton", "WarmregError",
 ]  # fmt: skip
 
 
@@ -109,3 +109,32 @@ class LaunchError(WarmregError, ValueError):
     def __init__(self, kernel: str, problem: str, *, fix: str | None = None) -> None:
         self.kernel = kernel
         super().__init__(f"kernel {kernel!r}: {problem}", fix=fix)
+
+
+class UnsupportedTriton(WarmregError):
+    """The installed Triton release is not one warmreg's adapter was checked against."""
+
+
+class LauncherError(WarmregError):
+    """A C launcher could not be built for a pack."""
+
+
+class PackError(WarmregError):
+    """A pack is malformed, corrupt, or does not fit this machine; nothing was written to the cache."""
+
+    def __init__(self, pack: str, problem: str, *, fix: str | None = None) -> None:
+        self.pack = pack
+        super().__init__(f"pack {pack}: {problem}", fix=fix)
+
+
+class JitMissError(WarmregError, RuntimeError):
+    """Raised in ``error`` mode before a runtime compile (or load, or autotune) is paid for.
+
+    :param miss: the monitor's :class:`~warmreg.Miss` (its kernel, runtime key and explanation).
+    """
+
+    def __init__(self, miss: Any) -> None:
+        self.miss = miss
+        self.kernel = miss.kernel or miss.jit_name
+        self.key = miss.runtime_key
+        super().__init__(f"warmreg monitor (mode=error) refused a {miss.explain()}")
