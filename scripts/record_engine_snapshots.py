@@ -48,7 +48,7 @@ def hf(config: Any) -> dict[str, Any]:
 
 def record_vllm(case: str, root: Path) -> dict[str, Any]:
     vc = cases.build_vllm(case, root)
-    attrs = {path: plain(engines._dotted(vc, path)) for path in engines.VLLM_PATHS.values()}
+    attrs = {path: plain(engines.dotted(vc, path)) for path in engines.VLLM_PATHS.values()}
     return {"type": type(vc).__name__, "attributes": attrs, "hf_config_at": "model_config.hf_config",
             "hf_config": hf(vc.model_config.hf_config)}  # fmt: skip
 

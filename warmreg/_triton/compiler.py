@@ -35,14 +35,12 @@ log = logging.getLogger("warmreg._triton")
 def specialize(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> tuple[str, str]:
     """Triton's in-memory cache key for a launch and its serialized specialization.
 
-
     The key is ``JITFunction.run``'s ``key``, the string Triton's JIT hooks receive, so warmed
     launches and runtime compiles can be matched exactly. The specialization data is what Triton's
     hooks report as ``specialization_data`` and what ``JITFunction.preload`` compiles from: packs and
     distributed warms ship it instead of anything pickled.
     """
     from triton.runtime.jit import serialize_specialization_data
-
 
     full = run_kwargs(jit, kwargs, options)
     _, key_cache, target, backend, binder = jit.device_caches[current_device()]
@@ -82,7 +80,6 @@ def is_future_kernel(obj: Any) -> bool:
     ``result()``, so reading one waits for the compile)."""
     from triton.runtime._async_compile import FutureKernel
 
-
     return isinstance(obj, FutureKernel)
 
 
@@ -92,7 +89,6 @@ def async_compile(executor: Executor) -> Iterator[None]:
     each future): ``JITFunction.warmup`` inside the block submits its compile to ``executor`` and
     returns a future kernel; leaving the block waits for every compile."""
     from triton.runtime._async_compile import AsyncCompileMode
-
 
     with AsyncCompileMode(executor, ignore_errors=True):
         yield
@@ -104,12 +100,10 @@ def compile_listener(on_compiled: Callable[[bool, Any], None]) -> Iterator[None]
     cache while the block runs (``knobs.compilation.listener``, chained to the one installed before)."""
     previous = triton.knobs.compilation.listener
 
-
     def listener(*, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
         on_compiled(cache_hit, metadata)
         if previous is not None:
             previous(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
-
 
     triton.knobs.compilation.listener = listener
     try:
@@ -148,7 +142,6 @@ def shared_kernel_objects() -> Iterator[None]:
     """While the block runs, Triton builds one ``KernelMetadata`` class per set of metadata fields
     and, on 3.6, one C-launcher source and module per distinct launcher
     (:func:`warmreg._triton.launchers.shared_launchers`).
-
 
     ``CompiledKernel.__init__`` (3.6.0-3.9.0) makes a new ``namedtuple`` class for every kernel it
     compiles or finds in the disk cache: ``exec`` of its generated source and a descriptor per field,
@@ -206,7 +199,6 @@ _AST_RACE_ATTEMPTS = 4
 def retrying_ast_race(fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, run again when it fails only by CPython's ``ast.parse`` thread race.
 
-
     The race fails a parse before Triton writes anything, so running the compile again is safe; each
     attempt needs another thread parsing at the same instant to fail again.
     """
@@ -246,7 +238,6 @@ _launcher_locks: dict[str, threading.Lock] = {}
 def finish_load(compiled: Any) -> None:
     """Do at warm what Triton otherwise leaves to a kernel's first launch: load its binary onto the
     device (``CompiledKernel._init_handles``), and on Triton 3.6 also build its C launcher.
-
 
     Triton 3.6 builds one C launcher per distinct launcher source (23 for the 71 DeepSeek-V4-Flash
     keys; constexpr values such as block sizes do not change it) and caches it on disk, but
@@ -300,7 +291,6 @@ def _launcher_identity(compiled: Any, signature: Any, constants: Any) -> str:
 def is_jit(obj: Any) -> bool:
     """Whether ``obj`` is a ``@triton.jit`` function (compiled or, under TRITON_INTERPRET=1, interpreted).
 
-
     Triton's interpreter (which imports numpy) is looked at only if something already imported it.
     """
     if isinstance(obj, JITFunction):
@@ -342,11 +332,9 @@ def source_hash(jit: JITFunction) -> str:
 def parse_specialization_key(key: str) -> tuple[list[Any], dict[str, Any]] | None:
     """Split Triton's in-memory key ``str(specialization) + str(options)`` back into its parts.
 
-
     :returns: ``None`` when a value is not a Python literal (e.g. a dtype constexpr).
     """
     import ast
-
 
     cut = key.rfind("]{")
     if cut < 0:

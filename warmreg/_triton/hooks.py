@@ -27,13 +27,11 @@ class CompileRequest:
     """A compile Triton is about to run, as its pre-compile hook (``knobs.runtime.jit_cache_hook``)
     describes it.
 
-
     :ivar key: Triton's in-memory cache key of the launch.
     :ivar jit_name: the jit function's full name; ``jit`` the function itself.
     :ivar specialization: readable signature, constants, attributes and options.
     :ivar specialization_data: Triton's own replayable serialization (``JITFunction.preload``).
     """
-
 
     key: str
     jit_name: str
@@ -63,7 +61,6 @@ def _request(key: Any, fn: Any, compile: Mapping[str, Any], is_warmup: bool) -> 
 class HookHandle:
     """What :func:`install_compile_hook` installed and what was there before."""
 
-
     hook: Callable[..., Any]
     previous: Callable[..., Any] | None
 
@@ -75,7 +72,6 @@ def install_compile_hook(callback: Callable[[CompileRequest], None]) -> HookHand
     already_compiled``); :func:`remove_compile_hook` puts the previous one back."""
     previous = triton.knobs.runtime.jit_cache_hook
 
-
     def hook(*, key: Any, repr: str, fn: Any, compile: Any, is_manual_warmup: bool, already_compiled: bool) -> Any:
         callback(_request(key, fn, compile, is_manual_warmup))
         if previous is not None:
@@ -83,7 +79,6 @@ def install_compile_hook(callback: Callable[[CompileRequest], None]) -> HookHand
                 key=key, repr=repr, fn=fn, compile=compile, is_manual_warmup=is_manual_warmup, already_compiled=already_compiled
             )
         return None
-
 
     triton.knobs.runtime.jit_cache_hook = hook
     return HookHandle(hook, previous)
@@ -108,10 +103,8 @@ def add_load_hook(callback: Callable[[str], None]) -> None:
     """Call ``callback(jit_name)`` before Triton loads a kernel's module onto the device (its
     kernel-load-start hook chain, whose hooks take ``module, function, name, metadata_group, hash``)."""
 
-
     def hook(module: Any, function: Any, name: str, metadata_group: Any, hash: str) -> None:
         callback(name)
-
 
     _load_wrappers[callback] = hook
     triton.knobs.runtime.kernel_load_start_hook.add(hook)
@@ -135,17 +128,14 @@ def wrap_autotuner_bench(before: Any) -> None:
     global _AUTOTUNER_BENCH
     from triton.runtime.autotuner import Autotuner
 
-
     if _AUTOTUNER_BENCH is not None:
         return
     original = Autotuner._bench
     _AUTOTUNER_BENCH = original
 
-
     def _bench(self: Any, *args: Any, **kwargs: Any) -> Any:
         before(self)
         return original(self, *args, **kwargs)
-
 
     Autotuner._bench = _bench  # type: ignore[method-assign]
 
@@ -153,7 +143,6 @@ def wrap_autotuner_bench(before: Any) -> None:
 def unwrap_autotuner_bench() -> None:
     global _AUTOTUNER_BENCH
     from triton.runtime.autotuner import Autotuner
-
 
     if _AUTOTUNER_BENCH is not None:
         Autotuner._bench = _AUTOTUNER_BENCH  # type: ignore[method-assign]

@@ -42,7 +42,6 @@ _cross_lock = threading.RLock()
 def gpu_target(platform: Platform) -> GPUTarget:
     """Triton's ``GPUTarget`` for a platform (backend ``cuda``/``hip``, warp 32/64).
 
-
     :raises TargetError: for XPU, which the PyPI Triton wheel cannot compile for.
     """
     if platform.is_cuda:
@@ -60,40 +59,31 @@ def _device_id(platform: Platform) -> int:
 class _CrossTargetDriver(DriverBase):
     """A stand-in driver that reports a named target, so ``JITFunction.warmup`` compiles for it."""
 
-
     def __init__(self, platform: Platform) -> None:
         self.platform = platform
         self.target = gpu_target(platform)
         self.device = _device_id(platform)
 
-
     @classmethod
     def is_active(cls) -> bool:
         return False
 
-
     def map_python_to_cpp_type(self, ty: str) -> str:
         return ty
-
 
     def get_current_target(self) -> GPUTarget:
         return self.target
 
-
     def get_active_torch_device(self) -> torch.device:
         import torch
 
-
         return torch.device("meta")
-
 
     def get_benchmarker(self) -> Any:
         raise TargetError(self.platform.target, "cannot run benchmarks (cross target)", fix="autotune on the GPU host")
 
-
     def get_current_device(self) -> int:
         return self.device
-
 
     def get_current_stream(self, device: int | None = None) -> int:
         return 0
@@ -102,7 +92,6 @@ class _CrossTargetDriver(DriverBase):
 @contextlib.contextmanager
 def cross_target(platform: Platform) -> Iterator[None]:
     """Make Triton compile for ``platform`` while the block runs (a no-op for the local GPU).
-
 
     Triton's driver is process-global (``triton.runtime.driver.driver``), so cross-target blocks are
     serialized with a lock, and the previous driver is restored exactly on exit.
@@ -123,7 +112,6 @@ def compile_worker(platform: Platform) -> None:
     """Make this process one that only compiles ``platform``'s kernels into Triton's disk cache: a
     child forked by a warm (:mod:`warmreg.stages.processes`), whose parent then loads each binary as a hit.
 
-
     Triton's driver becomes the stand-in for ``platform``'s target, so a compile here never touches
     the GPU (CUDA cannot be used in a child forked after it started), and the parent's pre-compile
     hook and compilation listener are removed (the parent's own compile of the cached binary calls
@@ -143,14 +131,12 @@ def device_name() -> str:
     """The name of the current GPU (e.g. ``NVIDIA H200``)."""
     import torch
 
-
     return str(torch.cuda.get_device_name(current_device()))
 
 
 def torch_device() -> torch.device:
     """The current GPU as a torch device."""
     import torch
-
 
     return torch.device(_driver.active.get_active_torch_device().type, current_device())
 
@@ -159,14 +145,12 @@ def benchmark(fn: Callable[[], Any], *, warmup_ms: float, rep_ms: float) -> floa
     """The median time of ``fn`` in milliseconds, by Triton's own ``do_bench`` (as its autotuner)."""
     from triton.testing import do_bench
 
-
     return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
 def set_device(device: int) -> None:
     """Make ``device`` current on this thread (Triton loads modules onto the current device)."""
     import torch
-
 
     if torch.cuda.is_available():
         torch.cuda.set_device(device)

@@ -256,7 +256,14 @@ class WarmConfig:
             where = "the 'serving' section" if section == "serving" else "the model's config.json"
             what = SERVING_FIELDS[name][1] if section == "serving" and name in SERVING_FIELDS else name
             raise ConfigError(field, "is missing", plugin=plugin, fix=fix or f"set {what} in {where} of {self.source}")
-        value = source[name]
+        return self._checked(field, source[name], kind, plugin=plugin, check=check, fix=fix, choices=choices)
+
+    def _checked(
+        self, field: str, value: Any, kind: type[_T], *, plugin: str, check: Callable[[Any], str | None] | None,
+        fix: str | None, choices: Iterable[Any] | None,
+    ) -> _T:  # fmt: skip
+        """``value`` of ``field``, validated as :meth:`get` documents."""
+        section, _, name = field.partition(".")
         ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True

@@ -218,29 +218,10 @@ class BlockTableSlotMapping(TritonKernel[SlotMappingKey]):
             "interleave": key.interleave,
         }
 
-    @kernel_launcher
-    def __call__(
-        self,
-        query_start_loc: torch.Tensor,
-        positions: torch.Tensor,
-        block_table: torch.Tensor,
-        slot_mapping: torch.Tensor | None = None,
-        *,
-        block_size: int,
-        dcp_world: int = 1,
-        dcp_rank: int = 0,
-        interleave: int = 1,
-    ) -> LaunchSpec[SlotMappingKey]:
-        """Fill ``slot_mapping[:num_tokens]`` with slots and the rest of it with -1; returns it.
-
-        :param query_start_loc: int32 ``[num_reqs + 1]``, token offsets of the requests.
-        :param positions: int64 ``[num_tokens]``, absolute positions.
-        :param block_table: int32 ``[>= num_reqs, W]`` with a contiguous last dim (row stride passed).
-        :param slot_mapping: int64 ``[max_num_tokens >= num_tokens]`` persistent buffer, or ``None``
-            for a fresh ``[num_tokens]`` one.
-        :param block_size: the group's KV-cache block size.
-        :raises LaunchError: for wrong dtypes, ranks or shapes, or a DCP interleave not dividing ``block_size``.
-        """
+    def _checked(
+        self, query_start_loc: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor, slot_mapping: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The tensors checked (dtypes, ranks, shapes, strides); returns the slot mapping buffer (a fresh one for ``None``)."""
         if query_start_loc.ndim != 1 or query_start_loc.dtype != torch.int32 or query_start_loc.numel() < 1:
             raise LaunchError(self.name, "query_start_loc must be a non-empty 1-D int32 tensor")
         if positions.ndim != 1 or positions.dtype != torch.int64:
@@ -266,6 +247,33 @@ class BlockTableSlotMapping(TritonKernel[SlotMappingKey]):
             raise LaunchError(self.name, "slot_mapping must be a contiguous 1-D int64 buffer")
         if slot_mapping.shape[0] < num_tokens:
             raise LaunchError(self.name, f"slot_mapping holds {slot_mapping.shape[0]} slots for {num_tokens} tokens")
+        return slot_mapping
+
+    @kernel_launcher
+    def __call__(
+        self,
+        query_start_loc: torch.Tensor,
+        positions: torch.Tensor,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor | None = None,
+        *,
+        block_size: int,
+        dcp_world: int = 1,
+        dcp_rank: int = 0,
+        interleave: int = 1,
+    ) -> LaunchSpec[SlotMappingKey]:
+        """Fill ``slot_mapping[:num_tokens]`` with slots and the rest of it with -1; returns it.
+
+        :param query_start_loc: int32 ``[num_reqs + 1]``, token offsets of the requests.
+        :param positions: int64 ``[num_tokens]``, absolute positions.
+        :param block_table: int32 ``[>= num_reqs, W]`` with a contiguous last dim (row stride passed).
+        :param slot_mapping: int64 ``[max_num_tokens >= num_tokens]`` persistent buffer, or ``None``
+            for a fresh ``[num_tokens]`` one.
+        :param block_size: the group's KV-cache block size.
+        :raises LaunchError: for wrong dtypes, ranks or shapes, or a DCP interleave not dividing ``block_size``.
+        """
+        slot_mapping = self._checked(query_start_loc, positions, block_table, slot_mapping)
+        num_reqs, num_tokens = query_start_loc.shape[0] - 1, positions.shape[0]
         if min(block_size, dcp_world, interleave) < 1 or not 0 <= dcp_rank < dcp_world:
             raise LaunchError(
                 self.name,

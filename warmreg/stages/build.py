@@ -92,18 +92,9 @@ def build(
     if out.exists() and not force:
         raise PackError(str(out), "already exists", fix="pass force=True (--force) or another path")
     check_output(out, "pack output", create_parents=True)  # before compiling, not after
-    config = WarmConfig.load(config)  # a bad config or target is refused before the pipeline imports
-    resolve_platform(target)
-    from ..pipeline.planning import plan
-    from ..pipeline.run import default_workers, run
-
-    the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points)
+    the_plan = _plan(config, out, target, plugins, entry_points)
     platform = the_plan.platform
-    if not the_plan.num_keys:
-        raise PackError(
-            str(out), f"no kernel declares a key for model_type {the_plan.config.model_type!r} on {platform.target}",
-            fix="install the model family's plugin (`warmreg plugins` lists what is loaded)",
-        )
+    from ..pipeline.run import default_workers, run
     with tempfile.TemporaryDirectory(prefix="warmreg-build-") as tmp:
         with _cache_at(os.path.join(tmp, "cache")):
             _triton.forget_compiled()  # compile into the empty cache, even keys this process has loaded
@@ -119,17 +110,35 @@ def build(
             staged = Path(tmp) / "pack"
             entries = _stage_entries(the_plan, results, staged)
             pythons: list[str | None] = [None] if launcher_pythons is None else list(launcher_pythons)
-            launchers = _build_launchers(
-                results, platform, pythons, staged, str(out), workers or default_workers(), required=launcher_pythons is not None
-            )
-        manifest = Manifest(
-            format=FORMAT, warmreg_version=__version__, triton_version=triton.__version__, ptxas_version=_triton_cache.ptxas_version(platform),
-            target=platform.target, python=sys.version.split()[0], created=time.time(), model_type=the_plan.config.model_type,
-            entries=entries, launchers=launchers, tuning=_choices(the_plan, tune, tuning_choices),
-        )  # fmt: skip
+            launchers = _build_launchers(results, platform, pythons, staged, str(out), workers, required=launcher_pythons is not None)
+        manifest = _manifest(the_plan, entries, launchers, _choices(the_plan, tune, tuning_choices))
         (staged / "manifest.json").write_text(json.dumps(manifest.to_json(), indent=1))
         _publish_pack(staged, out)
     return manifest
+
+
+def _plan(config: Any, out: Path, target: str | Platform | None, plugins: Iterable[Any], entry_points: bool) -> Any:
+    """The build's plan; a bad config or target is refused before the pipeline imports, a plan without keys after."""
+    config = WarmConfig.load(config)
+    resolve_platform(target)
+    from ..pipeline.planning import plan
+
+    the_plan = plan(config, target=target, plugins=plugins, entry_points=entry_points)
+    if not the_plan.num_keys:
+        raise PackError(
+            str(out), f"no kernel declares a key for model_type {the_plan.config.model_type!r} on {the_plan.platform.target}",
+            fix="install the model family's plugin (`warmreg plugins` lists what is loaded)",
+        )
+    return the_plan
+
+
+def _manifest(the_plan: Any, entries: list[PackEntry], launchers: list[PackLauncher], choices: list[PackChoice]) -> Manifest:
+    platform = the_plan.platform
+    return Manifest(
+        format=FORMAT, warmreg_version=__version__, triton_version=triton.__version__, ptxas_version=_triton_cache.ptxas_version(platform),
+        target=platform.target, python=sys.version.split()[0], created=time.time(), model_type=the_plan.config.model_type,
+        entries=entries, launchers=launchers, tuning=choices,
+    )  # fmt: skip
 
 
 def _stage_entries(the_plan: Any, results: list[KeyResult], staged: Path) -> list[PackEntry]:
