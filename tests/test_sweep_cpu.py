@@ -1,16 +1,21 @@
 """The zero-JIT sweep (``benchmarks/sweep.py``) on the CPU: each example config's plan kernels all launch
-through Triton's interpreter, with engine-shaped inputs, one step of each kind, and nothing fails."""
+through Triton's interpreter, with engine-shaped inputs, one step of each kind, and nothing fails. The drivers
+come from the plugins through the ``warmreg.sweep`` entry points (``warmreg.testing.sweep``)."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
 import warmreg
+from warmreg.testing import sweep as kit
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,11 +72,58 @@ def test_sweep_drives_the_dspark_draft_step() -> None:
     assert all(o["platform_only"] for o in run["keys_outside_plan"]), run["keys_outside_plan"]
 
 
+def _without_kda(drivers: dict[str, type[kit.Sweep[Any]]]) -> dict[str, type[kit.Sweep[Any]]]:
+    """The installed drivers, Kimi-K3's made to drive everything but the KDA decode step."""
+    kimi = drivers["kimi_k3"]
+    partial = type("PartialKimiSweep", (kimi,), {"drives": kimi.drives - {"kimi_k3.kda_recurrent"}})
+    return {**drivers, "kimi_k3": partial}
+
+
 def test_sweep_refuses_a_plan_kernel_without_a_driver(monkeypatch: pytest.MonkeyPatch) -> None:
     sweep = _sweep_module()
-    monkeypatch.setattr(sweep, "DRIVERS", sweep.DRIVERS - {sweep.KDA})
-    with pytest.raises(sweep.SweepError, match=r"kimi_k3\.kda_recurrent"):
+    drivers = _without_kda(kit.sweep_drivers())
+    monkeypatch.setattr(kit, "sweep_drivers", lambda: drivers)
+    with pytest.raises(sweep.SweepError, match=r"kimi_k3\.kda_recurrent") as caught:
         sweep.run_config(str(ROOT / "examples" / "kimi_k3.json"), steps=1, seed=0, device="cpu", max_tokens=2)
+    assert caught.value.kernels == ("kimi_k3.kda_recurrent",)
+
+
+def test_the_plugins_declare_their_drivers_and_the_sweep_names_no_plugin() -> None:
+    """Each plugin's driver comes through the entry points and drives every kernel its examples plan; the sweep
+    itself imports no plugin module and names no plugin kernel."""
+    drivers, sweep = kit.sweep_drivers(), _sweep_module()
+    assert drivers["deepseek_v4"].__module__ == "warmreg_deepseek_v4.sweep"
+    assert drivers["kimi_k3"].__module__ == "warmreg_kimi_k3.sweep"
+    source, named = (ROOT / "benchmarks" / "sweep.py").read_text(), set()
+    for example in ("deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3", "kimi_k3_full"):
+        plan = warmreg.plan(str(ROOT / "examples" / f"{example}.json"), target=sweep.CPU_TARGET)
+        assert kit.driver_for(plan, drivers) is drivers[plan.config.model_type]
+        named |= {kp.name for kp in plan.kernels if not kp.name.startswith("warmreg.")}
+    for name in sorted(named):
+        assert name.rpartition(".")[2] not in source, f"benchmarks/sweep.py names {name}"
+    imported = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+    assert not {m for m in imported if m.startswith(("warmreg_deepseek_v4", "warmreg_kimi_k3"))}, imported
+
+
+def test_a_model_type_without_a_driver_is_refused() -> None:
+    plan = warmreg.plan(str(ROOT / "examples" / "kimi_k3.json"), target="cuda:90")
+    with pytest.raises(kit.SweepError, match=r"no sweep driver for model type 'kimi_k3'.*warmreg\.sweep"):
+        kit.driver_for(plan, {"deepseek_v4": kit.sweep_drivers()["deepseek_v4"]})
+
+
+def test_importing_a_plugin_pulls_no_sweep_in() -> None:
+    """A plugin's registration never imports its driver: the sweep kit (and with it the test machinery) stays out."""
+    code = (
+        "import sys, warmreg_deepseek_v4.plugin, warmreg_kimi_k3.plugin; "
+        "print(sorted(m for m in sys.modules if m.endswith(('.sweep', '.sweep_inputs', '.sweep_batch'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_sweep_drives_the_rocm_mxfp4_indexer() -> None:

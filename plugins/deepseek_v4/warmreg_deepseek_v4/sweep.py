@@ -1,0 +1,411 @@
+"""The DeepSeek-V4 sweep driver: a step's layer types, launched like vLLM's DeepSeek-V4 forward.
+
+Found by ``benchmarks/sweep.py`` through the ``warmreg.sweep`` entry point; the registration module never
+imports it. After the per-step metadata (:class:`~warmreg_deepseek_v4.sweep_inputs.DSV4Engine`), ONE launch per
+layer TYPE, not per layer (the layers of a type launch the same keys), each type: Q/KV RMSNorm, its sparse prefill
+chunk by chunk (dequant-gather of its compressed cache and of the SWA cache, then the combine), inverse RoPE + FP8
+quant. C4 adds its compressor's save, and the indexer (save, compress + insert, Q RoPE + quant, global top-k of the
+decode tokens (and of the prefill tokens under FlashInfer), on decode batches of unequal lengths the pack of the
+FP8 Q and the unpack of the top-k, prefill chunk metadata, cut along M above the logits budget); C128 adds its
+compressor's save. The MTP layer's two norms run around the attention type of the MTP layer (SWA-only: with the
+SWA-only layers when the model has them, else as a type of its own). With DSpark (``speculative_method``
+``dspark``) a draft step follows each target step: its inputs (decode requests rejected some drafts, prefill chunks
+sampled a token or none), its non-causal SWA indices over ``Nq`` query tokens a request, and the SWA-only draft
+layers' Q/KV RMSNorm and inverse RoPE + quant on those tokens. A driver whose kernel the plan lacks (the combine
+under Pro's FlashInfer backend) is skipped.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+import warmreg
+from warmreg.testing.sweep import Batch, Sweep
+
+from .combine_indices import combine_topk_swa_indices_reference
+from .dspark import DSparkDraft, num_speculative_tokens
+from .dspark_inputs import prepare_dspark_inputs_reference
+from .dspark_swa_indices import dspark_swa_indices_reference
+from .fp8_ds_mla import HEAD_DIM
+from .global_topk import global_topk_indices_reference
+from .indexer import compress_pool_reference, indexer_q_rope_mxfp4_reference
+from .pack_seq import pack_seq_reference
+from .sweep_inputs import (
+    BF16,
+    COMBINE,
+    CSLOTS,
+    DSV4_PREFIX,
+    F32,
+    GATHER,
+    I32,
+    I64,
+    KV,
+    SAVE,
+    STATE,
+    SWA,
+    DSV4Engine,
+    DSV4Step,
+    chunks,
+)  # fmt: skip
+from .unpack_seq import unpack_seq_reference
+
+__all__ = ["DSV4Sweep"]
+
+
+class DSV4Sweep(DSV4Engine):
+    """DeepSeek-V4: per-step metadata, then its SWA-only, C4, C128 and MTP layer types (those the config has)."""
+
+    model_types: ClassVar[tuple[str, ...]] = ("deepseek_v4",)
+    drives: ClassVar[frozenset[str]] = Sweep.drives | {CSLOTS, GATHER, COMBINE, SAVE} | {
+        DSV4_PREFIX + n
+        for n in (
+            "c128a_topk_metadata",
+            "compress_pool",
+            "decode_swa_indices",
+            "dspark_noncausal_swa_indices",
+            "global_topk_indices",
+            "indexer_kv_compress_insert",
+            "indexer_prefill_chunk_metadata",
+            "indexer_q_rope_mxfp4",
+            "indexer_q_rope_quant",
+            "inv_rope_fp8_quant",
+            "mtp_input_rmsnorm",
+            "mtp_shared_head_rmsnorm",
+            "pack_seq",
+            "prepare_dspark_inputs",
+            "prepare_uniform_decode",
+            "sparse_swa_prefill_metadata",
+            "unpack_seq",
+        )
+    }
+
+    @classmethod
+    def speculative_tokens(cls, cfg: warmreg.WarmConfig) -> int:
+        """Draft tokens a step: ``serving.num_speculative_tokens``, or with DSpark the model's block size."""
+        return num_speculative_tokens(cfg)
+
+    def run(self, st: DSV4Step) -> None:
+        """The per-step metadata, one layer of each type, then the DSpark draft step where the plan has one."""
+        for bs in self.groups:
+            self.slot_mapping(st, bs)
+        self.compressed_slots(st)
+        self.c128a(st)
+        self.decode_swa(st)
+        self.swa_prefill_metadata(st)
+        self.uniform_decode(st)
+        for kind, ratio in self.layers:
+            self.layer(st, kind, ratio)
+        if self.draft is not None:
+            self.dspark_draft(st, self.draft)
+
+    def dspark_draft(self, st: DSV4Step, d: DSparkDraft) -> None:
+        """The DSpark draft step after the target step: its inputs (one launch for the SWA group), its non-causal
+        SWA metadata, then the draft layers on ``Nq`` query tokens a request. Decode requests rejected some of their
+        drafts; a prefill chunk sampled a token (its last chunk) or none (chunked prefill)."""
+        b, rng = st.batch, self.rng
+        reqs = len(b.qlens)
+        nrej = [rng.randint(0, q - 1) if i < b.num_decodes else 0 for i, q in enumerate(b.qlens)]
+        sampled = [q - r if i < b.num_decodes else rng.randint(0, 1) for i, (q, r) in enumerate(zip(b.qlens, nrej))]
+        states = torch.randperm(self.draft_reqs, generator=self.gen, device=self.dev)[:reqs].to(I64)
+        args = (
+            st.positions, st.qsl, states, self.req_states[0], self.req_states[1],
+            torch.tensor(sampled, dtype=I32, device=self.dev), torch.tensor(nrej, dtype=I32, device=self.dev),
+            self.req_states[2], self.req_states[3], self.tables[SWA],
+        )  # fmt: skip
+        kw: dict[str, Any] = dict(
+            num_reqs=reqs, block_size=SWA, parallel_drafting_token_id=d.noise_token_id,
+            num_query_per_req=d.num_query_per_req, num_speculative_steps=d.num_tokens, max_num_reqs=self.draft_reqs,
+            max_num_tokens=self.draft_tokens, max_model_len=self.lim.max_model_len,
+            sample_from_anchor=d.sample_from_anchor,
+        )  # fmt: skip
+        out = self.launch(
+            DSV4_PREFIX + "prepare_dspark_inputs",
+            f"{reqs} requests, max_q {max(b.qlens)}",
+            lambda: self.k("prepare_dspark_inputs")(*args, **kw, max_query_len=max(b.qlens), out=self.draft_buf),
+            fallback=lambda: prepare_dspark_inputs_reference(self.draft_buf, *args, **kw),
+            ref=lambda: prepare_dspark_inputs_reference(self.draft_buf, *args, **kw),
+        )
+        nq = d.num_query_per_req
+        T = reqs * nq
+        qsl, seqs = out.query_start_loc[: reqs + 1], out.seq_lens[:reqs]
+        tok2req = torch.arange(reqs, dtype=I32, device=self.dev).repeat_interleave(nq)
+        valid = out.query_slot_mapping[:T] >= 0
+        sw_args = (qsl, seqs, tok2req, valid, self.tables[SWA])
+        sw_kw: dict[str, Any] = dict(num_tokens=T, window_size=self.window, index_width=d.index_width, block_size=SWA)
+        self.draft_swa[1][T:] = 0  # the builder zeroes the lens past the decode tokens first
+        self.launch(
+            DSV4_PREFIX + "dspark_noncausal_swa_indices",
+            f"draft: {reqs} requests x {nq} tokens, W={d.index_width}",
+            lambda: self.k("dspark_noncausal_swa_indices")(*sw_args, **sw_kw, out=self.draft_swa),
+            ref=lambda: dspark_swa_indices_reference(*sw_args, **sw_kw),
+        )
+        seq_host = seqs.tolist()
+        draft = Batch("draft", tuple(seq_host), (nq,) * reqs, (0,) * reqs, reqs)
+        dst = self.step_tensors(draft)
+        m = self.m
+        for ratio in sorted(set(d.ratios)):  # the SWA-only draft layers run as an SWA-only layer on the draft tokens
+            if ratio == 1:
+                self.layer(dst, "dspark draft", 1)
+            else:
+                self.qkv_norm(dst, "dspark draft", m.q_lora_rank, m.head_dim, m.q_lora_rank + m.head_dim, m.rms_norm_eps)
+
+    def layer(self, st: DSV4Step, kind: str, ratio: int) -> None:
+        """One layer of a type: Q/KV norm, compressor and indexer, sparse prefill, inverse RoPE; for the type of the
+        MTP layer's attention, the MTP input norm before and the shared-head norm after."""
+        m, T = self.m, st.batch.tokens
+        if kind == self.mtp_kind and self.has("mtp_input_rmsnorm"):
+            embeds, residual = self.randn(T, m.hidden_size, scale=3), self.randn(T, m.hc_mult * m.hidden_size, scale=3)
+            args = (embeds, st.positions, residual, self.mtp_w[0], self.mtp_w[1], m.rms_norm_eps)
+            self.launch(DSV4_PREFIX + "mtp_input_rmsnorm", "mtp layer", lambda: self.k("mtp_input_rmsnorm")(*args))
+        self.qkv_norm(st, kind, m.q_lora_rank, m.head_dim, m.q_lora_rank + m.head_dim, m.rms_norm_eps)
+        if ratio > 1:
+            self.save_states(st, f"c{ratio}")
+        if ratio == 4:
+            self.indexer(st)
+        self.sparse_prefill(st, kind, ratio)
+        if self.has("inv_rope_fp8_quant"):
+            o = self.randn(T, m.num_attention_heads // self.tp, m.head_dim, scale=3)
+            inv_args = (o, st.positions, self.rope[ratio], m.o_groups // self.tp)
+            self.launch(
+                DSV4_PREFIX + "inv_rope_fp8_quant",
+                f"{kind} layer",
+                lambda: self.k("inv_rope_fp8_quant")(*inv_args, quantize=self.quantize),
+            )
+        if kind == self.mtp_kind and self.has("mtp_shared_head_rmsnorm"):
+            x = self.randn(T, m.hidden_size, scale=3)
+            self.launch(
+                DSV4_PREFIX + "mtp_shared_head_rmsnorm",
+                "mtp layer",
+                lambda: self.k("mtp_shared_head_rmsnorm")(x, self.mtp_w[2], m.rms_norm_eps),
+            )
+
+
+    def save_states(self, st: DSV4Step, state: str) -> None:
+        """A compressor's save of ``kv`` and ``score + ape`` (column views of its fp32 projection) into its states."""
+        cache, ape = self.states[state], self.ape[state]
+        head, page, T = ape.shape[1], cache.shape[1], st.batch.tokens
+        if SAVE not in self.names or page not in st.slots:
+            return
+        kv_score = self.randn(T, 2 * head, dtype=F32)
+        args = (kv_score[:, :head], kv_score[:, head:], ape, st.positions, st.slots[page], cache)
+        self.launch(SAVE, f"{state} compressor (head {head})", lambda: self.kernel(SAVE)(*args))
+
+    def indexer(self, st: DSV4Step) -> None:
+        """The C4 indexer: its compressor (save, compress + insert), Q RoPE + quant, top-k, prefill metadata."""
+        b, T = st.batch, st.batch.tokens
+        self.save_states(st, "index")
+        self._index_insert(st)
+        self._compress_pool(st)
+        self._q_mxfp4(st)
+        if self.has("indexer_q_rope_quant"):
+            h, d = self.m.index_n_heads, self.m.index_head_dim
+            args = (st.positions, self.randn(T, h, d, scale=2), self.rope[4], self.randn(T, h), d**-0.5, h**-0.5)
+            q = self.launch(
+                DSV4_PREFIX + "indexer_q_rope_quant", "c4 indexer", lambda: self.k("indexer_q_rope_quant")(*args)
+            )
+            if q is not None:
+                self.pack_q(st, q[0])
+        st.topk = self.local_topk(st)
+        self.unpack_topk(st)
+        if self.has("global_topk_indices") and KV in st.slots:
+            valid = st.slots[KV] >= 0
+            spans = [(0, b.decode_tokens, "decode")] + [(b.decode_tokens, T, "FlashInfer prefill")] * self.flashinfer
+            for lo, hi, what in spans:
+                if hi > lo:
+                    self._global_topk(st.topk[lo:hi], st.token_to_req[lo:], valid[lo:], what)
+        if self.has("indexer_prefill_chunk_metadata"):
+            for a, e, cuts in self.indexer_chunks(b):
+                for qs0, qs1 in cuts:
+                    self._chunk_metadata(st, a, e, qs0, qs1)
+
+    def decode_lens(self, st: DSV4Step) -> tuple[list[int], torch.Tensor] | None:
+        """The decode lengths (host and device) when they differ: the native decode's padded path, else None."""
+        lens = list(st.batch.qlens[: st.batch.num_decodes])
+        return (lens, torch.tensor(lens, dtype=I32, device=self.dev)) if len(set(lens)) > 1 else None
+
+    def pack_q(self, st: DSV4Step, q_fp8: torch.Tensor) -> None:
+        """The padded decode's pack of the FP8 Q ``q_fp8[:Td]`` (``[Td, H * D]``) into ``[B, Lmax, H, D]``."""
+        dec = self.decode_lens(st)
+        if dec is None or not self.has("pack_seq"):
+            return
+        x = q_fp8[: st.batch.decode_tokens].reshape(st.batch.decode_tokens, -1)
+        self.launch(
+            DSV4_PREFIX + "pack_seq",
+            f"decode lens {dec[0]}",
+            lambda: self.k("pack_seq")(x, dec[1], lengths_host=dec[0]).view(len(dec[0]), max(dec[0]), *q_fp8.shape[1:]),
+        )  # no reference check: the -inf pad has no e4m3fn encoding (the plugin's tests mask those slots)
+
+    def unpack_topk(self, st: DSV4Step) -> None:
+        """The padded decode's unpack of the top-k of the ``B * next_n`` packed rows back into the buffer's ``[:Td]``."""
+        dec = self.decode_lens(st)
+        if dec is None or st.topk is None or not self.has("unpack_seq"):
+            return
+        nd, next_n = st.batch.decode_tokens, 1 + self.lim.spec
+        # what the top-k of the padded rows writes: the decode rows' indices, -1 in the pad rows
+        packed = torch.full((len(dec[0]), next_n, self.m.index_topk), -1, dtype=I32, device=self.dev)
+        packed[:, : max(dec[0])] = pack_seq_reference(st.topk[:nd], dec[1], pad_value=-1)
+        out = self.launch(
+            DSV4_PREFIX + "unpack_seq",
+            f"decode lens {dec[0]}",
+            lambda: self.k("unpack_seq")(packed, dec[1], lengths_host=dec[0]),
+            fallback=lambda: unpack_seq_reference(packed, dec[1]),
+            ref=lambda: unpack_seq_reference(packed, dec[1]),
+        )
+        st.topk[:nd].copy_(out)
+
+    def _index_insert(self, st: DSV4Step) -> None:
+        """The indexer compressor's fused compress + RMSNorm + RoPE + FP8 quant + insert (of closing windows)."""
+        if not self.has("indexer_kv_compress_insert") or STATE[4] not in st.slots or "indexer" not in st.cslots:
+            return
+        args = (
+            self.states["index"], self.tables[STATE[4]], st.token_to_req, st.positions, st.slots[STATE[4]],
+            st.cslots["indexer"], self.index_norm, self.rope[4], self.index_cache, self.m.rms_norm_eps,
+        )  # fmt: skip
+        self.launch(
+            DSV4_PREFIX + "indexer_kv_compress_insert",
+            "c4 indexer" + " (MXFP4)" * self.fp4,
+            lambda: self.k("indexer_kv_compress_insert")(*args, compress_ratio=4, use_fp4_cache=self.fp4),
+        )
+
+    def _compress_pool(self, st: DSV4Step) -> None:
+        """ROCm's MXFP4 indexer compressor: the pooling of closing windows into the persistent bf16 workspace."""
+        if not self.has("compress_pool") or STATE[4] not in st.slots or "indexer" not in st.cslots:
+            return
+        T = st.batch.tokens
+        args = (self.states["index"], st.token_to_req, st.positions, st.cslots["indexer"], self.tables[STATE[4]], STATE[4])
+        self.launch(
+            DSV4_PREFIX + "compress_pool",
+            "c4 indexer (ROCm MXFP4)",
+            lambda: self.k("compress_pool")(*args, self.pooled_k[:T]),
+            ref=lambda: compress_pool_reference(*args, self.pooled_k[:T].clone()),
+        )
+
+    def _q_mxfp4(self, st: DSV4Step) -> None:
+        """The C4 indexer's Q RoPE + MXFP4 quant (CUDA SM10x without CuTeDSL); SM10x never pads, so no pack."""
+        if not self.has("indexer_q_rope_mxfp4"):
+            return
+        T, h, d = st.batch.tokens, self.m.index_n_heads, self.m.index_head_dim
+        args = (st.positions, self.randn(T, h, d, scale=2), self.rope[4], self.randn(T, h), d**-0.5, h**-0.5)
+
+        def flat(out: Any) -> tuple[torch.Tensor, ...]:
+            (packed, scale), w = out
+            return packed, scale, w
+
+        self.launch(
+            DSV4_PREFIX + "indexer_q_rope_mxfp4",
+            "c4 indexer",
+            lambda: flat(self.k("indexer_q_rope_mxfp4")(*args)),
+            ref=lambda: flat(indexer_q_rope_mxfp4_reference(*args)),
+            tol=(0.0, 0.0),  # bit-exact: the same fp32 RoPE, exact E2M1 and UE8M0 on both sides
+        )
+
+    def local_topk(self, st: DSV4Step) -> torch.Tensor:
+        """What the indexer's top-k writes into its buffer: ``min((pos+1)//4, topk)`` causal local indices, then -1."""
+        T, k = st.batch.tokens, self.m.index_topk
+        n = (st.positions + 1) // 4
+        vals = (torch.rand(T, k, generator=self.gen, device=self.dev) * n[:, None]).long()
+        live = torch.arange(k, device=self.dev)[None, :] < n.clamp(max=k)[:, None]
+        return self.topk_buf[:T].copy_(torch.where(live, vals, -1))
+
+    def _global_topk(self, topk: torch.Tensor, token_to_req: torch.Tensor, valid: torch.Tensor, what: str) -> None:
+        args, bs = (topk, token_to_req, self.ctables["c4"], valid), self.page[4]
+        self.launch(
+            DSV4_PREFIX + "global_topk_indices",
+            what,
+            lambda: self.k("global_topk_indices")(*args, block_size=bs),
+            ref=lambda: global_topk_indices_reference(*args, block_size=bs),
+        )
+
+    def indexer_chunks(self, b: Batch) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """The indexer's prefill chunks ``(a, e, query slices)``: requests packed while their compressed K rows fit
+        the workspace and the logits (``tokens * rows * 4`` bytes) the budget."""
+        out = []
+        start, rows, toks = b.num_decodes, 0, 0
+        for r in range(b.num_decodes, len(b.qlens)):
+            k, q = b.seqs[r] // 4, b.qlens[r]
+            over = rows + k > self.lim.workspace_rows or (toks + q) * (rows + k) * 4 > self.lim.logits_bytes
+            if r > start and over:
+                out.append(self._cut(start, r, toks, rows))
+                start, rows, toks = r, 0, 0
+            rows, toks = rows + k, toks + q
+        if len(b.qlens) > start:
+            out.append(self._cut(start, len(b.qlens), toks, rows))
+        return out
+
+    def _cut(self, a: int, e: int, toks: int, rows: int) -> tuple[int, int, list[tuple[int, int]]]:
+        """A chunk's query slices: all of it, or (one request alone over the logits budget) cuts along M."""
+        if toks * rows * 4 <= self.lim.logits_bytes:
+            return a, e, [(0, toks)]
+        m = max(1, self.lim.logits_bytes // (4 * rows))
+        return a, e, [(s, min(s + m, toks)) for s in range(0, toks, m)]
+
+    def _chunk_metadata(self, st: DSV4Step, a: int, e: int, qs0: int, qs1: int) -> None:
+        qsl = st.qsl[a : e + 1] - st.qsl[a]  # rebased to the chunk: a fresh tensor
+        compressed = [0] + [s // 4 for s in st.batch.seqs[a:e]]
+        cu = torch.tensor(compressed, dtype=I64).cumsum(0).to(I32).to(self.dev)
+        interleave = int(self.cfg.serving.get("cp_kv_cache_interleave_size", 1) or 1)
+        kw: dict[str, Any] = dict(
+            num_compressed_rows=sum(compressed), query_slice_start=qs0, query_slice_stop=qs1, compress_ratio=4,
+            dcp_interleave=interleave,
+        )  # fmt: skip
+        self.launch(
+            DSV4_PREFIX + "indexer_prefill_chunk_metadata",
+            f"requests [{a}, {e}), query slice [{qs0}, {qs1})",
+            lambda: self.k("indexer_prefill_chunk_metadata")(qsl, st.seq_lens[a:e], cu, **kw),
+        )
+
+    def sparse_prefill(self, st: DSV4Step, kind: str, ratio: int) -> None:
+        """Sparse prefill of one layer type, chunk by chunk: gather the compressed entries (rows ``[0, N)``) and the
+        SWA rows (from row ``N``) into a bf16 workspace of ``M`` rows per request, then combine the indices."""
+        b = st.batch
+        if not b.num_prefills or st.gather_lens is None or not ({GATHER, COMBINE} & self.names):
+            return
+        nd, densest = b.num_decodes, min(self.ratios, default=0)  # the chunks fit the layer type with most rows
+        rows = [(s // densest if densest else 0) + g for s, g in zip(b.seqs[nd:], st.gather_host)]
+        for a, e in chunks(rows, self.lim.workspace_rows):
+            a, e = a + nd, e + nd
+            n = max(s // ratio for s in b.seqs[a:e]) if ratio > 1 else 0
+            m = n + max(st.gather_host[a - nd : e - nd])
+            lens = st.gather_lens[a - nd : e - nd]
+            where = f"{kind} layer, requests [{a}, {e}), M={m}, N={n}"
+            if GATHER in self.names:
+                self._gathers(st, where, ratio, a, e, (n, m), lens)
+            if COMBINE in self.names:
+                self._combine(st, where, ratio, a, e, (n, m), lens)
+
+    def _gathers(
+        self, st: DSV4Step, where: str, ratio: int, a: int, e: int, nm: tuple[int, int], lens: torch.Tensor
+    ) -> None:
+        (n, m), gather = nm, self.kernel(GATHER)
+        out = torch.empty(e - a, m, HEAD_DIM, dtype=BF16, device=self.dev)  # the chunk's workspace
+        if ratio > 1:
+            seqs, table, cache = st.seq_lens[a:e] // ratio, self.ctables[f"c{ratio}"][a:e], self.fp8[ratio]
+            self.launch(
+                GATHER,
+                f"{where}, compressed cache",
+                lambda: gather(out, cache, seqs, table, block_size=self.page[ratio]),
+            )
+        args = (out, self.fp8[1], st.seq_lens[a:e], self.tables[SWA][a:e])
+        self.launch(GATHER, f"{where}, SWA cache", lambda: gather(*args, block_size=SWA, offset=n, gather_lens=lens))
+
+    def _combine(
+        self, st: DSV4Step, where: str, ratio: int, a: int, e: int, nm: tuple[int, int], lens: torch.Tensor
+    ) -> None:
+        b, (n, m) = st.batch, nm
+        t0, t1, nd = sum(b.qlens[:a]), sum(b.qlens[:e]), b.decode_tokens
+        topk = {1: None, 4: st.topk, 128: st.prefill_local}[ratio]
+        if topk is not None:  # rows of the chunk's tokens (C128A's prefill rows start after the decode tokens)
+            shift = nd if ratio == 128 else 0
+            topk = topk[t0 - shift : t1 - shift]
+        elif ratio > 1:
+            return
+        args = (topk, st.qsl[a : e + 1], st.seq_lens[a:e], lens)
+        kw: dict[str, Any] = dict(num_tokens=t1 - t0, compress_ratio=ratio, M=m, N=n)
+        self.launch(
+            COMBINE,
+            where,
+            lambda: self.kernel(COMBINE)(*args, **kw),
+            ref=lambda: combine_topk_swa_indices_reference(*args, **kw, window_size=self.window),
+        )
