@@ -242,3 +242,26 @@ def test_every_error_is_defined_in_one_module() -> None:
             if isinstance(node, ast.ClassDef):
                 bases = {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
                 assert not bases & names, f"{_path(module)} defines the error {node.name}: define it in warmreg/values/errors.py"
+
+
+def test_a_task_status_changes_in_one_place() -> None:
+    """``Task.status`` is written only by ``Task.__init__`` and its transition, ``Task.to``."""
+    writes = []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+            for t in targets:
+                for e in t.elts if isinstance(t, ast.Tuple) else [t]:
+                    if isinstance(e, ast.Attribute) and e.attr == "status":
+                        writes.append(f"{_path(module)}:{node.lineno}")
+    bind = ast.parse(_modules()["pipeline.bind"].read_text())
+    (task,) = [n for n in bind.body if isinstance(n, ast.ClassDef) and n.name == "Task"]
+    owned = {f"warmreg/pipeline/bind.py:{n.lineno}" for f in task.body if isinstance(f, ast.FunctionDef) and f.name in ("__init__", "to") for n in ast.walk(f) if isinstance(n, ast.Assign)}
+    assert writes and set(writes) <= owned, f"Task.status written outside Task.to: {sorted(set(writes) - owned)}"
+
+
+def test_one_capture_of_a_launch() -> None:
+    """Only ``runtime/launch.py`` sets the warm session: every capture of a launch goes through its ``capture()``."""
+    for module, path in _modules().items():
+        if module != "runtime.launch":
+            assert "WARM_SESSION" not in path.read_text(), f"{_path(module)} sets the warm session itself: use runtime.launch.capture()"

@@ -22,6 +22,9 @@ class _Task:
     def __init__(self, name: str) -> None:
         self.compiled, self.status, self.error, self.load_seconds = name, "compiled", None, 0.0
 
+    def fail(self, error: str) -> None:  # Task.fail: a failed load keeps its error
+        self.status, self.error = "failed", error
+
 
 @pytest.fixture
 def loads(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:

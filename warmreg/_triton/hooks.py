@@ -124,7 +124,8 @@ _AUTOTUNER_BENCH = None
 
 
 def wrap_autotuner_bench(before: Any) -> None:
-    """Call ``before(autotuner)`` before every benchmark the autotuner runs (``Autotuner._bench``)."""
+    """Call ``before(name)`` before every benchmark the autotuner runs (``Autotuner._bench``), with the full
+    name of the function it tunes (its ``base_fn``, or ``fn``; the autotuner's repr when it has neither)."""
     global _AUTOTUNER_BENCH
     from triton.runtime.autotuner import Autotuner
 
@@ -134,7 +135,8 @@ def wrap_autotuner_bench(before: Any) -> None:
     _AUTOTUNER_BENCH = original
 
     def _bench(self: Any, *args: Any, **kwargs: Any) -> Any:
-        before(self)
+        fn = getattr(self, "base_fn", None) or getattr(self, "fn", None)
+        before(f"{fn.__module__}.{fn.__qualname__}" if fn is not None and hasattr(fn, "__qualname__") else repr(self))
         return original(self, *args, **kwargs)
 
     Autotuner._bench = _bench  # type: ignore[method-assign]

@@ -18,6 +18,7 @@ from .._triton import cache as _triton_cache
 from ..monitoring import KNOWLEDGE, arm
 from ..pipeline.bind import OnError
 from ..pipeline.report import WarmReport
+from ..runtime.launch import FAST_TABLES, TUNED, WARMED, forget_loaded
 from ..values.errors import CompileFailed
 
 if TYPE_CHECKING:
@@ -35,19 +36,9 @@ def reset_state() -> None:
     For test suites (the pytest fixture ``warmreg_isolated`` calls it around each test) and before
     compiling into another cache directory. Armed monitors stay armed.
     """
-    from ..runtime.launch import FAST_TABLES, TUNED
-
     _triton.forget_compiled()
-    FAST_TABLES.clear()
-    TUNED.clear()
+    forget_loaded()
     KNOWLEDGE.clear()
-    _WARMED.clear()
-
-
-#: What each warm of this process left in memory, by plan: its report, (weak references to) the fast
-#: launches it prepared and the tuned choices it made (see :func:`already_warm`). :func:`reset_state`
-#: forgets it. Weak, so that a kernel Triton frees is not kept loaded by this record.
-_WARMED: dict[tuple[Any, ...], tuple[WarmReport, tuple[tuple[str, Any, Any], ...], dict[str, dict[Any, int]]]] = {}
 
 
 def _plan_identity(the_plan: Plan) -> tuple[Any, ...]:
@@ -55,8 +46,6 @@ def _plan_identity(the_plan: Plan) -> tuple[Any, ...]:
 
 
 def _tuned_state(the_plan: Plan) -> dict[str, dict[Any, int]]:
-    from ..runtime.launch import TUNED
-
     return {kp.name: dict(TUNED.get(kp.name, {})) for kp in the_plan.kernels if kp.kernel.tune_configs}
 
 
@@ -64,11 +53,9 @@ def already_warm(the_plan: Plan, shard: Stage | None, start: float) -> WarmRepor
     """The report of an earlier warm of this very plan in this process, when every key it warmed is
     still in memory with the fast launch it prepared and every tuned choice it made (a second warm
     then has nothing to do)."""
-    from ..runtime.launch import FAST_TABLES
-
     if shard is not None or not the_plan.platform.local:
         return None
-    earlier = _WARMED.get(_plan_identity(the_plan))
+    earlier = WARMED.get(_plan_identity(the_plan))
     if earlier is None:
         return None
     report, entries, tuned = earlier
@@ -79,13 +66,11 @@ def already_warm(the_plan: Plan, shard: Stage | None, start: float) -> WarmRepor
 
 def remember(the_plan: Plan, report: WarmReport, shard: Stage | None) -> None:
     """Keep what this warm left in memory, for :func:`already_warm` to check next time."""
-    from ..runtime.launch import FAST_TABLES
-
     if shard is None and the_plan.platform.local and not report.failed:
         fast = [(r.kernel, r.key, FAST_TABLES.get(r.kernel, {}).get(r.key)) for r in report.results]
         if all(entry is not None for _, _, entry in fast):  # every key verifiable in memory
             refs = tuple((name, key, weakref.ref(entry)) for name, key, entry in fast)
-            _WARMED[_plan_identity(the_plan)] = (report, refs, _tuned_state(the_plan))
+            WARMED[_plan_identity(the_plan)] = (report, refs, _tuned_state(the_plan))
 
 
 def finish(report: WarmReport, the_plan: Plan, on_error: OnError, monitor: str | None, record: Any) -> WarmReport:

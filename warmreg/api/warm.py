@@ -12,8 +12,6 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import triton
-
 from ..pipeline import run as pipeline
 from ..pipeline.planning import OnPluginError, Platform, plan
 from ..pipeline.report import WarmReport
@@ -60,11 +58,6 @@ def warm(
     stages = compose.for_warm(the_plan, workers=workers, pack=pack, shard=shard, rehearse=rehearse)
     plan_seconds = time.perf_counter() - start
     results = pipeline.run(the_plan, workers=workers, on_error=on_error, stages=stages, progress=progress)
-    report = WarmReport(
-        platform=the_plan.platform.target, model_type=the_plan.config.model_type, triton_version=triton.__version__,
-        workers=workers, seconds=time.perf_counter() - start, plan_seconds=plan_seconds, results=results,
-        plugins=the_plan.plugins, skipped=tuple(f"{s.kernel} ({s.plugin}): {s.reason}" for s in the_plan.skipped),
-        plugin_problems=tuple(str(p) for p in the_plan.plugin_problems), stages=pipeline.sections(stages),
-    )  # fmt: skip
+    report = WarmReport.of(the_plan, results, stages, workers=workers, seconds=time.perf_counter() - start, plan_seconds=plan_seconds)
     session.remember(the_plan, report, shard)
     return session.finish(report, the_plan, on_error, monitor, record)

@@ -320,12 +320,10 @@ def _on_load(name: str) -> None:
     active._missed(Miss(kind="load", jit_name=name, kernel=launch[0] if launch else None, runtime_key=launch[1] if launch else None))
 
 
-def _autotune_hook(autotuner: Any) -> None:
+def _autotune_hook(name: str) -> None:
     active = _STATE.top
     if active is None or active.mode == "off" or IN_WARMUP.get():
         return
-    fn = getattr(autotuner, "base_fn", None) or getattr(autotuner, "fn", None)
-    name = f"{fn.__module__}.{fn.__qualname__}" if fn is not None and hasattr(fn, "__qualname__") else repr(autotuner)
     active._missed(Miss(kind="autotune", jit_name=name, kernel=_owner(name)))
 
 

@@ -10,6 +10,7 @@ so it overlaps the background hash of Triton's installation.
 
 from __future__ import annotations
 
+import enum
 import errno
 from collections.abc import Callable
 from typing import Any, Literal
@@ -17,22 +18,31 @@ from typing import Any, Literal
 from .. import _triton
 from .._triton import cache as _triton_cache
 from ..contract.kernel import LaunchSpec, TritonKernel, check_no_option_kwargs
-from ..runtime.launch import WARM_SESSION
+from ..runtime.launch import capture
 from ..values.errors import KernelContractError, WarmregError
 from ..values.key import CompileKey
 from .planning import KernelPlan
 from .report import KeyResult
 
-__all__ = ["OnError", "Task", "bind_all", "cancel_rest", "check_on_error", "describe"]
+__all__ = ["OnError", "Status", "Task", "bind_all", "cancel_rest", "check_on_error", "describe"]
 
 OnError = Literal["raise", "continue", "stop"]
+
+
+class Status(str, enum.Enum):
+    """Where a key stands while it warms (the first four are :class:`~warmreg.KeyResult` statuses)."""
+
+    MEMORY = "memory"  # already loaded in this process (until binding says otherwise)
+    PENDING = "pending"  # bound, to compile
+    COMPILED = "compiled"
+    DISK_CACHE = "disk_cache"
+    FAILED = "failed"  # terminal: nothing moves a failed key on
 
 
 class Task:
     """One key while it warms: bound (launch captured), then compiled, then loaded.
 
-    :ivar status: ``memory`` (already in memory), ``pending`` (to compile), ``compiled``,
-        ``disk_cache`` or ``failed``.
+    :ivar status: a :class:`Status`, changed only by :meth:`to`.
     :ivar launch: the captured launch ``(jit, grid, kwargs, options)``; the compile consumes it.
     :ivar captured: the same, kept until the fast launch is prepared (local GPU).
     :ivar precompiled: compiled into Triton's disk cache for this warm by another process (a stage):
@@ -42,7 +52,7 @@ class Task:
 
     def __init__(self, kp: KernelPlan, key: CompileKey) -> None:
         self.kp, self.key = kp, key
-        self.status = "memory"
+        self.status = Status.MEMORY
         self.seconds = 0.0
         self.load_seconds = 0.0
         self.error: str | None = None
@@ -61,8 +71,16 @@ class Task:
         """Compiled, found, or failed: nothing left to compile."""
         return self.launch is None
 
+    def to(self, status: Status, error: str | None = None) -> None:
+        """The one transition of :attr:`status`: to ``FAILED`` from anywhere (with nothing left to compile;
+        ``error`` restates why), to anything else unless the key failed."""
+        if status is Status.FAILED:
+            self.status, self.error, self.launch = status, self.error if error is None else error, None
+        elif self.status is not Status.FAILED:
+            self.status = status
+
     def fail(self, error: str) -> None:
-        self.status, self.error, self.launch = "failed", error, None
+        self.to(Status.FAILED, error)
 
     def result(self) -> KeyResult:
         # an unresolved async compile reports nothing yet: from Triton 3.7 a FutureKernel forwards
@@ -71,7 +89,7 @@ class Task:
         return KeyResult(
             kernel=self.kp.name,
             key=self.key,
-            status=self.status,  # type: ignore[arg-type]
+            status=self.status.value,  # type: ignore[arg-type]
             seconds=self.seconds,
             load_seconds=self.load_seconds,
             error=self.error,
@@ -108,7 +126,7 @@ class _Binder:
         task.jit_name = _triton.full_name(jit)
         task.triton_key, task.specialization_data = _triton.specialize(jit, spec.kwargs, options)
         # Status before the compile starts: async compiles report through the listener at any time.
-        task.status = "memory" if _triton.in_memory(jit, task.triton_key) else "pending"
+        task.to(Status.MEMORY if _triton.in_memory(jit, task.triton_key) else Status.PENDING)
         if callable(spec.grid):
             raise KernelContractError(kernel.name, "returned a callable grid without tune_configs", fix="return a tuple")
         task.launch = task.captured = (jit, spec.grid or (1,), spec.kwargs, options)
@@ -116,13 +134,11 @@ class _Binder:
 
 
 def _bind(task: Task) -> None:
-    token = WARM_SESSION.set(_Binder(task))
     try:
-        task.kp.kernel_for(task.key).launch_for_warm(task.key)
+        with capture(_Binder(task)):
+            task.kp.kernel_for(task.key).launch_for_warm(task.key)
     except Exception as exc:
         task.fail(describe(exc))
-    finally:
-        WARM_SESSION.reset(token)
 
 
 def bind_all(tasks: list[Task], on_error: OnError, on_done: Callable[[Task], None] | None) -> bool:

@@ -23,7 +23,7 @@ from .. import _triton
 from .._triton import cache as _triton_cache
 from ..runtime.launch import FAST_LAUNCH, IN_WARMUP, remember_fast_launch
 from ..values.platform import Platform
-from .bind import OnError, Task, cancel_rest, describe
+from .bind import OnError, Status, Task, cancel_rest, describe
 
 __all__ = ["INLINE_HITS", "compile_scope", "compile_tasks", "prepare_fast_launches", "remove_failed"]
 
@@ -46,7 +46,7 @@ def _compile(task: Task) -> None:
     try:
         task.compiled = _triton.retrying_ast_race(_triton.warmup, jit, grid, kwargs, options)
     except Exception as exc:
-        task.status, task.error = "failed", describe(exc)
+        task.fail(describe(exc))
     finally:
         _tls.task = None
         task.seconds += time.perf_counter() - start
@@ -70,7 +70,7 @@ class _TimedExecutor(Executor):
                 return compiled
             except BaseException as exc:
                 if task is not None:
-                    task.status, task.error = "failed", describe(exc)
+                    task.fail(describe(exc))
                 raise
             finally:
                 if task is not None:
@@ -90,7 +90,7 @@ class _TimedExecutor(Executor):
 def _on_compiled(cache_hit: bool, metadata: Any) -> None:
     """Triton produced (or found in its disk cache) the binary of the task compiling on this thread."""
     if (task := getattr(_tls, "task", None)) is not None:
-        task.status = "disk_cache" if cache_hit else "compiled"
+        task.to(Status.DISK_CACHE if cache_hit else Status.COMPILED)
         task.binary_hash = metadata.get("hash") if isinstance(metadata, dict) else None
 
 
@@ -134,7 +134,7 @@ def compile_tasks(
                 load(task)
     for task in todo:
         if task.precompiled and task.status == "disk_cache":
-            task.status = "compiled"
+            task.to(Status.COMPILED)
 
 
 def remove_failed(tasks: list[Task], platform: Platform) -> None:
@@ -150,7 +150,7 @@ def _run_serial(
     for task in tasks:
         _compile(task)
         if task.status == "pending":
-            task.status = "compiled"
+            task.to(Status.COMPILED)
         load(task)
         if on_done is not None:
             on_done(task)
@@ -173,9 +173,10 @@ def _run_async(tasks: list[Task], executor: Executor, on_error: OnError, on_done
             try:
                 task.compiled = compiled.result()
             except Exception as exc:
-                task.status, task.error, task.compiled = "failed", task.error or describe(exc), None
+                task.fail(task.error or describe(exc))
+                task.compiled = None
         if task.status == "pending":
-            task.status = "compiled"
+            task.to(Status.COMPILED)
 
 
 @contextmanager
@@ -209,7 +210,7 @@ def _load(task: Task, compiled: Any, device: int, wide: Executor | None = None) 
     try:
         _triton.finish_load(compiled)
     except Exception as exc:
-        task.status, task.error = "failed", describe(exc)
+        task.fail(describe(exc))
     task.load_seconds += time.perf_counter() - start
     return None
 

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..contract.registry import Registry
 
 __all__ = [
-    "HOOKS", "OnPluginError", "PluginProblem", "PluginSet", "call_register_hooks", "load_plugins", "plugin_packages",
+    "HOOKS", "OnPluginError", "PluginProblem", "PluginSet", "call_register_hooks", "load_plugins",
 ]  # fmt: skip
 
 log = logging.getLogger("warmreg")
@@ -55,14 +55,6 @@ class PluginSet:
 def _dist_name(ep: importlib.metadata.EntryPoint) -> str:
     dist = getattr(ep, "dist", None)
     return f"{dist.name}:{ep.name}" if dist is not None else ep.name
-
-
-def plugin_packages() -> frozenset[str]:
-    """The top-level packages whose kernels installed plugins can register: ``warmreg`` (its shared
-    ops) and the package of each entry point in the ``warmreg`` group, read from the distributions'
-    metadata without importing them."""
-    eps = installed_entry_points(hookspecs.PROJECT)
-    return frozenset({"warmreg", *(ep.module.split(".")[0] for ep in eps)})
 
 
 def load_plugins(

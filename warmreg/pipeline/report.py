@@ -87,6 +87,19 @@ class WarmReport:
     stages: dict[str, dict[str, Any]] = attrs.field(factory=dict, converter=_sections)
     already_warm: bool = False
 
+    @classmethod
+    def of(cls, plan: Any, results: Iterable[KeyResult], stages: Iterable[Any], *, workers: int, seconds: float, plan_seconds: float) -> WarmReport:
+        """The report of a warm of ``plan`` (a :class:`~warmreg.Plan`) that ran ``stages`` (each its section)."""
+        import triton
+
+        return cls(
+            platform=plan.platform.target, model_type=plan.config.model_type, triton_version=triton.__version__,
+            workers=workers, seconds=seconds, plan_seconds=plan_seconds, results=results, plugins=plan.plugins,
+            skipped=tuple(f"{s.kernel} ({s.plugin}): {s.reason}" for s in plan.skipped),
+            plugin_problems=tuple(str(p) for p in plan.plugin_problems),
+            stages={s.name: section for s in stages if (section := s.section()) is not None},
+        )  # fmt: skip
+
     def stage(self, name: str) -> Mapping[str, Any]:
         """The section of the stage ``name`` (empty when that stage did not run)."""
         return self.stages.get(name, {})

@@ -19,9 +19,9 @@ from .bind import OnError, Task, bind_all, check_on_error
 from .compile import compile_scope, compile_tasks, prepare_fast_launches, remove_failed
 from .planning import Plan
 from .report import KeyResult
-from .stage import Stage, sections
+from .stage import Stage
 
-__all__ = ["OnError", "check_on_error", "check_workers", "default_workers", "run", "sections"]
+__all__ = ["OnError", "check_on_error", "check_workers", "default_workers", "run"]
 
 
 def default_workers() -> int:

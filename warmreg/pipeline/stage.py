@@ -8,14 +8,14 @@ them for a warm and for a pack build.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     from .bind import Task
     from .planning import Plan
 
-__all__ = ["Stage", "sections"]
+__all__ = ["Stage"]
 
 
 class Stage:
@@ -49,8 +49,3 @@ class Stage:
         """What this stage did, as JSON values for the report (``None``: nothing to say); a
         ``summary`` entry is one line the report's :meth:`~warmreg.WarmReport.summary` adds."""
         return None
-
-
-def sections(stages: Iterable[Stage]) -> dict[str, dict[str, Any]]:
-    """The report sections of ``stages``, by name."""
-    return {s.name: section for s in stages if (section := s.section()) is not None}

@@ -31,9 +31,9 @@ from ..values.key import CompileKey
 from . import fast as _triton_fast
 
 __all__ = [
-    "FAST_LAUNCH", "FAST_TABLES", "FORCE_CONFIG", "IN_WARMUP", "TUNED", "WARM_SESSION", "LaunchListener", "WarmSession",
+    "FAST_LAUNCH", "FAST_TABLES", "FORCE_CONFIG", "IN_WARMUP", "TUNED", "WARMED", "WARM_SESSION", "KeyOnly", "LaunchListener", "WarmSession", "capture",
     "add_launch_listener", "add_untuned_listener", "current_launch", "remember_fast_launch", "remove_launch_listener",
-    "remove_untuned_listener", "run", "use_config",
+    "forget_loaded", "remove_untuned_listener", "run", "use_config",
 ]  # fmt: skip
 
 #: Called with (kernel name, key) for every runtime launch of a warmreg kernel.
@@ -48,6 +48,29 @@ class WarmSession(Protocol):
 
 #: The warm in progress on this thread/context, if any: launches become compile-only captures.
 WARM_SESSION: ContextVar[WarmSession | None] = ContextVar("warmreg_warm_session", default=None)
+
+
+class KeyOnly:
+    """The warm session :func:`capture` uses by default: it keeps the key a launch would have and launches nothing."""
+
+    def __init__(self) -> None:
+        self.key: CompileKey | None = None
+
+    def capture(self, kernel: Any, spec: Any) -> Any:
+        self.key = spec.key
+        return spec.outputs
+
+
+@contextmanager
+def capture(session: WarmSession | None = None) -> Iterator[Any]:
+    """The one way a launch is captured: within the block, launch code hands its spec to ``session``
+    (default: a :class:`KeyOnly`, whose ``key`` is the launch's) instead of launching; yields the session."""
+    session = KeyOnly() if session is None else session
+    token = WARM_SESSION.set(session)
+    try:
+        yield session
+    finally:
+        WARM_SESSION.reset(token)
 #: Set while warmreg itself compiles on this thread; the monitor reads it to tell warmup from runtime.
 IN_WARMUP: ContextVar[bool] = ContextVar("warmreg_in_warmup", default=False)
 #: Launch a key's compiled kernel directly (guarded, see :mod:`warmreg.runtime.fast`). Set
@@ -58,6 +81,17 @@ FAST_TABLES: dict[str, dict[CompileKey, Any]] = {}
 
 #: The autotune candidate chosen for each tuning key (``config=None``), by kernel name.
 TUNED: dict[str, dict[CompileKey, int]] = {}
+#: What each warm of this process left loaded, by plan: its report, weak references to the fast launches
+#: it prepared and the tuned choices it made (:mod:`warmreg.api.session` keeps and checks it). Weak, so
+#: that a kernel Triton frees is not kept loaded by this record.
+WARMED: dict[tuple[Any, ...], tuple[Any, tuple[tuple[str, Any, Any], ...], dict[str, dict[Any, int]]]] = {}
+
+
+def forget_loaded() -> None:
+    """Forget the fast launches, tuned choices and warmed plans of this process (not Triton's kernels)."""
+    FAST_TABLES.clear()
+    TUNED.clear()
+    WARMED.clear()
 #: Launch this candidate of every tuned kernel on this thread/context (benchmarks, tests).
 FORCE_CONFIG: ContextVar[int | None] = ContextVar("warmreg_force_config", default=None)
 

@@ -35,8 +35,10 @@ import triton
 from .. import _triton
 from .._triton import cache as _triton_cache
 from .._triton import launchers as _triton_launchers
+from ..contract.hookspecs import PROJECT
 from ..pipeline.report import KeyResult
 from ..pipeline.stage import Stage
+from ..support.entry_points import entry_points as installed_entry_points
 from ..values.errors import CacheError, WarmregError
 from ..values.key import CompileKey
 from ..values.platform import Platform, resolve_platform
@@ -49,7 +51,7 @@ from .pack_reader import Reader, check_entries, check_launchers
 # check needs them, so that a pack refused for what it is costs no torch import.
 
 __all__ = [
-    "FORMAT", "InstallReport", "Manifest", "PackError", "PackInstall", "PackLauncher", "entry_from_result", "entry_keys", "inspect_pack", "install", "install_entries", "installed_for", "loaded_jits", "prefetch_install", "verify",
+    "FORMAT", "InstallReport", "Manifest", "PackError", "PackInstall", "PackLauncher", "entry_from_result", "entry_keys", "inspect_pack", "install", "install_entries", "installed_for", "loaded_jits", "plugin_packages", "prefetch_install", "verify",
 ]
 
 log = logging.getLogger("warmreg.stages.pack")
@@ -127,13 +129,19 @@ def inspect_pack(path: str | Path) -> Manifest:
         reader.close()
 
 
+def plugin_packages() -> frozenset[str]:
+    """The top-level packages whose kernels installed plugins can register: ``warmreg`` (its shared
+    ops) and the package of each entry point in the ``warmreg`` group, read from the distributions'
+    metadata without importing them."""
+    eps = installed_entry_points(PROJECT)
+    return frozenset({"warmreg", *(ep.module.split(".")[0] for ep in eps)})
+
+
 def _installed_jits(manifest: Manifest) -> Mapping[str, Any]:
     """The jit functions of the kernels defined in this process once the installed plugins are loaded,
     by full name; without loading the plugins (nor torch) when no entry names a function of a package
     that a plugin provides or this process has imported (every entry is then refused, as it would be
     after loading them)."""
-    from ..pipeline.plugins import plugin_packages
-
     packages = plugin_packages() | {name.split(".", 1)[0] for name in list(sys.modules)}
     if not any(e.jit_name.split(".", 1)[0] in packages for e in manifest.entries):
         return {}

@@ -27,7 +27,6 @@ import attrs
 from .. import _triton
 from ..contract.domains import runtime_platform
 from ..pipeline.stage import Stage
-from .tuning import _Probe
 
 if TYPE_CHECKING:
     from ..pipeline.bind import Task
@@ -69,7 +68,7 @@ class Rehearse(Stage):
     def after_load(self, plan: Plan, tasks: list[Task]) -> None:
         import torch
 
-        from ..runtime.launch import WARM_SESSION
+        from ..runtime.launch import capture
 
         start = time.perf_counter()
         device = _triton.torch_device()
@@ -86,12 +85,8 @@ class Rehearse(Stage):
             try:
                 inputs = kernel.tuning_inputs(key, device)
                 launcher = getattr(kernel, kernel.launcher)
-                probe = _Probe()
-                token = WARM_SESSION.set(probe)
-                try:
+                with capture() as probe:
                     launcher(**inputs)
-                finally:
-                    WARM_SESSION.reset(token)
                 if probe.key != key:
                     self.skipped.append((task.kp.name, str(key), f"its inputs launch {probe.key}"))
                     continue

@@ -190,17 +190,6 @@ def keep(choices: tuple[PackChoice, ...] | list[PackChoice]) -> int:
     return len(choices)
 
 
-class _Probe:
-    """A warm session that only reads the key a launch would have (no launch); the rehearsal uses it too."""
-
-    def __init__(self) -> None:
-        self.key: CompileKey | None = None
-
-    def capture(self, kernel: Any, spec: Any) -> Any:
-        self.key = spec.key
-        return spec.outputs
-
-
 class Tune(Stage):
     """The stage that chooses each tuned kernel's candidate on the local GPU, after loading.
 
@@ -262,18 +251,14 @@ class Tune(Stage):
         self.seconds = time.perf_counter() - start
 
     def _benchmark(self, kp: KernelPlan, base: CompileKey, compiled: list[int]) -> Choice:
-        from ..runtime.launch import WARM_SESSION, use_config
+        from ..runtime.launch import capture, use_config
 
         kernel = kp.kernel_for(attrs.evolve(base, config=compiled[0]))  # type: ignore[call-arg]
         device = _triton.torch_device()
         inputs = kernel.tuning_inputs(base, device)
         launcher = getattr(kernel, kernel.launcher)
-        probe = _Probe()
-        token = WARM_SESSION.set(probe)
-        try:
+        with capture() as probe:
             launcher(**inputs)
-        finally:
-            WARM_SESSION.reset(token)
         if probe.key != base:
             diff = ", ".join(str(d) for d in base.diff(probe.key)) if probe.key is not None else "no launch"
             raise KernelContractError(
