@@ -180,9 +180,8 @@ def test_the_architecture_page_lists_every_module() -> None:
     for module, path in _modules().items():
         doc = ast.get_docstring(ast.parse(path.read_text()))
         assert doc, f"{_path(module)} has no docstring"
-        first = doc.strip().splitlines()[0]
-        row = f"| `{_path(module).removeprefix('warmreg/')}` | {first} |"
-        assert row in text, f"docs/architecture.md lacks the row {row!r} (regenerate it: python3 tests/test_architecture.py)"
+        row = f"| `{_path(module).removeprefix('warmreg/')}` | {doc.strip().splitlines()[0]} |"
+        assert row in text, f"docs/architecture.md lacks the row {row!r} (regenerate it: python3 scripts/architecture-table.py)"
 
 
 def _public(tree: ast.Module) -> tuple[set[str], set[str], set[str] | None]:

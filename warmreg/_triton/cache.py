@@ -1,6 +1,7 @@
-"""Triton's disk cache and its key: what packs, distributed warms and replays rely on (part of the
-Triton adapter, checked against Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0; tested in
-``tests/test_triton_adapter.py``). The cache key formula (``get_cache_key``) is the same in all four;
+"""Triton's disk cache and its key: what packs, distributed warms and replays rely on.
+
+Part of the Triton adapter, checked against Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0; tested in
+``tests/test_triton_adapter.py``. The cache key formula (``get_cache_key``) is the same in all four;
 how ``preload`` decodes serialized constants is not (:class:`warmreg._triton.release.Release`).
 """
 

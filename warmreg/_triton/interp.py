@@ -1,5 +1,6 @@
-"""Kernels on CPU tensors through Triton's interpreter, in a process that also compiles (part of the
-Triton adapter, checked against Triton 3.6.0; tested in ``tests/test_triton_adapter.py``).
+"""Kernels on CPU tensors through Triton's interpreter, in a process that also compiles.
+
+Part of the Triton adapter, checked against Triton 3.6.0; tested in ``tests/test_triton_adapter.py``.
 
 ``TRITON_INTERPRET=1`` switches a whole process to the interpreter; warmreg instead interprets one
 launch at a time, so one process can both run kernels on CPU tensors (the tests) and cross-compile.

@@ -1,5 +1,6 @@
-"""Triton's C launchers, built ahead of time for a pack (part of the Triton adapter, checked against
-Triton 3.6.0's CUDA backend; tested in ``tests/test_pack_launchers.py``).
+"""Triton's C launchers, built ahead of time for a pack.
+
+Part of the Triton adapter, checked against Triton 3.6.0's CUDA backend; tested in ``tests/test_pack_launchers.py``.
 
 Only Triton 3.6 builds a launcher per kernel signature. From 3.7 on (checked: 3.7.1, 3.8.0, 3.9.0)
 ``make_launcher`` is gone: one generic launcher, compiled once with the driver's own utilities,

@@ -1,1 +1,1 @@
-"""The runtime: where a launch goes once launch code returns its spec (the hot path; fast launch, C dispatch, interpreter)."""
+"""The runtime: where a launch goes once launch code returns its spec (the hot path: launch state, fast launch, C dispatch)."""

@@ -1,1 +1,1 @@
-"""Values: the errors, compile keys, platforms and small file helpers every layer uses (imports no other layer)."""
+"""Values: the errors, compile keys and platforms every layer uses (imports no other layer)."""
