@@ -1,5 +1,6 @@
-"""The plugin template, installed like a published plugin: in a fresh virtual environment, found by
-warmreg through its entry point, planned and cross-compiled through the ``warmreg`` command line.
+"""The plugin template: small (its code besides the kernel within :data:`MAX_CODE_LINES`), and installed like a
+published plugin: in a fresh virtual environment, found by warmreg through its entry point, planned and
+cross-compiled through the ``warmreg`` command line.
 
 The venv is made with ``--system-site-packages`` so that torch, Triton, warmreg (and pytest) come
 from this interpreter's site-packages: nothing is downloaded, the test runs offline, and the only
@@ -12,21 +13,78 @@ venv, whose prefix is the running interpreter's.
 
 from __future__ import annotations
 
+import ast
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "examples" / "plugin_template"
-KERNEL = "warmreg_template.scaled_add"
+KERNEL = "warmreg_template.scaled_add.ScaledAdd"
+#: The template's code lines besides its ``@triton.jit`` kernel (issue 39: fewer than vLLM's seed design needs).
+MAX_CODE_LINES = 55
 CONFIG = {
     "model": {"model_type": "template_llm", "hidden_size": 256},
     "serving": {"max_num_batched_tokens": 128, "dtype": "bfloat16"},
 }
+
+
+def code_lines(source: str) -> int:
+    """Lines holding code: not blank, not only a comment, not part of a docstring, not in a ``@triton.jit``
+    function (the kernel, decorator included)."""
+    skip: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+            doc = node.body[0]
+            skip.update(range(doc.lineno, (doc.end_lineno or doc.lineno) + 1))
+        if isinstance(node, ast.FunctionDef) and any(_is_jit(d) for d in node.decorator_list):
+            skip.update(range(min(d.lineno for d in node.decorator_list), (node.end_lineno or node.lineno) + 1))
+    layout = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    lines: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in layout:
+            lines.update(range(tok.start[0], tok.end[0] + 1))
+    return len(lines - skip)
+
+
+def _is_jit(decorator: ast.expr) -> bool:
+    """``@triton.jit`` or ``@triton.jit(...)``."""
+    target = decorator.func if isinstance(decorator, ast.Call) else decorator
+    return isinstance(target, ast.Attribute) and target.attr == "jit" and isinstance(target.value, ast.Name) and target.value.id == "triton"
+
+
+def test_code_lines_count_code_only() -> None:
+    source = '''"""Module docstring."""
+import triton
+
+
+@triton.jit(do_not_specialize=["n"])
+def _kernel(x_ptr, n):
+    pass
+
+
+def f(x):  # a comment
+    """A docstring
+    on two lines."""
+    # only a comment
+
+    return (x +
+            1)
+'''
+    assert code_lines(source) == 4  # the import, def f, and the return's two lines
+
+
+def test_the_template_is_small() -> None:
+    counts = {p.name: code_lines(p.read_text()) for p in sorted((TEMPLATE / "warmreg_template").glob("*.py"))}
+    assert "scaled_add.py" in counts and sum(counts.values()) <= MAX_CODE_LINES, (
+        f"the template has {sum(counts.values())} code lines besides its kernel {counts}: at most {MAX_CODE_LINES}"
+    )
 
 
 def _run(python: Path, *args: str, env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess[str]:

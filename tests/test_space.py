@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 import warmreg
-from tests.helpers import CONFIG, Plugin, Scale, ScaleKey
+from tests.helpers import CONFIG, Plugin, Scale, ScaleKey, TunedDouble, TunedKey
 
 
 def test_keys_are_the_deduplicated_image_of_dispatch() -> None:
@@ -101,3 +101,63 @@ def test_domains_may_list_points_of_inputs_that_vary_together() -> None:
 
     with pytest.raises(warmreg.KernelContractError, match="lacks"):
         warmreg.plan(CONFIG, target="cuda:90", plugins=[Plugin(Lacking())], entry_points=False)
+
+
+class Witnessed(Scale):
+    """:class:`Scale` with the default ``warmup_inputs``: each key's domain point, ``scale`` among the domains."""
+
+    name = "tests.witnessed_scale"
+    warmup_inputs = warmreg.TritonKernel.warmup_inputs  # type: ignore[assignment]
+
+    def domains(self, config: Any, platform: Any) -> dict[str, Any]:
+        return {**super().domains(config, platform), "scale": [0.5]}
+
+
+def test_default_warmup_inputs_are_the_last_domain_point_of_each_key() -> None:
+    import torch
+
+    kernel = Witnessed(sizes=(16, 1, 32, 17))
+    plan = warmreg.plan(CONFIG, target="cuda:90", plugins=[Plugin(kernel)], entry_points=False)
+    keys = {k.n_class: k for k in plan.kernel(Witnessed.name).keys}
+    inputs = kernel.warmup_inputs(keys["div16"])
+    assert set(inputs) == {"x", "scale", "block"}  # only_for_when is no parameter of the launcher: left out
+    assert inputs["x"].shape == (32,) and inputs["x"].device.type == "meta" and inputs["scale"] == 0.5  # the last of 16, 32
+    assert kernel.dispatch(x=inputs["x"], block=inputs["block"]) == keys["div16"]
+    assert kernel.warmup_inputs(keys["one"])["x"].dtype == torch.float16
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(kernel)], entry_points=False, workers=1)
+    assert report.ok and report.compiled == 3  # each key's launch code ran on its point and gave back its key
+
+
+def test_default_warmup_inputs_need_a_plan_of_the_instance() -> None:
+    plan = warmreg.plan(CONFIG, target="cuda:90", plugins=[Plugin(Witnessed())], entry_points=False)
+    key = plan.kernels[0].keys[0]
+    with pytest.raises(warmreg.KernelContractError, match="override warmup_inputs"):
+        Witnessed().warmup_inputs(key)  # another instance, never enumerated
+    assert Scale().warmup_inputs(key)["scale"] == 2.0  # an explicit warmup_inputs still overrides the default
+
+
+def test_default_warmup_inputs_of_a_tuned_kernel_are_those_of_its_tuning_key() -> None:
+    class Tuned(TunedDouble):
+        name = "tests.witnessed_tuned"
+        warmup_inputs = warmreg.TritonKernel.warmup_inputs  # type: ignore[assignment]
+
+    kernel = Tuned()
+    plan = warmreg.plan(CONFIG, target="cuda:90", plugins=[Plugin(kernel)], entry_points=False)
+    assert [k.config for k in plan.kernels[0].keys] == [0, 1]
+    for key in plan.kernels[0].keys:
+        assert kernel.warmup_inputs(key)["x"].shape == (100,)
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(kernel)], entry_points=False, workers=1)
+    assert report.ok and report.compiled == 2
+
+
+def test_key_type_defaults_to_the_generic_argument() -> None:
+    class Inferred(warmreg.TritonKernel[ScaleKey]):
+        pass
+
+    class Explicit(warmreg.TritonKernel[ScaleKey]):
+        key_type = TunedKey
+
+    class Inherited(Explicit):
+        pass
+
+    assert Inferred.key_type is ScaleKey and Explicit.key_type is TunedKey and Inherited.key_type is TunedKey

@@ -72,7 +72,7 @@ def test_sglang_loads_the_plugin_which_warms_once_before_capture(events: Startup
     server_args = cases.build_sglang("flash_eagle", tmp_path)
     draft, target = _runner(server_args, draft=True), _runner(server_args)
     target.load_model()
-    assert warmreg.api.warm._plugins_thread is not None  # the prefetch started with the weights' load
+    assert warmreg.api.prefetch._plugins_thread is not None  # the prefetch started with the weights' load
     target.init_cuda_graphs()
     draft.init_cuda_graphs()  # the draft model's runner: no second warm
     target.init_cuda_graphs()

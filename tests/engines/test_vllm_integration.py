@@ -75,7 +75,7 @@ def test_vllm_loads_the_plugin_which_warms_once_before_capture(events: StartupEv
     worker.vllm_config = vc
 
     worker.load_model()
-    assert warmreg.api.warm._plugins_thread is not None  # the prefetch started with the weights' load
+    assert warmreg.api.prefetch._plugins_thread is not None  # the prefetch started with the weights' load
     worker.compile_or_warm_up_model()
     worker.compile_or_warm_up_model()  # a second call (vLLM's sleep/wake) warms nothing again
 

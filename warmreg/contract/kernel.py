@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 import attrs
 import torch
 
+from ..runtime.launch import run
 from ..values.errors import KernelContractError, LaunchError
 from ..values.key import LAUNCH_OPTIONS, CompileKey
-from ..runtime.launch import run
 
 if TYPE_CHECKING:
-    from .config import WarmConfig
     from ..values.platform import Platform
+    from .config import WarmConfig
 
 __all__ = ["K", "LaunchSpec", "TritonKernel", "TuneConfig", "check_no_option_kwargs", "kernel_launcher", "meta", "output"]
 
@@ -46,13 +46,7 @@ def meta(
         Triton sees the misalignment of an offset view.
     """
     shape = tuple(int(s) for s in shape)
-    if stride is None:
-        strides, acc = [], 1
-        for size in reversed(shape):
-            strides.append(acc)
-            acc *= max(size, 1)
-        stride = tuple(reversed(strides))
-    stride = tuple(int(s) for s in stride)
+    stride = tuple(int(s) for s in (torch.empty(shape, device="meta").stride() if stride is None else stride))
     extent = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0) if all(shape) else offset
     base = torch.empty(max(extent, 1), dtype=dtype, device="meta")
     return base.as_strided(shape, stride, offset)
@@ -187,16 +181,16 @@ class TritonKernel(Generic[K]):
 
     - ``name``: a stable, unique name (default ``module.QualName``); two registrations with the same
       name are the same kernel and their keys are merged.
-    - ``key_type``: the :class:`CompileKey` subclass.
+    - ``key_type``: the :class:`CompileKey` subclass (default: ``SomeKey`` of a ``TritonKernel[SomeKey]`` base).
     - ``jit``: the ``@triton.jit`` function, or override :meth:`jit_for` when the key selects one of
       several (FP8 / MXFP4); :meth:`jits` must then list them all.
     - :meth:`dispatch`: pure function of runtime inputs to the key; called at runtime and at warm.
     - :meth:`domains`: how the inputs ``dispatch`` reads vary in a deployment (config + platform).
     - :meth:`when`: optional filter over a domain point (may read inputs ``dispatch`` does not).
-    - :meth:`warmup_inputs`: meta-tensor arguments of the launcher that reproduce a key.
-      Each key is warmed by a registered instance whose domains produced it, but keep
-      :meth:`dispatch` and :meth:`warmup_inputs` functions of their arguments and the key: two
-      instances under one name are one kernel.
+    - :meth:`warmup_inputs` (optional): meta-tensor arguments of the launcher that reproduce a key;
+      by default the domain point that produced it. Each key is warmed by a registered instance whose
+      domains produced it, but keep :meth:`dispatch` and :meth:`warmup_inputs` functions of their
+      arguments and the key: two instances under one name are one kernel.
     - ``__call__`` (or any method) decorated with :func:`kernel_launcher`: the launch code.
     - ``tune_configs`` (optional): the autotune candidates of a tuned kernel. Its key type then has
       a field ``config: int | None = None`` and no launch-option fields; ``dispatch`` returns the
@@ -225,6 +219,10 @@ class TritonKernel(Generic[K]):
         super().__init_subclass__(**kwargs)
         if not cls.__dict__.get("name"):
             cls.name = f"{cls.__module__}.{cls.__qualname__}"
+        for base in cls.__dict__.get("__orig_bases__", ()):  # TritonKernel[SomeKey]: key_type defaults to SomeKey
+            arg = (getattr(base, "__args__", None) or (None,))[0]
+            if "key_type" not in cls.__dict__ and isinstance(arg, type) and issubclass(arg, CompileKey):
+                cls.key_type = arg
 
     def jit_for(self, key: K) -> Any:
         """The ``@triton.jit`` function that serves ``key`` (default: ``jit``)."""
@@ -260,8 +258,14 @@ class TritonKernel(Generic[K]):
         raise KernelContractError(self.name, "does not implement domains")
 
     def warmup_inputs(self, key: K) -> Mapping[str, Any]:
-        """Keyword arguments of the launcher (meta tensors, ints) whose launch has exactly ``key``."""
-        raise KernelContractError(self.name, "does not implement warmup_inputs")
+        """Keyword arguments of the launcher (meta tensors, ints) whose launch has exactly ``key``. Default: the
+        last domain point that gave ``key`` in a plan of this instance, less what the launcher does not take (so
+        each launcher argument needs a domain: one value for those that never reach the key)."""
+        point = vars(self).get("_witnesses", {}).get(attrs.evolve(key, config=None) if self.tune_configs else key)  # type: ignore[call-arg]
+        if point is None:
+            raise KernelContractError(self.name, f"has no domain point giving {key}", fix="plan it first or override warmup_inputs")
+        params = inspect.signature(getattr(self, self.launcher)).parameters
+        return {n: v for n, v in point.items() if n in params or any(p.kind is p.VAR_KEYWORD for p in params.values())}
 
     def launch_for_warm(self, key: K) -> Any:
         """Run the launch code with :meth:`warmup_inputs` (inside a warm session: a compile)."""

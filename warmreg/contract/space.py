@@ -51,13 +51,15 @@ def enumerate_keys(kernel: TritonKernel[K], domains: Domains) -> tuple[K, ...]:
     :param kernel: the kernel whose ``dispatch`` and ``when`` are evaluated.
     :param domains: either runtime input name to the values it takes (the product is enumerated), or
         an iterable of points (dicts of input name to value) for inputs that vary together.
-    :returns: the distinct keys, sorted.
+    :returns: the distinct keys, sorted; each key's last point is kept on ``kernel`` as its default
+        :meth:`~warmreg.TritonKernel.warmup_inputs`.
     :raises KernelContractError: if ``dispatch`` needs an input no domain provides, returns something
         that is not the kernel's key type, or raises.
     """
     params = kernel.dispatch_params()
     key_type = getattr(type(kernel), "key_type", None)
     keys: set[K] = set()
+    witnesses = vars(kernel).setdefault("_witnesses", {})  # key -> its last point: the default warmup_inputs
     for point in _points(kernel, domains, params):
         if not kernel.when(**point):
             continue
@@ -74,13 +76,10 @@ def enumerate_keys(kernel: TritonKernel[K], domains: Domains) -> tuple[K, ...]:
         if key not in keys:
             key.validate()
             keys.add(key)
+        witnesses[key] = point
     return tuple(sorted(keys))
 
 
 def _show(point: Mapping[str, Any]) -> str:
-    def one(v: Any) -> str:
-        if hasattr(v, "shape") and hasattr(v, "dtype"):
-            return f"tensor{tuple(v.shape)}:{v.dtype}"
-        return repr(v)
-
-    return "{" + ", ".join(f"{k}={one(v)}" for k, v in point.items()) + "}"
+    shown = (f"tensor{tuple(v.shape)}:{v.dtype}" if hasattr(v, "shape") and hasattr(v, "dtype") else repr(v) for v in point.values())
+    return "{" + ", ".join(f"{k}={v}" for k, v in zip(point, shown)) + "}"

@@ -1,13 +1,26 @@
-"""A warmreg plugin template: one small Triton kernel, its compile key, domains and registration.
+"""A warmreg plugin template: one small Triton kernel and its registration for ``template_llm`` models.
 
-Copy this folder, rename ``warmreg_template`` and ``template_llm``, and replace the kernel with yours.
-Importing the package registers nothing; warmreg calls :func:`warmreg_template.plugin.warmreg_register_kernels`.
+Copy this folder, rename ``warmreg_template`` and ``template_llm``, and replace the kernel with yours. The
+package is the plugin (entry point ``template = "warmreg_template"``): importing it registers nothing,
+warmreg calls its hooks when a plan or a warm asks.
 """
 
 from __future__ import annotations
 
+import warmreg
+
 from .scaled_add import ScaledAdd, ScaledAddKey, scaled_add_reference
 
-PLUGIN = "warmreg-template"
+__all__ = ["ScaledAdd", "ScaledAddKey", "scaled_add_reference", "warmreg_model_types", "warmreg_register_kernels"]
 
-__all__ = ["PLUGIN", "ScaledAdd", "ScaledAddKey", "scaled_add_reference"]
+
+@warmreg.hookimpl
+def warmreg_model_types() -> list[str]:
+    """The model types this plugin serves: warmreg calls the hook below for these configs only."""
+    return ["template_llm"]
+
+
+@warmreg.hookimpl
+def warmreg_register_kernels(registry: warmreg.Registry) -> None:
+    """Register the scaled add on CUDA and ROCm (a predicate the core evaluates against the warm's target)."""
+    registry.add(ScaledAdd(), when=warmreg.is_cuda | warmreg.is_rocm)

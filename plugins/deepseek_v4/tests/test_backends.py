@@ -3,14 +3,18 @@ kernels each layout plans. ``tests/engines/test_vllm.py`` checks the table again
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
-from dsv4_support import example_config
 from warmreg_deepseek_v4.backends import flashinfer_rope_quant, kv_cache_layout
 from warmreg_deepseek_v4.model import DSV4
 
 import warmreg
+from warmreg.testing import config_loader
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 
 FLASHINFER, FLASHMLA = "FLASHINFER_MLA_SPARSE_DSV4", "FLASHMLA_SPARSE_DSV4"
 GATHER, INDEXER_K, INV_ROPE = (

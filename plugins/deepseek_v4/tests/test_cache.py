@@ -24,6 +24,7 @@ from warmreg_deepseek_v4.fp8_ds_mla import (
 )
 
 import warmreg
+from warmreg.testing import assert_warmup_inputs_reproduce
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 FLASH, PRO = EXAMPLES / "deepseek_v4_flash.json", EXAMPLES / "deepseek_v4_pro.json"
@@ -335,13 +336,10 @@ def test_warmup_inputs_reproduce_every_key_including_unlikely_classes() -> None:
         {"block_stride": "div16_i64"},
     )
     odd = [*keys, *(attrs.evolve(k, **v) for k in keys for v in variants)]
-    for key in odd:
-        inputs = gather.warmup_inputs(key)
-        assert gather.dispatch(**{p: inputs[p] for p in gather.dispatch_params()}) == key
+    assert_warmup_inputs_reproduce(gather, odd)
     for k in (_k(3, width=600, offset=1), _k(2)):
         key = insert.dispatch(k=k, k_cache=_cache(1, 64), block_size=64, use_fnuz=True)
-        inputs = insert.warmup_inputs(key)
-        assert insert.dispatch(**{p: inputs[p] for p in insert.dispatch_params()}) == key
+        assert_warmup_inputs_reproduce(insert, [key])
 
 
 def test_warm_cross_compiles_the_gather_for_cuda_and_gfx942() -> None:

@@ -4,15 +4,20 @@ the state cache's ``tt.pointer_range`` attribute."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from dsv4_support import ModulePlugin, example_config
 from warmreg_deepseek_v4 import compress_pool
 from warmreg_deepseek_v4.compress_pool import CompressPool, compress_pool_reference
+from warmreg_deepseek_v4.model import DSV4
 
 import warmreg
+from warmreg.testing import RegisterPlugin, config_loader
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 
 NAME = CompressPool.name
 UNWRITTEN = -7.0  # rows the kernel must leave as they were
@@ -87,7 +92,8 @@ def test_key_follows_the_state_cache_storage() -> None:
 
 def _plan(target: str, **serving: Any) -> warmreg.Plan:
     config = example_config("deepseek_v4_flash", **serving)
-    return warmreg.plan(config, target=target, plugins=[ModulePlugin(compress_pool.register)], entry_points=False)
+    plugin = RegisterPlugin(compress_pool.register, model=DSV4.from_config)
+    return warmreg.plan(config, target=target, plugins=[plugin], entry_points=False)
 
 
 @pytest.mark.parametrize("value", ["auto", "mxfp4"])
@@ -122,7 +128,7 @@ def test_runtime_keys_are_planned() -> None:
 
 def test_warm_cross_compiles_both_pointer_ranges() -> None:
     config = example_config("deepseek_v4_flash")  # "auto": MXFP4 on gfx950 with aiter
-    plugin = ModulePlugin(compress_pool.register)
+    plugin = RegisterPlugin(compress_pool.register, model=DSV4.from_config)
     report = warmreg.warm(config, target="rocm:gfx950+aiter", plugins=[plugin], entry_points=False, workers=2)
     assert report.ok, [(r.kernel, str(r.key), r.error) for r in report.failed]
     by_range = {r.key.over_2gb: r for r in report.results}

@@ -4,15 +4,20 @@ engine's cases, the BLOCK_SIZE a step picks, DCP slot math, registration, warm c
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from dsv4_support import ModulePlugin, example_config
 from warmreg_deepseek_v4 import dspark_inputs
 from warmreg_deepseek_v4.dspark_inputs import DraftInputs, DSparkInputs, prepare_dspark_inputs_reference, step_block
+from warmreg_deepseek_v4.model import DSV4
 
 import warmreg
+from warmreg.testing import OpCall, RegisterPlugin, assert_allocates_nothing, config_loader
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 
 DSPARK = "deepseek_v4_flash_0731_dspark"
 N, NOISE, PAGE = 5, 128799, 8  # small pages: more block-table columns per span in the interpreter
@@ -146,7 +151,8 @@ def test_bad_inputs() -> None:
 
 # -- registration, coverage, warm --------------------------------------------------------------------
 def _plan(config: Any, target: str = "cuda:90") -> warmreg.Plan:
-    return warmreg.plan(config, target=target, plugins=[ModulePlugin(dspark_inputs.register)], entry_points=False)
+    plugin = RegisterPlugin(dspark_inputs.register, model=DSV4.from_config)
+    return warmreg.plan(config, target=target, plugins=[plugin], entry_points=False)
 
 
 @pytest.mark.parametrize("target", ["cuda:90", "cuda:100", "rocm:gfx942", "xpu:pvc"])
@@ -203,7 +209,18 @@ def test_dcp_ranks_without_c4_layers() -> None:
 
 
 def test_warm_cross_compiles_for_cuda_90() -> None:
-    plugin = ModulePlugin(dspark_inputs.register)
+    plugin = RegisterPlugin(dspark_inputs.register, model=DSV4.from_config)
     report = warmreg.warm(example_config(DSPARK), target="cuda:90", plugins=[plugin], entry_points=False, workers=2)
     assert report.ok, [(r.kernel, r.error) for r in report.failed]
     assert report.compiled == 6
+
+
+# -- out= (the engine's persistent buffers: what they hold past this step is tested above) ---------------------
+def test_launch_with_out_allocates_nothing() -> None:
+    step = _step([1, 1 + N], seed=3)
+    kw: dict[str, Any] = dict(
+        block_size=PAGE, parallel_drafting_token_id=NOISE, num_query_per_req=N, num_speculative_steps=N,
+        max_num_reqs=MAX_REQS, max_num_tokens=MAX_TOKENS, num_reqs=step.pop("num_reqs"), max_query_len=1 + N,
+        max_model_len=step.pop("max_model_len"),
+    )  # fmt: skip
+    assert_allocates_nothing(OpCall(DSparkInputs(), tuple(step.values()), kw), _stale(MAX_TOKENS))

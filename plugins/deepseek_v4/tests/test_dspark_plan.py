@@ -4,15 +4,19 @@ MTP norms), and the config errors."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
-from dsv4_support import example_config
 from warmreg_deepseek_v4 import plugin
 from warmreg_deepseek_v4.dspark import DSparkDraft, num_speculative_tokens
 from warmreg_deepseek_v4.model import DSV4
 
 import warmreg
+from warmreg.testing import config_loader
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 
 #: FlashInfer's DeepSeek-V4 backend with a cache it takes on SM10x (per-tensor FP8 rows)
 FLASHINFER = {"attention_backend": "FLASHINFER_MLA_SPARSE_DSV4", "kv_cache_dtype": "fp8"}

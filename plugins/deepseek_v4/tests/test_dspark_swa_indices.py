@@ -4,16 +4,21 @@ engine's edge cases, registration on every platform with DSpark on, warm coverag
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 import torch
-from dsv4_support import ModulePlugin, example_config
 from warmreg_deepseek_v4 import dspark_inputs, dspark_swa_indices
 from warmreg_deepseek_v4.dspark import SPECULATIVE_METHODS, dspark_swa_index_width
 from warmreg_deepseek_v4.dspark_swa_indices import DSparkSwaIndices, dspark_swa_indices_reference
+from warmreg_deepseek_v4.model import DSV4
 
 import warmreg
+from warmreg.testing import OpCall, RegisterPlugin, assert_allocates_nothing, config_loader
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 
 DSPARK = "deepseek_v4_flash_0731_dspark"
 PAGE = 64
@@ -127,7 +132,7 @@ def test_empty_batch_and_bad_inputs() -> None:
 
 # -- registration, coverage, warm --------------------------------------------------------------------
 def _plan(config: Any, target: str) -> warmreg.Plan:
-    plugin = ModulePlugin(dspark_swa_indices.register, dspark_inputs.register)
+    plugin = RegisterPlugin(dspark_swa_indices.register, dspark_inputs.register, model=DSV4.from_config)
     return warmreg.plan(config, target=target, plugins=[plugin], entry_points=False)
 
 
@@ -171,7 +176,16 @@ def test_width_follows_num_speculative_tokens() -> None:
 
 
 def test_warm_cross_compiles_for_cuda_90() -> None:
-    plugin = ModulePlugin(dspark_swa_indices.register)
+    plugin = RegisterPlugin(dspark_swa_indices.register, model=DSV4.from_config)
     report = warmreg.warm(example_config(DSPARK), target="cuda:90", plugins=[plugin], entry_points=False, workers=1)
     assert report.ok, [(r.kernel, r.error) for r in report.failed]
     assert report.compiled == 1
+
+
+# -- out= (persistent buffers larger than needed: rows past T untouched, tested above) -------------------------
+def test_launch_with_out_allocates_nothing() -> None:
+    d, width = _draft([5, 300], 5), dspark_swa_index_width(128, 5)
+    kw = dict(num_tokens=10, window_size=128, index_width=width, block_size=PAGE)
+    bufs = (torch.full((12, 1, width), 7, dtype=torch.int32), torch.full((12,), 7, dtype=torch.int32))
+    call = OpCall(DSparkSwaIndices(), (d.qsl, d.seq_lens, d.token_to_req, d.is_valid, d.block_table), kw)
+    assert_allocates_nothing(call, bufs)

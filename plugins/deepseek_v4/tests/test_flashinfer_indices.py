@@ -10,7 +10,6 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import triton
-from dsv4_support import ModulePlugin, example_config
 from warmreg_deepseek_v4.backends import c128_active_width, c128_widths
 from warmreg_deepseek_v4.dspark import dspark_swa_index_width
 from warmreg_deepseek_v4.dspark_swa_indices import dspark_swa_indices_reference
@@ -24,8 +23,10 @@ from warmreg_deepseek_v4.sparse_mla import c128_topk_metadata_reference
 from warmreg_deepseek_v4.swa_indices import decode_swa_indices_reference
 
 import warmreg
+from warmreg.testing import OpCall, RegisterPlugin, assert_allocates_nothing, config_loader
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 WINDOW = 16  # small window for the interpreter (the kernel instance takes it)
 SWA_PAGE, C4_PAGE, C4_TOPK = 8, 8, 24  # small pages and top-k (deployments: 64, 64, 512/1024)
 MAX_MODEL_LEN = 40_000  # Wmax = 384: C128 widths 128, 256, 384
@@ -251,9 +252,9 @@ def test_noncausal_rows_keep_the_causal_window_first() -> None:
 
 
 # -- registration, coverage, warm --------------------------------------------------------------------
-def _Plugin() -> ModulePlugin:
+def _Plugin() -> RegisterPlugin:
     """Registers only this module's kernels."""
-    return ModulePlugin(register)
+    return RegisterPlugin(register, model=DSV4.from_config)
 
 
 _config = example_config
@@ -318,3 +319,12 @@ def test_warm_cross_compiles_for_cuda_100() -> None:
     )
     assert report.ok, [(r.kernel, r.error) for r in report.failed]
     assert report.compiled == 7
+
+
+# -- out= (persistent buffers larger than needed: rows past T untouched, tested above) -------------------------
+def test_launch_with_out_allocates_nothing() -> None:
+    step = _step(3, decodes=3, prefills=2)
+    args, kw = _layer_inputs(step, 4)
+    T = step.positions.shape[0]
+    bufs = (torch.full((T + 4, 64), 77, dtype=torch.int32), torch.full((T + 4,), 77, dtype=torch.int32))
+    assert_allocates_nothing(OpCall(FlashInferMixedSparseIndices(window_size=WINDOW), args, kw), bufs)

@@ -18,6 +18,7 @@ from warmreg_deepseek_v4.indexer_q import IndexerQRopeQuant, indexer_q_rope_quan
 from warmreg_deepseek_v4.model import DSV4
 
 import warmreg
+from warmreg.testing import OpCall, RegisterPlugin, check_out
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 CONFIGS = [EXAMPLES / "deepseek_v4_flash.json", EXAMPLES / "deepseek_v4_pro.json"]
@@ -25,18 +26,9 @@ TARGETS = ["cuda:90", "cuda:100", "rocm:gfx942"]
 Q_NAME, KV_NAME = IndexerQRopeQuant.name, IndexerKVCompressInsert.name
 
 
-class IndexerPlugin:
+def IndexerPlugin() -> RegisterPlugin:
     """Registers only this module's kernels."""
-
-    __name__ = "test-indexer"
-
-    @warmreg.hookimpl
-    def warmreg_register_kernels(
-        self, registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform
-    ) -> None:
-        model = DSV4.from_config(config)
-        for module in (indexer_q, indexer_kv):
-            module.register(registry, model, config, platform)
+    return RegisterPlugin(indexer_q.register, indexer_kv.register, model=DSV4.from_config)
 
 
 def rope_cache(positions: int, rope_dim: int = 64) -> torch.Tensor:
@@ -329,3 +321,14 @@ def test_warm_cross_compiles(target: str) -> None:
     assert len(report.results) == 2
     # compiled now (fresh TRITON_CACHE_DIR), unless an earlier test of this process warmed the same target
     assert report.compiled > 0 or all(r.status == "memory" for r in report.results)
+
+
+# -- out= (the kit's check_out: returned and fully written, wrong buffers refused, nothing allocated) ------------
+def _indexer_q_call() -> OpCall:
+    torch.manual_seed(3)
+    kw = dict(q_inputs(3, heads=2), fp8_dtype=torch.float8_e4m3fn, explicit_fma=False)
+    return OpCall(IndexerQRopeQuant(), (), kw)
+
+
+def test_indexer_q_out() -> None:
+    check_out(_indexer_q_call, tuple_error=r"out must be a tuple of \d buffers")

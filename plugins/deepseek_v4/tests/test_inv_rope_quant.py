@@ -3,6 +3,7 @@ plus warm coverage of the example deployments and real cross-compiles (sm90 and 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -12,22 +13,16 @@ from warmreg_deepseek_v4.inv_rope_quant import InvRopeFP8Quant, inv_rope_fp8_qua
 from warmreg_deepseek_v4.model import DSV4
 
 import warmreg
+from warmreg.testing import EXACT, OpCall, RegisterPlugin, assert_allocates_nothing, assert_matches, garbage_like
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 CONFIGS = [EXAMPLES / "deepseek_v4_flash.json", EXAMPLES / "deepseek_v4_pro.json"]
 NAME = InvRopeFP8Quant.name
 
 
-class InvRopePlugin:
-    """Registers only this module's kernel."""
-
-    __name__ = "test-inv-rope-quant"
-
-    @warmreg.hookimpl
-    def warmreg_register_kernels(
-        self, registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform
-    ) -> None:
-        inv_rope_quant.register(registry, DSV4.from_config(config), config, platform)
+def InvRopePlugin() -> RegisterPlugin:
+    """Registers only this module's kernels."""
+    return RegisterPlugin(inv_rope_quant.register, model=DSV4.from_config)
 
 
 def make_inputs(
@@ -152,3 +147,46 @@ def test_warm_cross_compiles(target: str) -> None:
     assert len(report.results) == 1
     # compiled now (fresh TRITON_CACHE_DIR), unless an earlier test of this process warmed the same target
     assert report.compiled > 0 or all(r.status == "memory" for r in report.results)
+
+
+# -- out= (the kit's checks): group-major buffers whose transposed views come back ------------------------------
+def _out_call(packed_scales: bool) -> OpCall:
+    torch.manual_seed(5)
+    o, positions, cos_sin = make_inputs(5)  # T = 5: three TMA padding rows of scales
+    return OpCall(InvRopeFP8Quant(), (o, positions, cos_sin, 2), dict(tma_aligned_scales=packed_scales, launch_pdl=False))
+
+
+def _out_buffers(values: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Garbage buffers for the outputs: ``[G, T, hpg * D]`` and ``[G, K, round_up(T, 4)]``."""
+    return garbage_like(values.transpose(0, 1)), garbage_like(scale_storage(scale).view(scale.shape[1], scale.shape[2], -1))
+
+
+@pytest.mark.parametrize("packed_scales", [False, True], ids=["fp32-scales", "ue8m0-words"])
+def test_out_returns_views_of_the_buffers(packed_scales: bool) -> None:
+    call = _out_call(packed_scales)
+    want_values, want_scale = call()
+    values, storage = _out_buffers(want_values, want_scale)
+    got_values, got_scale = call(out=(values, storage))
+    assert got_values.data_ptr() == values.data_ptr() and got_values.untyped_storage().data_ptr() == values.data_ptr()
+    assert got_scale is not None and got_scale.untyped_storage().data_ptr() == storage.data_ptr()
+    assert got_scale.stride() == want_scale.stride()  # MN-major, as fresh
+    assert_matches((got_values, got_scale), (want_values, want_scale), EXACT)
+    assert_matches(storage.flatten(), scale_storage(want_scale), EXACT)  # the padding rows' zero scales too
+
+
+@pytest.mark.parametrize("packed_scales", [False, True], ids=["fp32-scales", "ue8m0-words"])
+def test_launch_with_out_allocates_nothing(packed_scales: bool) -> None:
+    call = _out_call(packed_scales)
+    assert_allocates_nothing(call, _out_buffers(*call.launch_code().outputs))
+
+
+def test_without_quantize_out_takes_no_scales() -> None:
+    o, positions, cos_sin = make_inputs(3)
+    kernel = InvRopeFP8Quant()
+    want, _ = kernel(o, positions, cos_sin, 2, quantize=False, launch_pdl=False)
+    values = garbage_like(want.transpose(0, 1))
+    got, scale = kernel(o, positions, cos_sin, 2, quantize=False, launch_pdl=False, out=(values, None))
+    assert scale is None and got.untyped_storage().data_ptr() == values.data_ptr()
+    assert_matches(got, want, EXACT)
+    with pytest.raises(warmreg.LaunchError, match=re.escape("out[1] must be None")):
+        kernel(o, positions, cos_sin, 2, quantize=False, launch_pdl=False, out=(values, torch.zeros(4)))

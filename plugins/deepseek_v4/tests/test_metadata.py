@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,13 @@ from warmreg_deepseek_v4.uniform_decode import PrepareUniformDecode, prepare_uni
 
 import warmreg
 from warmreg.ops import BlockTableSlotMapping, block_table_width
+from warmreg.testing import (
+    OpCall,
+    assert_allocates_nothing,
+    assert_out_is_the_buffer_keywords,
+    assert_warmup_inputs_reproduce,
+    check_out,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 FLASH, PRO = EXAMPLES / "deepseek_v4_flash.json", EXAMPLES / "deepseek_v4_pro.json"
@@ -342,8 +349,7 @@ def test_interleave_adds_the_indexer_binary_of_the_compressed_slot_mapping() -> 
 def test_warmup_inputs_reproduce_every_planned_key() -> None:
     """What warm feeds the launch code gives back each key (the launch itself is checked by warm below)."""
     for kp, key in _plan(FLASH).items():
-        inputs = kp.kernel.warmup_inputs(key)
-        assert kp.kernel.dispatch(**{p: inputs[p] for p in kp.kernel.dispatch_params()}) == key
+        assert_warmup_inputs_reproduce(kp.kernel, [key])
 
 
 def test_registration_follows_model_and_platform() -> None:
@@ -386,3 +392,49 @@ def test_warm_the_other_metadata_kernels() -> None:
     # 2 sequences: SWA prefill blocks 1 and 2; then 4 slot-mapping groups, 2 uniform decode, 2 compressed.
     report = _warm(warmreg.WarmConfig.load(PRO, serving={"max_num_seqs": 2}), SWA_PREFILL, SLOTS, UNIFORM, COMPRESSED)
     assert report.compiled == 10
+
+
+# -- out= (the kit's checks) -----------------------------------------------------------------------------------
+def _swa_prefill_metadata_call() -> OpCall:
+    gen = torch.Generator().manual_seed(3)
+    qsl, seq_lens = _batch(gen, decodes=3, prefills=2, max_model_len=40)
+    kw = dict(num_decodes=3, num_prefills=2, window_size=8)
+    return OpCall(SparseSWAPrefillMetadata(), (seq_lens, qsl, _rand(gen, (5,), 40)), kw)
+
+
+def _indexer_chunk_metadata_call() -> OpCall:
+    chunk = _chunk(torch.Generator().manual_seed(4), 4, 4, max_model_len=60)
+    total = int(chunk["query_start_loc"][-1])
+    return OpCall(IndexerPrefillChunkMetadata(), (), dict(chunk, compress_ratio=4, query_slice_start=1, query_slice_stop=total - 1))
+
+
+@pytest.mark.parametrize("build", [_swa_prefill_metadata_call, _indexer_chunk_metadata_call], ids=["swa_prefill", "indexer_chunk"])
+def test_out(build: Callable[[], OpCall]) -> None:
+    """check_out: the caller's buffers come back fully written, wrong ones are refused, nothing is allocated."""
+    check_out(build, tuple_error=r"out must be a tuple of \d buffers")
+
+
+def _uniform_decode_call() -> tuple[OpCall, tuple[torch.Tensor, ...]]:
+    """The uniform-decode preparation with persistent buffers larger than needed (rows past T: tested above)."""
+    seq_lens, table = torch.tensor([9, 3], dtype=torch.int32), _rand(torch.Generator().manual_seed(0), (2, 9))
+    bufs = tuple(torch.full(shape, -5, dtype=torch.int32) for shape in ((8,), (8, 5), (8,)))
+    return OpCall(PrepareUniformDecode(), (seq_lens, table), {"max_decode_len": 2}), bufs
+
+
+def _compressed_slot_mapping_call() -> tuple[OpCall, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    qsl, seq_lens = _batch(gen, decodes=3, prefills=2, max_model_len=600)
+    n = int(qsl[-1])
+    args = (torch.randint(0, 10**6, (n,), generator=gen), qsl, seq_lens, _rand(gen, (5, 3)))
+    call = OpCall(CompressedSlotMapping(compress_ratios=(4,)), args, dict(num_tokens=n, block_size=64, compress_ratio=4))
+    return call, torch.zeros(n + 4, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("build", [_uniform_decode_call, _compressed_slot_mapping_call], ids=["uniform_decode", "compressed_slots"])
+def test_launch_with_persistent_out_allocates_nothing(build: Callable[[], tuple[OpCall, Any]]) -> None:
+    assert_allocates_nothing(*build())
+
+
+def test_uniform_decode_out_tuple_is_the_buffer_keywords() -> None:
+    call, bufs = _uniform_decode_call()
+    assert_out_is_the_buffer_keywords(call, bufs, ("decode_seq_lens", "expanded_block_table", "decode_lens"))

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -13,6 +13,7 @@ from warmreg_deepseek_v4.mtp_input_norm import MTPInputRMSNorm, mtp_input_rmsnor
 from warmreg_deepseek_v4.mtp_shared_head_norm import MTPSharedHeadRMSNorm, mtp_shared_head_rmsnorm_reference
 
 import warmreg
+from warmreg.testing import OpCall, RegisterPlugin, assert_warmup_inputs_reproduce, check_out
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 FLASH, PRO = EXAMPLES / "deepseek_v4_flash.json", EXAMPLES / "deepseek_v4_pro.json"
@@ -22,14 +23,8 @@ INPUT, HEAD = MTPInputRMSNorm.name, MTPSharedHeadRMSNorm.name
 BF16_TOL = {"atol": 0.0, "rtol": 2.0**-7}
 
 
-class _Plugin:
-    @warmreg.hookimpl
-    def warmreg_register_kernels(
-        self, registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform
-    ) -> None:
-        model = DSV4.from_config(config)
-        for module in (mtp_input_norm, mtp_shared_head_norm):
-            module.register(registry, model, config, platform)
+def _Plugin() -> RegisterPlugin:
+    return RegisterPlugin(mtp_input_norm.register, mtp_shared_head_norm.register, model=DSV4.from_config)
 
 
 def _rows(tokens: int, width: int, gen: torch.Generator, offset: int = 0) -> torch.Tensor:
@@ -139,10 +134,8 @@ def test_warmup_inputs_reproduce_keys_of_offset_views() -> None:
         key = kernel.dispatch(
             inputs_embeds=_rows(2, 40, gen, offset), prev_hidden=_rows(2, 120, gen, 1 - offset), enorm_weight=w
         )
-        inputs: dict[str, Any] = dict(kernel.warmup_inputs(key))
-        assert kernel.dispatch(**{p: inputs[p] for p in kernel.dispatch_params()}) == key
-        key2 = shared.dispatch(x=_rows(2, 40, gen, offset), weight=w)
-        assert shared.dispatch(**{p: shared.warmup_inputs(key2)[p] for p in shared.dispatch_params()}) == key2
+        assert_warmup_inputs_reproduce(kernel, [key])
+        assert_warmup_inputs_reproduce(shared, [shared.dispatch(x=_rows(2, 40, gen, offset), weight=w)])
 
 
 def test_warm_cross_compiles_for_cuda_and_gfx942() -> None:
@@ -152,3 +145,21 @@ def test_warm_cross_compiles_for_cuda_and_gfx942() -> None:
         )
         assert report.ok, [(r.key, r.error) for r in report.failed]
         assert report.compiled == 2
+
+
+# -- out= (the kit's check_out: returned and fully written, wrong buffers refused, nothing allocated) ------------
+def _input_norm_call() -> OpCall:
+    gen = torch.Generator().manual_seed(3)
+    embeds, prev = _rows(3, 40, gen, 1), _rows(3, 3 * 40, gen, 1)
+    args = (embeds, torch.tensor([5, 0, 7]), prev, *_weights(40, gen), 1e-6)
+    return OpCall(MTPInputRMSNorm(hidden=40, hc_mult=3), args, tol=BF16_TOL)
+
+
+def _shared_head_norm_call() -> OpCall:
+    gen = torch.Generator().manual_seed(2)
+    return OpCall(MTPSharedHeadRMSNorm(hidden=72), (_rows(2, 72, gen, 5), _weights(72, gen)[0], 1e-6), tol=BF16_TOL)
+
+
+@pytest.mark.parametrize("build", [_input_norm_call, _shared_head_norm_call], ids=["input_norm", "shared_head_norm"])
+def test_out(build: Callable[[], OpCall]) -> None:
+    check_out(build, tuple_error=r"out must be a tuple of \d buffers")

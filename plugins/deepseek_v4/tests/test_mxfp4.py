@@ -8,6 +8,7 @@ UE8M0 on both sides (the reference takes an independent route: nearest grid poin
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -15,7 +16,6 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from dsv4_support import EXAMPLES, ModulePlugin, example_config
 from warmreg_deepseek_v4 import indexer_kv, indexer_q, indexer_q_mxfp4, pack_seq, unpack_seq
 from warmreg_deepseek_v4._mxfp4 import e2m1_code, e2m1_reference, mxfp4_quant, mxfp4_quant_reference
 from warmreg_deepseek_v4._serving import indexer_kv_dtype
@@ -24,6 +24,10 @@ from warmreg_deepseek_v4.indexer_q_mxfp4 import IndexerQRopeMxfp4, indexer_q_rop
 from warmreg_deepseek_v4.model import DSV4
 
 import warmreg
+from warmreg.testing import OpCall, RegisterPlugin, check_out, config_loader
+
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 
 FLASH = EXAMPLES / "deepseek_v4_flash.json"
 Q4, Q8, KV = IndexerQRopeMxfp4.name, "deepseek_v4.indexer_q_rope_quant", IndexerKVCompressInsert.name
@@ -223,9 +227,8 @@ def test_kv_insert_mxfp4_rejects_an_fp8_row() -> None:
 
 
 def _plan(target: str, **serving: Any) -> warmreg.Plan:
-    plugin = ModulePlugin(
-        indexer_q.register, indexer_q_mxfp4.register, pack_seq.register, unpack_seq.register, indexer_kv.register
-    )
+    plugin = RegisterPlugin(
+        indexer_q.register, indexer_q_mxfp4.register, pack_seq.register, unpack_seq.register, indexer_kv.register, model=DSV4.from_config)
     return warmreg.plan(example_config("deepseek_v4_flash", **serving), target=target, plugins=[plugin], entry_points=False)
 
 
@@ -310,7 +313,7 @@ def test_runtime_keys_are_planned() -> None:
 
 
 def test_warm_cross_compiles_for_sm100() -> None:
-    plugin = ModulePlugin(indexer_q_mxfp4.register, indexer_kv.register)
+    plugin = RegisterPlugin(indexer_q_mxfp4.register, indexer_kv.register, model=DSV4.from_config)
     cfg = example_config("deepseek_v4_flash", indexer_kv_dtype="mxfp4")
     report = warmreg.warm(cfg, target="cuda:100", plugins=[plugin], entry_points=False, workers=2)
     assert report.ok, [(r.kernel, str(r.key), r.error) for r in report.failed]
@@ -383,3 +386,13 @@ def test_flash_example_plans() -> None:
     assert (sum(rocm_fp8.values()), sum(rocm_auto.values()), rocm_auto["deepseek_v4.compress_pool"]) == (59, 57, 2)
     with pytest.raises(warmreg.ConfigError, match=r"serving\.indexer_kv_dtype' is 'mxfp4'.*cuda:90"):
         _full_plan("cuda:90", "mxfp4")
+
+
+# -- out= (the kit's check_out: returned and fully written, wrong buffers refused, nothing allocated) ------------
+def _indexer_q_mxfp4_call() -> OpCall:
+    torch.manual_seed(3)
+    return OpCall(IndexerQRopeMxfp4(), (), q_inputs(3, 2))
+
+
+def test_indexer_q_mxfp4_out() -> None:
+    check_out(_indexer_q_mxfp4_call, tuple_error=r"out must be a tuple of \d buffers")

@@ -8,19 +8,22 @@ out, as downstream the context lens mask them, and the pad itself is checked exa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import triton
-from dsv4_support import ModulePlugin, example_config
 from warmreg_deepseek_v4 import pack_seq, unpack_seq
+from warmreg_deepseek_v4.model import DSV4
 from warmreg_deepseek_v4.pack_seq import PackSeq, pack_seq_reference
 from warmreg_deepseek_v4.unpack_seq import UnpackSeq, unpack_seq_reference
 
 import warmreg
+from warmreg.testing import OpCall, RegisterPlugin, check_out, config_loader
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 FLASH = EXAMPLES / "deepseek_v4_flash.json"
 NAMES = {"deepseek_v4.pack_seq", "deepseek_v4.unpack_seq"}
 #: Triton 3.6 and 3.7's interpreter cannot hold an e4m3fnuz tensor ("fail to convert fp8e4b8 to ir
@@ -117,7 +120,7 @@ def test_empty_batches_and_bad_inputs() -> None:
 
 # -- registration and warm coverage -----------------------------------------------------------------
 def _plan(config: object, target: str) -> warmreg.Plan:
-    plugin = ModulePlugin(pack_seq.register, unpack_seq.register)
+    plugin = RegisterPlugin(pack_seq.register, unpack_seq.register, model=DSV4.from_config)
     return warmreg.plan(config, target=target, plugins=[plugin], entry_points=False)
 
 
@@ -156,7 +159,22 @@ def test_runtime_keys_are_planned() -> None:
 
 
 def test_warm_cross_compiles() -> None:
-    plugin = ModulePlugin(pack_seq.register, unpack_seq.register)
+    plugin = RegisterPlugin(pack_seq.register, unpack_seq.register, model=DSV4.from_config)
     report = warmreg.warm(FLASH, target="cuda:90", plugins=[plugin], entry_points=False, workers=2)
     assert report.ok, [(r.kernel, str(r.key), r.error) for r in report.failed]
     assert len(report.results) == 2
+
+
+# -- out= (the kit's check_out: returned and fully written, wrong buffers refused, nothing allocated) ------------
+def _pack_seq_call() -> OpCall:
+    return OpCall(PackSeq(), (_fp8(6, 100, torch.float8_e4m3fn, 0), torch.tensor([2, 1, 2], dtype=torch.int32)))
+
+
+def _unpack_seq_call() -> OpCall:
+    packed = torch.randint(-1, 1 << 20, (3, 2, 100), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    return OpCall(UnpackSeq(), (packed, torch.tensor([2, 0, 1], dtype=torch.int32)))
+
+
+@pytest.mark.parametrize("build", [_pack_seq_call, _unpack_seq_call], ids=["pack_seq", "unpack_seq"])
+def test_out(build: Callable[[], OpCall]) -> None:
+    check_out(build)

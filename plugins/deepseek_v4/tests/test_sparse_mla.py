@@ -10,15 +10,24 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 import triton
-from dsv4_support import ModulePlugin, example_config
 from warmreg_deepseek_v4 import global_topk, sparse_mla
 from warmreg_deepseek_v4.backends import c128_active_width, c128_max_width, c128_widths
 from warmreg_deepseek_v4.global_topk import GlobalTopkIndices, global_topk_indices_reference
+from warmreg_deepseek_v4.model import DSV4
 from warmreg_deepseek_v4.sparse_mla import C128ATopkMetadata, c128_topk_metadata_reference
 
 import warmreg
+from warmreg.testing import (
+    OpCall,
+    RegisterPlugin,
+    assert_allocates_nothing,
+    assert_out_is_the_buffer_keywords,
+    check_out,
+    config_loader,
+)
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 MAX_MODEL_LEN = 100_000  # small enough for quick tests; Wmax = 896 is not a power of two
 
 
@@ -189,9 +198,9 @@ def test_global_topk_empty_batch_and_bad_inputs() -> None:
 
 
 # -- registration, coverage, warm --------------------------------------------------------------------
-def _Plugin() -> ModulePlugin:
+def _Plugin() -> RegisterPlugin:
     """Registers only this module's kernels."""
-    return ModulePlugin(sparse_mla.register, global_topk.register)
+    return RegisterPlugin(sparse_mla.register, global_topk.register, model=DSV4.from_config)
 
 
 _config = example_config
@@ -248,3 +257,35 @@ def test_warm_cross_compiles_for_cuda_90() -> None:
     )
     assert report.ok, [(r.kernel, r.error) for r in report.failed]
     assert report.compiled == 2
+
+
+# -- out= (the kit's checks) -----------------------------------------------------------------------------------
+def _global_topk_call() -> OpCall:
+    b = _batch(5, decodes=5, prefills=0)
+    args = (_topk(5, 5, 40, 20 * 64), b.token_to_req, _block_table(3, b.num_reqs, 20), b.slot_mapping >= 0)
+    return OpCall(GlobalTopkIndices(), args, {"block_size": 64})
+
+
+def test_global_topk_out() -> None:
+    """check_out: the caller's buffers come back fully written, wrong ones are refused, nothing is allocated."""
+    check_out(_global_topk_call, tuple_error=r"out must be a tuple of \d buffers")
+
+
+def _c128a_call() -> tuple[OpCall, tuple[torch.Tensor, ...]]:
+    """The C128A metadata with persistent buffers larger than needed (rows past T untouched: tested above)."""
+    b = _batch(7, decodes=3, prefills=2)
+    block_table = _block_table(2, b.num_reqs, triton.cdiv(MAX_MODEL_LEN // 128, 2))
+    kw = dict(num_decode_tokens=b.num_decode_tokens, max_compressed_tokens=256, block_size=2)
+    bufs = (torch.full((16, 384), 99, dtype=torch.int32), torch.full((16,), 99, dtype=torch.int32),
+            torch.full((16, 384), 99, dtype=torch.int32))  # fmt: skip
+    return OpCall(C128ATopkMetadata(), (b.positions, b.token_to_req, block_table, b.slot_mapping), kw), bufs
+
+
+def test_c128a_launch_with_out_allocates_nothing() -> None:
+    call, bufs = _c128a_call()
+    assert_allocates_nothing(call, bufs)
+
+
+def test_c128a_out_tuple_is_the_buffer_keywords() -> None:
+    call, bufs = _c128a_call()
+    assert_out_is_the_buffer_keywords(call, bufs, ("global_decode", "decode_lens", "prefill_local"))

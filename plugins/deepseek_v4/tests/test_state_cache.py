@@ -10,18 +10,15 @@ from warmreg_deepseek_v4 import DSV4
 from warmreg_deepseek_v4.state_cache import SavePartialStates, register, save_partial_states_reference
 
 import warmreg
+from warmreg.testing import RegisterPlugin, assert_warmup_inputs_reproduce
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 FLASH, PRO = EXAMPLES / "deepseek_v4_flash.json", EXAMPLES / "deepseek_v4_pro.json"
 NAME = SavePartialStates.name
 
 
-class _Plugin:
-    @warmreg.hookimpl
-    def warmreg_register_kernels(
-        self, registry: warmreg.Registry, config: warmreg.WarmConfig, platform: warmreg.Platform
-    ) -> None:
-        register(registry, DSV4.from_config(config), config, platform)
+def _Plugin() -> RegisterPlugin:
+    return RegisterPlugin(register, model=DSV4.from_config)
 
 
 def _inputs(
@@ -100,8 +97,7 @@ def test_warmup_inputs_reproduce_keys_of_offset_views() -> None:
     kv, score, ape, _, state = _inputs(3, 36, 128, 8, offset=3)  # row stride 72: class 'other'; 12-byte offset
     key = kernel.dispatch(kv=kv, score=score, ape=ape, state_cache=state)
     assert not key.kv_aligned and key.kv_stride == "other"
-    inputs = kernel.warmup_inputs(key)
-    assert kernel.dispatch(**{p: inputs[p] for p in kernel.dispatch_params()}) == key
+    assert_warmup_inputs_reproduce(kernel, [key])
 
 
 def test_warm_cross_compiles_for_cuda_and_gfx942() -> None:

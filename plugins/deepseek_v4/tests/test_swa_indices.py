@@ -4,13 +4,13 @@ PyTorch references (Triton interpreter on CPU), registration, warm coverage, rea
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
 import torch
 import triton
-from dsv4_support import ModulePlugin, example_config
 from warmreg_deepseek_v4 import combine_indices, swa_indices
 from warmreg_deepseek_v4.backends import c128_active_width
 from warmreg_deepseek_v4.combine_indices import CombineTopkSwaIndices, combine_topk_swa_indices_reference
@@ -19,8 +19,10 @@ from warmreg_deepseek_v4.sparse_mla import c128_topk_metadata_reference
 from warmreg_deepseek_v4.swa_indices import DecodeSwaIndices, decode_swa_indices_reference
 
 import warmreg
+from warmreg.testing import OpCall, RegisterPlugin, check_out, config_loader
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 WINDOW = 16  # small window: narrow rows in the interpreter (the kernels take it at runtime / per instance)
 PAGE = 8  # SWA page size in the tests (64 in deployments)
 
@@ -194,9 +196,9 @@ def test_combine_empty_chunk_and_bad_inputs() -> None:
 
 
 # -- registration, coverage, warm --------------------------------------------------------------------
-def _Plugin() -> ModulePlugin:
+def _Plugin() -> RegisterPlugin:
     """Registers only this module's kernels."""
-    return ModulePlugin(swa_indices.register, combine_indices.register)
+    return RegisterPlugin(swa_indices.register, combine_indices.register, model=DSV4.from_config)
 
 
 _config = example_config
@@ -294,3 +296,26 @@ def test_combine_reads_in_image_visibility() -> None:
     assert torch.equal(plain[1][~inside], got[1][~inside]) and bool((got[1][inside] > plain[1][inside]).all())
     with pytest.raises(warmreg.LaunchError, match="together"):
         kernel(None, qsl, seqs, gathers, **kw, left_visible=left)
+
+
+# -- out= (the kit's check_out: returned and fully written, wrong buffers refused, nothing allocated) ------------
+def _swa_indices_call() -> OpCall:
+    s = _step(7, decodes=7, prefills=0, replay=True)
+    block_table = _block_table(7, s.seq_lens.shape[0], triton.cdiv(2000 + 1, PAGE))
+    args = (s.positions, s.token_to_req, s.is_valid, block_table, s.replay_start)
+    kw = dict(num_tokens=6, window_size=WINDOW, index_width=WINDOW, block_size=PAGE, token_offset=1)
+    return OpCall(DecodeSwaIndices(), args, kw)
+
+
+def _combine_indices_call() -> OpCall:
+    s = _step(8, decodes=0, prefills=4)
+    gather = _gather_lens(s, slice(0, 4))
+    n_rows = int((s.seq_lens // 4).max())
+    args = (_c4_topk(4, s.positions, 24), s.query_start_loc, s.seq_lens, gather)
+    kw = dict(num_tokens=s.positions.shape[0], compress_ratio=4, M=n_rows + int(gather.max()), N=n_rows)
+    return OpCall(CombineTopkSwaIndices(window_size=WINDOW, workers=2), args, kw)
+
+
+@pytest.mark.parametrize("build", [_swa_indices_call, _combine_indices_call], ids=["swa_indices", "combine_indices"])
+def test_out(build: Callable[[], OpCall]) -> None:
+    check_out(build, tuple_error=r"out must be a tuple of \d buffers")

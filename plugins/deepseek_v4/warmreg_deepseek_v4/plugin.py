@@ -77,7 +77,7 @@ OP_MODULES: tuple[ModuleType, ...] = (
 
 @warmreg.hookimpl
 def warmreg_model_types() -> list[str]:
-    """The model types this plugin serves."""
+    """The model types this plugin serves: warmreg calls :func:`warmreg_register_kernels` for these only."""
     return ["deepseek_v4"]
 
 
@@ -90,8 +90,6 @@ def warmreg_register_kernels(
     :raises warmreg.ConfigError: for an attention backend DeepSeek-V4 does not run on CUDA, a cache dtype the
         backend refuses on the target (:func:`.backends.kv_cache_layout`), or any field an op module cannot read.
     """
-    if config.model_type != "deepseek_v4":
-        return
     m = DSV4.from_config(config)
     backend = backends.attention_backend(config)
     if platform.is_cuda and backend not in backends.SPARSE_BACKENDS:

@@ -15,6 +15,7 @@ import torch
 from warmreg_kimi_k3.attn_res import AttnRes, attn_res_reference, call_sites
 
 import warmreg
+from warmreg.testing import OpCall, assert_warmup_inputs_reproduce, check_out
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "kimi_k3_attn_res.json"  # kimi_k3.json sets no block size
 ATTN_RES = AttnRes.name
@@ -243,6 +244,13 @@ def test_eps_reaches_the_key() -> None:
 def test_warmup_inputs_reproduce_every_key() -> None:
     kp = warmreg.plan(EXAMPLE, target="cuda:90").kernel(ATTN_RES)
     kernel = kp.kernel
-    for key in kp.keys:
-        inputs = kernel.warmup_inputs(key)
-        assert kernel.dispatch(**{p: inputs[p] for p in kernel.dispatch_params()}) == key
+    assert_warmup_inputs_reproduce(kernel, kp.keys)
+
+
+# -- out= (the kit's check_out: returned and fully written, wrong buffers refused, nothing allocated) ------------
+def test_out() -> None:
+    def build() -> OpCall:  # fresh inputs per launch: the op updates prefix and blocks in place
+        inputs = _inputs(3, 96, 6, delta=True, norm=True, seed=3)
+        return OpCall(_kernel(96), (), {**inputs, "num_blocks": 5, "block_write_idx": 2, "eps": 1e-5})
+
+    check_out(build)

@@ -4,20 +4,23 @@ loaded. Checked against vLLM's own function in ``tests/engines/test_vllm.py``; h
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
-from kimi_support import example_config
 from warmreg_kimi_k3.backends import kda_layout, kda_state_page_bytes, kv_block_size, mla_token_bytes
 from warmreg_kimi_k3.model import KimiK3
 
 import warmreg
+from warmreg.testing import config_loader
 
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 SLOTS = "warmreg.ops.block_table_slot_mapping"
 
 
 def _config(linear: dict[str, Any] | None = None, **serving: Any) -> warmreg.WarmConfig:
-    data = example_config(**serving)
+    data = example_config("kimi_k3", **serving)
     data["serving"] = {k: v for k, v in data["serving"].items() if v is not None}
     data["model"]["text_config"]["linear_attn_config"].update(linear or {})
     return warmreg.WarmConfig.load(data)

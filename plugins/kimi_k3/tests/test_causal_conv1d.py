@@ -19,6 +19,7 @@ from warmreg_kimi_k3.causal_conv1d import (
 )
 
 import warmreg
+from warmreg.testing import OpCall, assert_warmup_inputs_reproduce, check_out
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 NAME = CausalConv1d.name
@@ -190,6 +191,16 @@ def test_warmup_inputs_reproduce_every_key() -> None:
         attrs.evolve(k, x_aligned=False, stride_x_token="other", bias_dtype="float32", null_block_id=None)
         for k in kp.keys
     ]
-    for key in [*kp.keys, *extra]:
-        inputs = kp.kernel.warmup_inputs(key)
-        assert kp.kernel.dispatch(**{p: inputs[p] for p in kp.kernel.dispatch_params()}) == key
+    assert_warmup_inputs_reproduce(kp.kernel, [*kp.keys, *extra])
+
+
+# -- out= (the kit's check_out: returned and fully written, wrong buffers refused, nothing allocated) ------------
+def test_out() -> None:
+    def build() -> OpCall:  # no sequence on the null line: every row is written
+        b = _batch([3, 9, 2])
+        ci, hi = torch.tensor([3, 1, 7], dtype=torch.int32), torch.tensor([True, False, True])
+        args = (b["x"], b["weight"], None, b["conv_states"], b["query_start_loc"], ci, hi)
+        chunks = conv1d_chunks(b["query_start_loc"])  # passed, as an engine does: built here it would allocate
+        return OpCall(KERNEL, args, {"chunks": chunks, "launch_pdl": False})
+
+    check_out(build)

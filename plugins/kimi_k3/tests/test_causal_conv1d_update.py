@@ -13,6 +13,7 @@ from warmreg_kimi_k3.backends import KDALayout
 from warmreg_kimi_k3.causal_conv1d_update import CausalConv1dUpdate, causal_conv1d_update_reference
 
 import warmreg
+from warmreg.testing import OpCall, assert_warmup_inputs_reproduce, check_out
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 NAME = CausalConv1dUpdate.name
@@ -165,6 +166,13 @@ def test_runtime_spec_shapes_are_planned() -> None:
 def test_warmup_inputs_reproduce_every_key() -> None:
     kp = warmreg.plan(_example(), target="cuda:90").kernel(NAME)
     extra = [attrs.evolve(k, x_aligned=False, bias_dtype="float32", null_block_id=None) for k in kp.keys]
-    for key in [*kp.keys, *extra]:
-        inputs = kp.kernel.warmup_inputs(key)
-        assert kp.kernel.dispatch(**{p: inputs[p] for p in kp.kernel.dispatch_params()}) == key
+    assert_warmup_inputs_reproduce(kp.kernel, [*kp.keys, *extra])
+
+
+# -- out= (the kit's check_out: returned and fully written, wrong buffers refused, nothing allocated) ------------
+def test_out() -> None:
+    def build() -> OpCall:
+        x, state, w = _inputs(4, 3)
+        return OpCall(KERNEL, (x, state, w), {"conv_state_indices": torch.tensor([4, 1, 2, 7], dtype=torch.int32), "launch_pdl": False})
+
+    check_out(build)

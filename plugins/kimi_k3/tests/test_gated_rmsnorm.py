@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from kimi_support import EXAMPLES, example_config
 from warmreg_kimi_k3.gated_rmsnorm import GatedRMSNorm, gated_rmsnorm_reference, projection_width
 
 import warmreg
+from warmreg.testing import OpCall, assert_warmup_inputs_reproduce, check_out, config_loader
 
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 NAME = GatedRMSNorm.name
 # Both sides compute in fp32 (sums of D squares in different orders, sigmoid) and cast to bf16 once: one bf16
 # rounding apart at most (8 mantissa bits: rtol 1.6e-2 is one ulp with margin; atol for outputs near 0).
@@ -102,7 +106,7 @@ def test_one_key_for_every_batch(example: str, target: str) -> None:
 
 def test_not_planned_on_rocm_nor_without_kda_layers() -> None:
     assert NAME not in {k.name for k in warmreg.plan(EXAMPLES / "kimi_k3.json", target="rocm:gfx942").kernels}
-    data = example_config()
+    data = example_config("kimi_k3")
     data["model"]["text_config"]["linear_attn_config"]["kda_layers"] = []
     assert NAME not in {k.name for k in warmreg.plan(data, target="cuda:90").kernels}
 
@@ -120,7 +124,10 @@ def test_runtime_shapes_are_planned(tokens: int, width: int) -> None:
 
 def test_warmup_inputs_reproduce_the_key() -> None:
     kp = warmreg.plan(EXAMPLES / "kimi_k3.json", target="cuda:90").kernel(NAME)
-    for key in kp.keys:
-        inputs = kp.kernel.warmup_inputs(key)
-        assert kp.kernel.dispatch(**{p: inputs[p] for p in kp.kernel.dispatch_params()}) == key
+    assert_warmup_inputs_reproduce(kp.kernel, kp.keys)
     assert projection_width(12, 128) == 6288  # vLLM's _KDA_PACKED_SIZE for TP 8
+
+
+# -- out= (the kit's check_out: returned and fully written, wrong buffers refused, nothing allocated) ------------
+def test_out() -> None:
+    check_out(lambda: OpCall(GatedRMSNorm(num_heads=3, head_dim=128), _inputs(5, 3, 128, torch.bfloat16, seed=8)))

@@ -4,13 +4,16 @@ numpy."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from kimi_support import EXAMPLES
 from warmreg_kimi_k3.gather_initial_states import GatherInitialStates, gather_initial_states_reference
 
 import warmreg
+from warmreg.testing import OpCall, check_out
 
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 NAME = GatherInitialStates.name
 
 
@@ -85,3 +88,13 @@ def test_runtime_shapes_are_planned(requests: int) -> None:
         assert kp.kernel.dispatch(state=state, indices=indices, launch_pdl=True) in kp.keys
     key = kp.kernel.warmup_inputs(next(iter(kp.keys)))
     assert kp.kernel.dispatch(**{p: key[p] for p in kp.kernel.dispatch_params()}) in kp.keys
+
+
+# -- out= (the kit's check_out: returned and fully written, wrong buffers refused, nothing allocated) ------------
+def test_out() -> None:
+    def build() -> OpCall:  # the inputs of test_matches_reference
+        state = torch.randn(6, 2, 8, 8, generator=torch.Generator().manual_seed(0))
+        indices, has = torch.tensor([3, 0, 5, 3], dtype=torch.int32), torch.tensor([True, False, True, True])
+        return OpCall(GatherInitialStates(num_heads=2, head_dim=8, max_num_seqs=4), (state, indices, has), {"launch_pdl": False})
+
+    check_out(build)

@@ -7,12 +7,12 @@ Shapes are tiny on purpose: the interpreter runs every program in numpy.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, cast
 
 import attrs
 import pytest
 import torch
-from kimi_support import example_config
 from warmreg_kimi_k3.kda import (
     VLLM_TILES,
     KDARecurrent,
@@ -23,7 +23,10 @@ from warmreg_kimi_k3.kda import (
 )
 
 import warmreg
+from warmreg.testing import OpCall, assert_warmup_inputs_reproduce, check_out, config_loader
 
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 NAME = KDARecurrent.name
 # o is cast to the activation dtype once a token, from fp32 sums whose order differs between the kernel and the
 # reference: at most one rounding step apart (bf16 has 8 mantissa bits, so rtol 2**-6 is one ulp). fp32
@@ -282,7 +285,7 @@ def test_plan_keys(target: str) -> None:
     """The example (12 heads a rank, head dim 128, 3 speculative tokens, bounded gate): vLLM's three launch variants
     (its own warmup's profiles 1, 48 // H + 1, 96 // H + 1), every stride div16 and every pointer aligned. FlashInfer's
     packed kernel takes only steps of speculative rows alone: mixed steps still run this one."""
-    keys = _keys(warmreg.plan(example_config(), target=target).kernel(NAME))
+    keys = _keys(warmreg.plan(example_config("kimi_k3"), target=target).kernel(NAME))
     assert sorted((k.block_v, k.num_stages) for k in keys) == [(4, 4), (8, 3), (16, 3)]
     for key in keys:
         assert (key.num_heads, key.head_k_dim, key.head_v_dim, key.block_k, key.num_warps) == (12, 128, 128, 128, 1)
@@ -302,14 +305,14 @@ def test_plan_keys(target: str) -> None:
     ],
 )
 def test_registration(target: str, serving: dict[str, Any], planned: bool) -> None:
-    plan = warmreg.plan(example_config(**serving), target=target)
+    plan = warmreg.plan(example_config("kimi_k3", **serving), target=target)
     assert (NAME in {k.name for k in plan.kernels}) == planned
 
 
 def test_every_bucket_of_the_batch_sizes_is_planned() -> None:
     """A smaller deployment (max_num_seqs 2, TP 2: 48 heads a rank: 48 and 96 head-sequences) reaches the first
     two buckets only."""
-    kp = warmreg.plan(example_config(max_num_seqs=2, tensor_parallel_size=2), target="cuda:90").kernel(NAME)
+    kp = warmreg.plan(example_config("kimi_k3", max_num_seqs=2, tensor_parallel_size=2), target="cuda:90").kernel(NAME)
     assert sorted((k.block_v, k.num_stages, k.num_heads) for k in _keys(kp)) == [(4, 4, 48), (8, 3, 48)]
 
 
@@ -318,7 +321,7 @@ def test_runtime_shapes_are_planned() -> None:
     update's [T, 3P] output or, for one token, the projection's 6288-wide row or the overlap path's 4P; the gate
     rows from row 0 or a later token; beta a projection column; the pool contiguous or in its KV page (after the
     conv state); indices a block-table view with accepted counts."""
-    kp = warmreg.plan(example_config(), target="cuda:90").kernel(NAME)
+    kp = warmreg.plan(example_config("kimi_k3"), target="cuda:90").kernel(NAME)
     kernel, keys = cast(KDARecurrent, kp.kernel), set(kp.keys)
     h, d, p = 12, 128, 1536
     page = (6 * 3 * p * 2 + h * d * d * 4) // 4
@@ -341,7 +344,7 @@ def test_runtime_shapes_are_planned() -> None:
 
 def test_warmup_inputs_reproduce_every_key() -> None:
     """warm re-runs the launch code on warmup_inputs(key): dispatch gives the key back, planned keys and variants."""
-    kp = warmreg.plan(example_config(), target="cuda:90").kernel(NAME)
+    kp = warmreg.plan(example_config("kimi_k3"), target="cuda:90").kernel(NAME)
     extra = [
         attrs.evolve(_keys(kp)[0], is_spec_decoding=False, has_dt_bias=False, use_lower_bound=False, launch_pdl=False),
         attrs.evolve(_keys(kp)[1], qkv_stride="other", g_stride="other", state_stride="other", q_aligned=False,
@@ -349,9 +352,7 @@ def test_warmup_inputs_reproduce_every_key() -> None:
         attrs.evolve(_keys(kp)[2], dtype="float16", gate_dtype="float32", beta_dtype="float32", state_dtype="bfloat16",
                      head_k_dim=24, block_k=32, head_v_dim=20),
     ]  # fmt: skip
-    for key in [*kp.keys, *extra]:
-        inputs = kp.kernel.warmup_inputs(key)
-        assert kp.kernel.dispatch(**{p: inputs[p] for p in kp.kernel.dispatch_params()}) == key
+    assert_warmup_inputs_reproduce(kp.kernel, [*kp.keys, *extra])
 
 
 def test_bucket_edges_cover_every_tile() -> None:
@@ -393,3 +394,15 @@ def test_gate_reference_is_the_formula(dt_bias: bool, lower_bound: float | None)
             a, x = math.exp(a_log[h]), raw[0][h][c] + bias[h * 3 + c]
             want = lower_bound * _sigmoid(a * x) if lower_bound is not None else -a * _softplus(x)
             assert g[0, h, c].item() == pytest.approx(want, rel=1e-6, abs=1e-7), (h, c)
+
+
+# -- out= (the kit's check_out: returned and fully written, wrong buffers refused, nothing allocated) ------------
+def test_out() -> None:
+    def build() -> OpCall:  # a speculative step with a null-slot sequence (zero rows for all its tokens)
+        step = _step([1, 3, 2], heads=2, k_dim=16, v_dim=32, lower_bound=-5.0)
+        indices = torch.tensor([[3, 4, 5], [0, 6, 7], [1, 2, 0]], dtype=torch.int32)
+        kwargs = {**step, "initial_state": _pool(8, 2, 16, 32), "ssm_state_indices": indices,
+                  "num_accepted_tokens": torch.tensor([1, 1, 2], dtype=torch.int32), "launch_pdl": False}  # fmt: skip
+        return OpCall(KDARecurrent(num_heads=2, head_k_dim=16, head_v_dim=32), (), kwargs)
+
+    check_out(build)

@@ -28,6 +28,7 @@ from warmreg_kimi_k3.kda_chunk_o import KDAChunkO, chunk_o_reference
 from warmreg_kimi_k3.kda_chunk_wu import KDAChunkWU, chunk_wu_reference
 
 import warmreg
+from warmreg.testing import OpCall, check_out
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 NAMES = [stage.name for stage in STAGES]
@@ -356,3 +357,75 @@ def test_warm_cross_compiles_the_stages_candidates_for_sm90() -> None:
         kernels.append(kernel)
     report = warmreg.warm(config, target="cuda:90", workers=2, plugins=[_Stages(kernels)], entry_points=False)
     assert report.ok and report.declared == 6 and {r.kernel for r in report.results} == set(NAMES)
+
+
+# -- out= of the six stages (the kit's check_out), their inputs from the stage references ----------------------
+def _stage_inputs() -> dict[str, Any]:
+    """A two-sequence prefill (a full chunk and a partial one, two heads) and each stage's inputs, from the stage
+    references; fp32 as above. Activations without vLLM's leading batch dim of 1, as the stages take them."""
+    b = _batch([70, 3], heads=2, lower_bound=-5.0)
+    b = {k: v[0] if k in ("q", "k", "v", "raw_g", "raw_beta") else v for k, v in b.items()}
+    cu = b["cu_seqlens"]
+    chunks, offsets = chunk_metadata(cu)
+    q, k = l2norm_reference(b["q"]), l2norm_reference(b["k"])
+    g, beta = chunk_gate_reference(b["raw_g"], b["raw_beta"], b["A_log"], b["g_bias"], -5.0, cu)
+    aqk, akk = chunk_intra_reference(q, k, g, beta, cu)
+    w, u, kg = chunk_wu_reference(k, b["v"], beta, akk, g, cu)
+    h, v_new, _ = chunk_h_reference(kg, w, u, g, cu, b["initial_state"])
+    return {**b, "qn": q, "kn": k, "g": g, "beta": beta, "aqk": aqk, "akk": akk, "w": w, "u": u, "kg": kg, "h": h,
+            "v_new": v_new, "chunk_indices": chunks, "chunk_offsets": offsets}  # fmt: skip
+
+
+def _l2norm_call() -> OpCall:
+    return OpCall(KDAChunkL2Norm(), (_stage_inputs()["q"],))
+
+
+def _gate_call() -> OpCall:
+    c = _stage_inputs()
+    return OpCall(KDAChunkGate(), (c["raw_g"], c["raw_beta"], c["A_log"], c["g_bias"], -5.0, c["cu_seqlens"], c["chunk_indices"]))
+
+
+def _intra_call() -> OpCall:
+    """A_qk is written on and below the diagonal of each chunk only; the fp32 scratch workspace comes with out."""
+    c = _stage_inputs()
+    args = (c["qn"], c["kn"], c["g"], c["beta"], c["cu_seqlens"], c["chunk_indices"])
+    below = _on_or_below_diagonal(c["cu_seqlens"]).expand(-1, 2, -1)
+    workspace = {"workspace": lambda out: torch.full((*out[0].shape[:2], 16), float("nan"))}
+    return OpCall(KDAChunkIntra(), args, {"safe_gate": True}, masks=(below, None), scratch=workspace)
+
+
+def _wu_call() -> OpCall:
+    c = _stage_inputs()
+    return OpCall(KDAChunkWU(), (c["kn"], c["v"], c["beta"], c["akk"], c["g"], c["cu_seqlens"], c["chunk_indices"]))
+
+
+def _h_call() -> OpCall:
+    c = _stage_inputs()
+    args = (c["kg"], c["w"], c["u"], c["g"], c["cu_seqlens"], c["chunk_offsets"], c["initial_state"],
+            c["chunk_indices"].shape[0])  # fmt: skip
+    return OpCall(KDAChunkH(), args)
+
+
+def _o_call() -> OpCall:
+    c = _stage_inputs()
+    return OpCall(KDAChunkO(), (c["qn"], c["v_new"], c["g"], c["h"], c["aqk"], c["cu_seqlens"], c["chunk_indices"]))
+
+
+STAGE_CALLS = {"l2norm": _l2norm_call, "gate": _gate_call, "intra": _intra_call, "wu": _wu_call, "h": _h_call, "o": _o_call}
+
+
+@pytest.mark.parametrize("stage", STAGE_CALLS)
+def test_stage_out(stage: str) -> None:
+    # the output stage stores into its out's float dtype, its alignment a key field (vLLM passes the layer's v)
+    check_out(STAGE_CALLS[stage], accepts={"another dtype", "misaligned"} if stage == "o" else ())
+
+
+def test_stage_out_tuples_and_the_workspace_are_checked() -> None:
+    call = _intra_call()
+    aqk, akk = call.launch_code().outputs
+    with pytest.raises(warmreg.LaunchError, match=r"out must be a tuple of 2 tensors \(A_qk, A_kk\), got Tensor"):
+        call(out=aqk)
+    with pytest.raises(warmreg.LaunchError, match="got tuple of 1"):
+        call(out=(aqk,))
+    with pytest.raises(warmreg.LaunchError, match="workspace is "):
+        call(out=(aqk, akk), workspace=torch.empty(aqk.shape, dtype=torch.bfloat16))

@@ -13,6 +13,7 @@ from warmreg_kimi_k3.backends import KDALayout
 from warmreg_kimi_k3.kda_packed_decode import KDAPackedDecode, KDAPackedDecodeKey, kda_packed_decode_reference
 
 import warmreg
+from warmreg.testing import OpCall, assert_warmup_inputs_reproduce, check_out
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 NAME = KDAPackedDecode.name
@@ -150,6 +151,14 @@ def test_runtime_shapes_are_planned() -> None:
 def test_warmup_inputs_reproduce_every_key() -> None:
     kp = warmreg.plan(_example(), target="cuda:90").kernel(NAME)
     extra = [attrs.evolve(k, mixed_aligned=False, g_aligned=False, use_lower_bound=True) for k in _keys(kp)]
-    for key in [*kp.keys, *extra]:
-        inputs = kp.kernel.warmup_inputs(key)
-        assert kp.kernel.dispatch(**{p: inputs[p] for p in kp.kernel.dispatch_params()}) == key
+    assert_warmup_inputs_reproduce(kp.kernel, [*kp.keys, *extra])
+
+
+# -- out= (the kit's check_out: returned and fully written, wrong buffers refused, nothing allocated) ------------
+def test_out() -> None:
+    def build() -> OpCall:
+        inputs = _inputs(4, 3 * H * D + 24)
+        indices = torch.tensor([4, 0, 2, 7], dtype=torch.int32)
+        return OpCall(KDAPackedDecode(layout=LAYOUT), (), {**inputs, "lower_bound": None, "state_indices": indices, "launch_pdl": False})
+
+    check_out(build)

@@ -3,13 +3,17 @@ interpreter (padding rows inert, nothing past the buffers written), and the plan
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from kimi_support import EXAMPLES, example_config
 from warmreg_kimi_k3.kda_spec_metadata import StageSpecDecodeMetadata, stage_spec_decode_metadata_reference
 
 import warmreg
+from warmreg.testing import assert_warmup_inputs_reproduce, config_loader
 
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 NAME = StageSpecDecodeMetadata.name
 SENTINEL = -7  # what the persistent buffers hold before staging: left alone past B (+1)
 
@@ -90,12 +94,12 @@ def test_one_key_with_a_slot_per_draft(example: str, target: str) -> None:
 
 def test_only_with_speculation_and_only_on_cuda() -> None:
     assert NAME not in {
-        k.name for k in warmreg.plan(example_config(num_speculative_tokens=0), target="cuda:90").kernels
+        k.name for k in warmreg.plan(example_config("kimi_k3", num_speculative_tokens=0), target="cuda:90").kernels
     }
-    (key,) = warmreg.plan(example_config(num_speculative_tokens=1), target="cuda:90").kernel(NAME).keys
+    (key,) = warmreg.plan(example_config("kimi_k3", num_speculative_tokens=1), target="cuda:90").kernel(NAME).keys
     assert (key.fields()["num_state_slots"], key.fields()["block_state_slots"]) == (2, 2)
     for target in ("rocm:gfx942", "xpu:pvc"):
-        assert NAME not in {k.name for k in warmreg.plan(example_config(), target=target).kernels}
+        assert NAME not in {k.name for k in warmreg.plan(example_config("kimi_k3"), target=target).kernels}
 
 
 @pytest.mark.parametrize(("n", "batch"), [(1, 1), (7, 8), (200, 256), (256, 1024)])
@@ -108,5 +112,4 @@ def test_runtime_shapes_are_planned(n: int, batch: int) -> None:
         num_accepted_tokens=warmreg.meta((n,), torch.int32), launch_pdl=True,
     )  # fmt: skip
     assert key in kp.keys
-    inputs = kp.kernel.warmup_inputs(key)
-    assert kp.kernel.dispatch(**{p: inputs[p] for p in kp.kernel.dispatch_params()}) == key
+    assert_warmup_inputs_reproduce(kp.kernel, [key])

@@ -3,13 +3,17 @@ on hand-picked lengths, and the plan."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
-from kimi_support import EXAMPLES, example_config
 from warmreg_kimi_k3.kda_state_indices import AlignedStateIndices, aligned_state_indices_reference
 
 import warmreg
+from warmreg.testing import OpCall, assert_warmup_inputs_reproduce, check_out, config_loader
 
+EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
+example_config = config_loader(EXAMPLES)
 NAME = AlignedStateIndices.name
 
 
@@ -81,12 +85,12 @@ def test_one_key_with_a_slot_per_draft(example: str, target: str) -> None:
 
 
 def test_slots_follow_speculation_and_platforms() -> None:
-    (key,) = warmreg.plan(example_config(num_speculative_tokens=0), target="cuda:90").kernel(NAME).keys
+    (key,) = warmreg.plan(example_config("kimi_k3", num_speculative_tokens=0), target="cuda:90").kernel(NAME).keys
     assert (key.fields()["num_state_slots"], key.fields()["block_state_slots"]) == (1, 1)
-    (key,) = warmreg.plan(example_config(num_speculative_tokens=4), target="cuda:90").kernel(NAME).keys
+    (key,) = warmreg.plan(example_config("kimi_k3", num_speculative_tokens=4), target="cuda:90").kernel(NAME).keys
     assert (key.fields()["num_state_slots"], key.fields()["block_state_slots"]) == (5, 8)
     for target in ("rocm:gfx942", "xpu:pvc"):
-        assert NAME not in {k.name for k in warmreg.plan(example_config(), target=target).kernels}
+        assert NAME not in {k.name for k in warmreg.plan(example_config("kimi_k3"), target=target).kernels}
 
 
 @pytest.mark.parametrize("requests", [1, 33, 256])
@@ -99,5 +103,14 @@ def test_runtime_shapes_are_planned(requests: int) -> None:
             block_table=table, seq_lens=warmreg.meta((requests,), torch.int32), num_state_slots=4, launch_pdl=True
         )
         assert key in kp.keys
-    inputs = kp.kernel.warmup_inputs(next(iter(kp.keys)))
-    assert kp.kernel.dispatch(**{p: inputs[p] for p in kp.kernel.dispatch_params()}) in kp.keys
+    assert_warmup_inputs_reproduce(kp.kernel, [next(iter(kp.keys))])
+
+
+# -- out= (the kit's check_out: returned and fully written, wrong buffers refused, nothing allocated) ------------
+def test_out() -> None:
+    def build() -> OpCall:
+        args = (_table(5, 12), torch.tensor([0, 1, 17, 40, 100], dtype=torch.int32))
+        kw = {"block_size": 16, "num_state_slots": 3, "launch_pdl": False}
+        return OpCall(AlignedStateIndices(max_num_seqs=4, num_speculative_tokens=3), args, kw)
+
+    check_out(build)

@@ -28,6 +28,7 @@ from .model import KimiK3
 
 __all__ = ["MODEL_TYPES", "OP_MODULES", "warmreg_model_types", "warmreg_register_kernels"]
 
+#: The model types this plugin serves: warmreg calls :func:`warmreg_register_kernels` for these only.
 MODEL_TYPES = ("kimi_k3", "kimi_linear")
 #: The op modules, in registration order: each exposes ``register(registry, model, config, platform)``.
 OP_MODULES: tuple[ModuleType, ...] = (
@@ -60,8 +61,6 @@ def warmreg_register_kernels(
     MLA layers; the KDA layers' decode step, chunked prefill (where vLLM runs it in Triton), short
     convolutions, output gated RMSNorm, prefill initial-state gather and metadata kernels (aligned state
     indices, speculative-decode staging); and the attention residuals of every decoder layer."""
-    if config.model_type not in MODEL_TYPES:
-        return
     m = KimiK3.from_config(config)
     for module in OP_MODULES:
         module.register(registry, m, config, platform)
