@@ -16,7 +16,7 @@ say() { printf 'setup: %s\n' "$*" >&2; }
 if "$PY" -c "import torch" 2>/dev/null; then
     say "keeping torch $("$PY" -c 'import torch; print(torch.__version__)')"
 else
-    say "installing torch 2.13.0 (CPU)"
+    say "installing torch 2.13.0 (the package index's default build; the tests need no GPU)"
     "$PY" -m pip install -q "torch==2.13.0"
 fi
 installed=$("$PY" -c "import triton; print(triton.__version__)" 2>/dev/null || true)
@@ -35,8 +35,15 @@ case "$installed" in
         say "Triton $installed is outside 3.6-3.9: installing Triton $DEFAULT_TRITON"
         "$PY" -m pip install -q "triton==$DEFAULT_TRITON" ;;
 esac
-say "installing attrs, pluggy, rich, numpy, pytest, pytest-xdist, transformers, build"
+# transformers (the tests' DeepseekV4Config) only where none is installed: an engine pins its own
+if "$PY" -c "import transformers" 2>/dev/null; then
+    say "keeping transformers $("$PY" -c 'import transformers; print(transformers.__version__)')"
+    transformers=()
+else
+    transformers=("transformers>=5.23")
+fi
+say "installing attrs, pluggy, rich, numpy and the test tools (pytest, pytest-xdist, build, setuptools ${transformers[*]:+, transformers})"
 "$PY" -m pip install -q "attrs>=23.1" "pluggy>=1.3" "typing-extensions>=4.8" "rich>=13" "numpy>=1.24" \
-    "pytest>=8" "pytest-xdist>=3.5" "setuptools>=68" "transformers>=5.23" "build>=1"
+    "pytest>=8" "pytest-xdist>=3.5" "setuptools>=70.1" "build>=1" ${transformers[@]+"${transformers[@]}"}
 say "installing warmreg, warmreg-deepseek-v4 and warmreg-kimi-k3 (editable)"
 "$PY" -m pip install -q --no-build-isolation --no-deps -e . -e plugins/deepseek_v4 -e plugins/kimi_k3

@@ -14,13 +14,20 @@ def triton_cache(warmreg_isolated: Path) -> Path:
     return warmreg_isolated
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--network", action="store_true", help="run the tests marked network (they ask a package index)")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``gpu`` run only where CUDA is available (the device host); elsewhere they skip."""
+    """Tests marked ``gpu`` run only where CUDA is available (the device host), those marked ``network``
+    only with ``--network``: the README's test command runs offline once set up."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skips = {
+        "gpu": None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU"),
+        "network": None if config.getoption("--network") else pytest.mark.skip(reason="asks a package index: pass --network"),
+    }
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        for mark, skip in skips.items():
+            if skip is not None and mark in item.keywords:
+                item.add_marker(skip)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import site
+import subprocess
+import sys
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
@@ -177,3 +181,20 @@ class TunedDouble(warmreg.TritonKernel[TunedKey]):
         n = x.numel()
         kwargs = dict(x_ptr=x, out_ptr=out, block_ptr=block, n=n)
         return warmreg.LaunchSpec(self.dispatch(x=x), lambda meta: (triton.cdiv(n, meta["BLOCK"]),), kwargs, (out, block))
+
+
+def venv_beside(path: Path) -> Path:
+    """A venv (without pip of its own) that sees this interpreter's packages, and returns its python.
+
+    ``--system-site-packages`` alone exposes the *base* interpreter's site-packages: run from inside a
+    venv, it would miss that venv's torch, Triton and warmreg. This interpreter's own site directories are
+    added through a ``.pth`` file, after the new venv's (what the new venv installs comes first).
+    """
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)], check=True, timeout=120)
+    python = path / "bin" / "python"
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    dirs = [*site.getsitepackages(), site.getusersitepackages()]
+    (Path(purelib) / "_warmreg_tests_outer_site.pth").write_text("".join(f"{d}\n" for d in dirs if Path(d).is_dir()))
+    return python

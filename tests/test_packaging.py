@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 DISTRIBUTIONS = [ROOT, ROOT / "plugins" / "deepseek_v4", ROOT / "plugins" / "kimi_k3"]
 FLASH = ROOT / "examples" / "deepseek_v4_flash.json"
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.network]  # pip asks the index for torch and build deps
 
 
 def _run(*cmd: str | Path, cwd: Path, env: dict[str, str] | None = None, timeout: float = 900) -> str:
@@ -78,6 +79,8 @@ def test_a_bare_venv_takes_the_plugin_and_runs_the_main_job(dist: Path, tmp_path
     results = json.loads(report.read_text())["results"]
     assert len(results) == 73 and all(r["status"] == "disk_cache" for r in results), {r["status"] for r in results}
     # the plugin template installs the same way, its core from the same wheelhouse
-    _run(py, "-m", "pip", "install", "-q", "--find-links", dist, ROOT / "examples" / "plugin_template", cwd=tmp_path)
+    template = tmp_path / "plugin_template"  # a copy: pip leaves build/ and *.egg-info in what it builds
+    shutil.copytree(ROOT / "examples" / "plugin_template", template, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
+    _run(py, "-m", "pip", "install", "-q", "--find-links", dist, template, cwd=tmp_path)
     _run(py, "-m", "pip", "check", cwd=tmp_path)
     assert "template" in _run(bindir / "warmreg", "plugins", cwd=tmp_path, env=env)

@@ -2,9 +2,9 @@
 published plugin: in a fresh virtual environment, found by warmreg through its entry point, planned and
 cross-compiled through the ``warmreg`` command line.
 
-The venv is made with ``--system-site-packages`` so that torch, Triton, warmreg (and pytest) come
-from this interpreter's site-packages: nothing is downloaded, the test runs offline, and the only
-thing the venv adds is the template itself, installed with pip exactly as a user would install a
+The venv sees this interpreter's site-packages (``tests.helpers.venv_beside``, also when this
+interpreter is itself a venv) so that torch, Triton, warmreg (and pytest) come from there: nothing is
+downloaded, the test runs offline, and the only thing the venv adds is the template itself, installed with pip exactly as a user would install a
 ``warmreg-<family>`` distribution (``--no-build-isolation --no-deps``: no index is consulted, the
 system setuptools builds the wheel). pip itself also comes from the system site (``--without-pip``
 saves the seconds ``ensurepip`` takes); run as ``<venv>/bin/python -m pip`` it installs into the
@@ -19,11 +19,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tokenize
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import venv_beside
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "examples" / "plugin_template"
 KERNEL = "warmreg_template.scaled_add.ScaledAdd"
@@ -95,11 +96,7 @@ def _run(python: Path, *args: str, env: dict[str, str], cwd: Path) -> subprocess
 
 @pytest.mark.slow
 def test_template_installs_plans_and_warms_through_the_cli(tmp_path: Path) -> None:
-    env_dir = tmp_path / "venv"
-    subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(env_dir)], check=True, timeout=120
-    )
-    python = env_dir / ("Scripts" if os.name == "nt" else "bin") / "python"
+    python = venv_beside(tmp_path / "venv")
     source = tmp_path / "plugin_template"  # build from a copy: pip leaves build/ and *.egg-info behind
     shutil.copytree(TEMPLATE, source, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))
     env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path / "triton-cache"), "PIP_NO_INDEX": "1"}

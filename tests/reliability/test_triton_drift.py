@@ -1,23 +1,23 @@
-"""Triton version drift: the newest Triton on PyPI, in a virtual environment beside this one."""
+"""Triton version drift: the newest Triton on PyPI, in a virtual environment beside this one (asks the
+package index: run with ``--network``, as CI does)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import venv_beside
+
 ROOT = Path(__file__).resolve().parents[2]
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.network]
 
 
 @pytest.fixture(scope="module")
 def newest_triton(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
-    venv = tmp_path_factory.mktemp("drift") / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    python = venv / "bin" / "python"
+    python = venv_beside(tmp_path_factory.mktemp("drift") / "venv")
     got = subprocess.run(
         [str(python), "-m", "pip", "install", "-q", "--upgrade", "--no-deps", "triton"], capture_output=True, text=True, timeout=600
     )
