@@ -133,16 +133,15 @@ def test_build_shows_progress_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_pa
     import importlib
 
     from tests.helpers import CONFIG, Plugin, Scale
-    from warmreg.stages import pack as packs
     from warmreg.stages import build as packs_build
 
     pipeline = importlib.import_module("warmreg.pipeline.run")
-    shown: list[int] = []
+    shown: list[tuple[str, int]] = []
     real = pipeline._progress
-    monkeypatch.setattr(pipeline, "_progress", lambda show, title, total: (show and shown.append(total)) or real(show, title, total))
+    monkeypatch.setattr(pipeline, "_progress", lambda show, title, total: (show and shown.append((title, total))) or real(show, title, total))
     packs_build.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, progress=True)
     packs_build.build(CONFIG, tmp_path / "q", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, progress=False)
-    assert shown == [3]
+    assert [total for _, total in shown] == [3] and shown[0][0].startswith("[bold]build[/] cuda:90")  # a build's bar says build
 
 
 def test_json_means_one_thing_on_every_verb(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -62,7 +62,7 @@ def test_readme_test_command_is_what_ci_runs() -> None:
     commands = [line for line in block.group(1).splitlines() if line and not line.startswith("#")]
     assert len(commands) == 2, commands
     ci = (ROOT / ".ci" / "run").read_text()
-    assert any(line.startswith(commands[1]) for line in ci.splitlines()), f"{commands[1]!r} is not in .ci/run"
+    assert any(line.strip().startswith(commands[1]) for line in ci.splitlines()), f"{commands[1]!r} is not in .ci/run"
 
 
 @pytest.mark.parametrize("doc", USER_DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
@@ -71,3 +71,12 @@ def test_relative_links_resolve(doc: Path) -> None:
     targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", prose)
     missing = [t for t in targets if "://" not in t and not (doc.parent / t).exists()]
     assert not missing, f"{doc.relative_to(ROOT)} links to missing files: {missing}"
+
+
+def test_the_license_the_metadata_names_is_in_the_repository() -> None:
+    """pyproject.toml says Apache-2.0: the text is LICENSE (wheels and sdists take it from there)."""
+    import tomllib
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["license"] == {"text": "Apache-2.0"}
+    assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0, January 2004" in (ROOT / "LICENSE").read_text()

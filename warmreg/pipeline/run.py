@@ -37,7 +37,10 @@ def check_workers(workers: int | None) -> int:
     if workers is None:
         return default_workers()
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise WarmregError(f"workers={workers!r} must be an int >= 1", fix="pass e.g. workers=8, or None for all CPUs")
+        raise WarmregError(
+            f"workers={workers!r} must be an int >= 1 (compile threads and processes)",
+            fix="pass e.g. workers=8 (--workers 8), or leave it out for every CPU this process may use",
+        )
     return workers
 
 
@@ -48,6 +51,7 @@ def run(
     on_error: OnError,
     stages: Sequence[Stage] = (),
     progress: bool | None = None,
+    verb: str = "warm",
 ) -> list[KeyResult]:
     """Warm every key of ``plan``: bind each once, run the stages, compile, load (local GPU).
 
@@ -55,12 +59,13 @@ def run(
     :param on_error: ``"raise"``/``"continue"`` warm every key; ``"stop"`` stops at the first failure.
     :param stages: stage objects (see the module's docstring).
     :param progress: show a progress bar (default: when stderr is a terminal).
+    :param verb: what the progress bar says the work is (``warm``, ``build``).
     :returns: one :class:`KeyResult` per key of the plan, in order.
     """
     _triton_cache.check_cache_writable()
     tasks = [Task(kp, key) for kp, key in plan.items()]
     show = sys.stderr.isatty() if progress is None else progress
-    with _progress(show, f"{plan.platform} ({workers} workers)", len(tasks)) as on_done, compile_scope(plan.platform):
+    with _progress(show, f"[bold]{verb}[/] {plan.platform} ({workers} workers)", len(tasks)) as on_done, compile_scope(plan.platform):
         bind_all(tasks, on_error, on_done)
         for stage in stages:
             stage.progress = on_done
@@ -90,7 +95,7 @@ def _progress(show: bool, title: str, total: int) -> Iterator[Callable[[Task], N
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    columns = (TextColumn("[bold]warm[/] {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(title, total=total)
         done: set[int] = set()

@@ -103,7 +103,7 @@ def build(
 
             stages = compose.for_build(the_plan, workers=workers)
             tune = next((s for s in stages if isinstance(s, tuning.Tune)), None)
-            results = run(the_plan, workers=workers, on_error="continue", stages=stages, progress=progress)
+            results = run(the_plan, workers=workers, on_error="continue", stages=stages, progress=progress, verb="build")
             failed = [r for r in results if r.status == "failed"]
             if failed:
                 raise PackError(str(out), f"{len(failed)} key(s) failed to compile; first: {failed[0].kernel}: {failed[0].error}", fix="fix the kernel")
