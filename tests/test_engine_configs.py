@@ -177,6 +177,14 @@ def test_sglang_context_length_none_and_dtype_auto_come_from_its_model_config() 
         WarmConfig.load(bare).get("serving.max_model_len", int, plugin="p")
 
 
+def test_the_engines_dtype_aliases_read_as_torch_names() -> None:
+    # SGLang's --dtype half and float (vLLM's too, before its ModelConfig resolves them) are torch's float16 and float32
+    cfg = WarmConfig.load(snapshot("sglang-flash_eagle", dtype="half"))
+    assert cfg.serving["dtype"] == "float16" and cfg.origins["dtype"] == "ServerArgs.dtype = 'half', read as 'float16'"
+    for raw, name in ((torch.float32, "float32"), ("float", "float32"), ("float16", "float16")):
+        assert WarmConfig.load(snapshot("vllm-flash", **{"model_config.dtype": raw})).serving["dtype"] == name
+
+
 @pytest.mark.parametrize(
     ("name", "changes", "field", "words"),
     [

@@ -107,18 +107,39 @@ def serving_overrides(args: argparse.Namespace) -> dict[str, Any]:
         if not sep or not key.strip():
             raise ConfigError(f"--set {setting}", "is not KEY=VALUE", fix="write e.g. --set max_num_batched_tokens=8192")
         try:
-            out[key.strip()] = _json.loads(value, max_depth=4)
+            parsed = _json.loads(value, max_depth=4)
         except ValueError:
-            out[key.strip()] = value  # a bare string: --set kv_cache_dtype=fp8
+            parsed = value  # a bare string: --set kv_cache_dtype=fp8
+        out[key.strip()] = _checked_setting(key.strip(), parsed, setting)
     return out
+
+
+def _checked_setting(name: str, value: Any, setting: str) -> Any:
+    """``value`` of ``--set NAME=...`` if the config would take it; else the error names ``--set NAME``, not
+    the config file, and says how to write it there."""
+    from ..contract.config import SERVING_FIELDS
+    from ..values.errors import ConfigError
+
+    if name not in SERVING_FIELDS:
+        fix = f"write --set NAME=VALUE, NAME one of {', '.join(SERVING_FIELDS)}"
+        raise ConfigError(f"serving.{name}", f"is not a serving setting (--set {setting})", fix=fix)
+    check, meaning = SERVING_FIELDS[name]
+    problem = check(value)
+    if problem:
+        raise ConfigError(f"serving.{name}", f"{problem} (--set {setting})", fix=f"write --set {name}=VALUE, VALUE the {meaning}")
+    return value
 
 
 def load_config(args: argparse.Namespace) -> Any:
     """The config (with ``--serving``/``--set``) and target, checked before the pipeline (and torch)
-    is imported: a bad one is one quick line."""
+    is imported: a bad one is one quick line. A plugin's error about a ``--set`` value names it."""
+    import attrs
+
     from ..contract.config import WarmConfig
     from ..values.platform import Platform
 
     if args.target is not None:
         Platform.parse(args.target)
-    return WarmConfig.load(args.config, serving=serving_overrides(args))
+    config = WarmConfig.load(args.config, serving=serving_overrides(args))
+    given = {s.partition("=")[0].strip(): f"--set {s}" for s in args.settings}  # the last --set of a name wins
+    return attrs.evolve(config, origins={**config.origins, **given}) if given else config

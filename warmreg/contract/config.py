@@ -45,6 +45,14 @@ def _string(value: Any) -> str | None:
     return None if isinstance(value, str) and value else f"must be a non-empty string (got {repr(value)[:60]})"
 
 
+_ACTIVATION_DTYPES = ("bfloat16", "float16", "float32")  # what vLLM and SGLang serve in: torch's names
+
+
+def _dtype(value: Any) -> str | None:
+    ok = isinstance(value, str) and value in _ACTIVATION_DTYPES
+    return None if ok else f"must be one of {', '.join(_ACTIVATION_DTYPES)} (got {repr(value)[:60]})"
+
+
 #: The widest int any model field may hold (Triton's int32 kernel arguments); plugins narrow it.
 MODEL_INT_MAX = 2**31 - 1
 
@@ -57,7 +65,7 @@ SERVING_FIELDS: Mapping[str, tuple[Callable[[Any], str | None], str]] = MappingP
         "max_model_len": (_int_in(1, 2**24), "longest sequence, prompt plus output"),
         "block_size": (_int_in(1, 2**16), "KV-cache block size in tokens (the KV manager's page)"),
         "kv_cache_dtype": (_string, "KV-cache storage format, e.g. fp8_ds_mla or auto"),
-        "dtype": (_string, "model activation dtype, e.g. bfloat16"),
+        "dtype": (_dtype, "model activation dtype: bfloat16, float16 or float32"),
         "attention_backend": (_string, "attention backend name, e.g. FLASHMLA_SPARSE_DSV4"),
         "tensor_parallel_size": (_int_in(1, 1024), "tensor-parallel ranks"),
         "num_speculative_tokens": (_int_in(0, 64), "draft tokens per decode step (0 = no speculation)"),
@@ -110,6 +118,9 @@ class WarmConfig:
     unmapped: Mapping[str, str] = attrs.field(converter=_freeze, factory=dict)
 
     def __attrs_post_init__(self) -> None:
+        if not isinstance(self.model, Mapping):
+            got = f"{type(self.model).__name__} {repr(self.model)[:60]}"
+            raise ConfigError("model", f"must be a mapping of the model's config values (got {got})", fix=f"{self.source} must hold a Hugging Face config")
         for name, value in self.serving.items():
             if name not in SERVING_FIELDS:
                 raise ConfigError(

@@ -17,7 +17,8 @@ vLLM's vocabulary, the one the example configs are written in:
   1 + k tokens.
 * ``speculative_method``: vLLM's ``SpeculativeConfig.method`` names (``mtp``: the target checkpoint's
   own MTP layers; ``eagle``, ``eagle3``, ``dspark``, ``dflash``, ``ngram``, ``draft_model``, ...).
-* ``dtype``: a torch dtype name (``bfloat16``), never ``auto``.
+* ``dtype``: a torch dtype name (``bfloat16``, ``float16``, ``float32``; the engines' ``half`` and ``float``
+  read as torch's names), never ``auto``.
 
 :func:`read` returns an :class:`EngineRead`: the Hugging Face config's values (``to_dict()``, as the
 engine hands them over: plugins read transformers' and SGLang's forms as well as the published
@@ -25,6 +26,9 @@ config.json), the canonical settings, where each came from, and the settings who
 no canonical counterpart. Those are not dropped: :meth:`warmreg.WarmConfig.get` raises for them,
 naming the engine's field, its value and the values that are accepted, as soon as a plugin reads
 one (a setting no plugin of the model reads, e.g. ``speculative_method`` for Kimi-K3, stops nothing).
+A value of a type the engine never holds (a list for a name; a bool, float or string for an int;
+``-1`` for a dtype; an hf_config whose ``to_dict()`` is no mapping) is refused at once, a
+``ConfigError`` naming the engine's field and the value: nothing is read as something else or dropped.
 
 A ``VllmConfig`` built before the engine started, or on vLLM's CPU platform, does not hold everything the
 GPU deployment runs; what the reader cannot know it reads as it is (the README's "The engines' own config
@@ -75,16 +79,18 @@ def read(obj: Any) -> EngineRead | None:
       yet, with ``model_config_of(server_args)``; or an object holding SGLang's resolved values as
       attributes beside an ``hf_config`` (and optionally SGLang's ``model_config``).
 
-    :raises ConfigError: if a ``ServerArgs`` does not resolve.
+    :raises ConfigError: if a ``ServerArgs`` does not resolve, or a value read is of the wrong type (naming
+        the engine's field and the value).
     """
     if dotted(obj, "model_config.hf_config") is not None and getattr(obj, "scheduler_config", None) is not None:
         return read_vllm(obj)
     engine = type(obj).__name__
     if is_server_args(obj):
         values, model_config = resolved_server_args(obj)
-        return read_sglang(values, model_config, model_config.hf_config, engine)
-    hf = getattr(obj, "hf_config", None) or dotted(obj, "model_config.hf_config")
+        return read_sglang(values, model_config, model_config.hf_config, engine, "model_config.hf_config")
+    field = "hf_config" if getattr(obj, "hf_config", None) is not None else "model_config.hf_config"
+    hf = dotted(obj, field)
     if hf is not None:
         values = {name: getattr(obj, name, None) for name in SGLANG_FIELDS}
-        return read_sglang(values, getattr(obj, "model_config", None), hf, engine)
+        return read_sglang(values, getattr(obj, "model_config", None), hf, engine, field)
     return None

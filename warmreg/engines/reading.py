@@ -9,7 +9,7 @@ import attrs
 
 from ..values.errors import ConfigError
 
-__all__ = ["DSV4_ARCH", "EngineRead", "Reading", "dotted", "dtype_name", "model_dict"]
+__all__ = ["DSV4_ARCH", "DTYPE_ALIASES", "EngineRead", "Reading", "dotted", "model_dict"]
 
 
 #: DeepSeek-V4's architecture name in its config.json, whose cache formats the engines name their own way.
@@ -43,27 +43,92 @@ def dotted(obj: Any, path: str) -> Any:
     return obj
 
 
-def dtype_name(value: Any) -> Any:
-    """``torch.bfloat16`` -> ``bfloat16`` (a string stays as it is)."""
-    return value if isinstance(value, str) else str(value).rsplit(".", 1)[-1]
+#: The engines' other names of activation dtypes (vLLM's and SGLang's ``--dtype half|float``) -> torch's.
+DTYPE_ALIASES: Mapping[str, str] = {"half": "float16", "float": "float32"}
 
 
-def model_dict(hf: Any, engine: str) -> dict[str, Any]:
+def _got(value: Any) -> str:
+    return f"{type(value).__name__} {repr(value)[:60]}"
+
+
+def model_dict(hf: Any, engine: str, field: str) -> dict[str, Any]:
+    """The Hugging Face config's values (``hf.to_dict()``, or ``hf`` itself if it is a mapping).
+
+    :param field: where the engine object holds ``hf`` (``model_config.hf_config``), quoted in errors.
+    :raises ConfigError: if they are not a mapping, or ``architectures`` is not a list of names.
+    """
+    fix = "pass the engine's config object as the engine built it (its hf_config a transformers PretrainedConfig)"
     if hasattr(hf, "to_dict"):
-        return dict(hf.to_dict())
-    if isinstance(hf, Mapping):
-        return dict(hf)
-    raise ConfigError(f"{engine}.hf_config", f"is a {type(hf).__name__}, not a Hugging Face config", fix="pass the engine's config object as the engine built it")
+        values, where = hf.to_dict(), f"{engine}.{field}.to_dict()"
+    elif isinstance(hf, Mapping):
+        values, where = hf, f"{engine}.{field}"
+    else:
+        raise ConfigError(f"{engine}.{field}", f"is a {type(hf).__name__}, not a Hugging Face config", fix=fix)
+    if not isinstance(values, Mapping):
+        raise ConfigError(where, f"must be a mapping of the model's config values (got {_got(values)})", fix=fix)
+    architectures = values.get("architectures")
+    if architectures is not None and not (isinstance(architectures, (list, tuple)) and all(isinstance(a, str) for a in architectures)):
+        raise ConfigError(
+            f"{engine}.{field}.architectures", f"must be a list of architecture names (got {_got(architectures)})",
+            fix=f"{fix}; its config.json lists e.g. [{DSV4_ARCH!r}]",
+        )  # fmt: skip
+    return dict(values)
 
 
 class Reading:
-    """Collects one object's canonical settings, their origins and the unmapped values."""
+    """Collects one object's canonical settings, their origins and the unmapped values.
+
+    The typed reads (:meth:`name`, :meth:`count`, :meth:`dtype`) refuse a value of the wrong type at
+    once, naming the engine field and the value: such a value is never read as something else (a bool
+    as an int, a list as its repr) nor dropped. Ranges are :data:`~warmreg.contract.config.SERVING_FIELDS`'.
+    """
 
     def __init__(self, engine: str) -> None:
         self.engine = engine
         self.serving: dict[str, Any] = {}
         self.origins: dict[str, str] = {}
         self.unmapped: dict[str, str] = {}
+
+    def wrong(self, field: str, value: Any, expected: str, example: Any = None) -> ConfigError:
+        """The error for ``value`` of the engine field ``field``, which is not ``expected``."""
+        e_g = f" (e.g. {example!r})" if example is not None else ""
+        return ConfigError(
+            f"{self.engine}.{field}", f"must be {expected} (got {_got(value)})",
+            fix=f"set {self.engine}.{field} to {expected}{e_g}, as the engine itself holds it",
+        )  # fmt: skip
+
+    def name(self, value: Any, field: str, example: str | None = None, *, expected: str = "a string") -> str | None:
+        """``value`` if it is ``None`` or a string (as a plain ``str``).
+
+        :param expected: what the engine holds there, quoted in the error.
+        :raises ConfigError: for anything else (a list, a number, a bool).
+        """
+        if value is None or type(value) is str:
+            return value
+        if isinstance(value, str):
+            return str.__str__(value)  # a str subclass (a StrEnum member): its text
+        raise self.wrong(field, value, expected, example)
+
+    def count(self, value: Any, field: str) -> int | None:
+        """``value`` if it is ``None`` or an int (never a bool).
+
+        :raises ConfigError: for anything else (a bool, a float, NaN, a string, a list).
+        """
+        if value is None or (isinstance(value, int) and not isinstance(value, bool)):
+            return value
+        raise self.wrong(field, value, "an int")
+
+    def dtype(self, value: Any, field: str) -> str:
+        """A dtype's name: ``torch.bfloat16`` -> ``bfloat16``; a string as it is (``half``, ``float``: torch's names).
+
+        :raises ConfigError: for anything but a ``torch.dtype`` or a string (``-1``, a list).
+        """
+        if type(value).__name__ == "dtype" and type(value).__module__ == "torch":
+            return str(value).rsplit(".", 1)[-1]
+        if not isinstance(value, str):
+            raise self.wrong(field, value, "a torch dtype or its name", "bfloat16")
+        name = str.__str__(value)
+        return DTYPE_ALIASES.get(name, name)
 
     def set(self, name: str, value: Any, field: str, raw: Any = None) -> None:
         if value is None:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..values.errors import ConfigError
-from .reading import DSV4_ARCH, EngineRead, Reading, dtype_name, model_dict
+from .reading import DSV4_ARCH, EngineRead, Reading, model_dict
 
 __all__ = ["SGLANG_ATTENTION_BACKENDS", "SGLANG_FIELDS", "SGLANG_KV_CACHE_DTYPES", "SGLANG_SPECULATIVE_METHODS", "is_server_args", "read_sglang", "resolved_server_args"]
 
@@ -89,17 +89,30 @@ def _speculative_method(algorithm: str, values: Mapping[str, Any]) -> str | None
     return method
 
 
-def read_sglang(values: Mapping[str, Any], model_config: Any, hf: Any, engine: str) -> EngineRead:
+#: The resolved ``ServerArgs`` fields SGLang holds as ints; the other :data:`SGLANG_FIELDS` are strings.
+_SGLANG_INTS = frozenset(
+    {"chunked_prefill_size", "max_running_requests", "context_length", "page_size", "tp_size", "dcp_size", "speculative_num_draft_tokens"}
+)
+
+
+def read_sglang(values: Mapping[str, Any], model_config: Any, hf: Any, engine: str, hf_field: str = "hf_config") -> EngineRead:
     """Canonical settings from SGLang's resolved values (``ServerArgs.resolved_dict()``).
 
     :param model_config: SGLang's ``ModelConfig`` (``context_len``, ``dtype``), if known.
+    :param hf_field: where ``hf`` was found, quoted in errors.
+    :raises ConfigError: for a value of the wrong type (a list, NaN, ``"2"`` or a bool for an int, an int
+        for a name), naming the ``ServerArgs`` field; for an hf_config whose values are not a mapping.
     """
     r = Reading(engine)
-    model = model_dict(hf, engine)
-    _sizes(r, values, model_config)
-    _dtypes(r, values, model_config, next(iter(model.get("architectures") or ()), None))
-    _attention_backend(r, values)
-    _speculation(r, values)
+    model = model_dict(hf, engine, hf_field)
+    typed = {
+        name: r.count(values.get(name), name) if name in _SGLANG_INTS else r.name(values.get(name), name)
+        for name in SGLANG_FIELDS
+    }  # fmt: skip
+    _sizes(r, typed, model_config)
+    _dtypes(r, typed, model_config, next(iter(model.get("architectures") or ()), None))
+    _attention_backend(r, typed)
+    _speculation(r, typed)
     return r.done(model)
 
 
@@ -108,7 +121,7 @@ def _sizes(r: Reading, values: Mapping[str, Any], model_config: Any) -> None:
     # A step's tokens: the prefill chunk budget (managers' PrefillAdder takes at most
     # chunked_prefill_size tokens a batch); -1 or None is chunked prefill off, which bounds nothing.
     chunk = values.get("chunked_prefill_size")
-    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk <= 0:
+    if chunk is not None and chunk <= 0:
         r.refuse("max_num_batched_tokens", "chunked_prefill_size", chunk, "chunked prefill off, so no step has a token bound", ["an int > 0"])
     else:
         r.set("max_num_batched_tokens", chunk, "chunked_prefill_size")
@@ -117,7 +130,7 @@ def _sizes(r: Reading, values: Mapping[str, Any], model_config: Any) -> None:
     if values.get("context_length") is not None:
         r.set("max_model_len", values["context_length"], "context_length")
     else:
-        r.set("max_model_len", getattr(model_config, "context_len", None), "model_config.context_len")
+        r.set("max_model_len", r.count(getattr(model_config, "context_len", None), "model_config.context_len"), "model_config.context_len")
     r.set("block_size", values.get("page_size"), "page_size")
     r.set("tensor_parallel_size", values.get("tp_size"), "tp_size")
     dcp = values.get("dcp_size")
@@ -134,11 +147,12 @@ def _dtypes(r: Reading, values: Mapping[str, Any], model_config: Any, arch: str 
     if dtype == "auto":
         resolved = getattr(model_config, "dtype", None)  # ModelConfig._get_and_verify_dtype's torch.dtype
         if resolved is not None:
-            r.set("dtype", dtype_name(resolved), "model_config.dtype", resolved)
+            r.set("dtype", r.dtype(resolved, "model_config.dtype"), "model_config.dtype", resolved)
         else:
             r.refuse("dtype", "dtype", dtype, "which SGLang resolves in its ModelConfig, not given here", ["bfloat16", "float16", "float32"])
     elif dtype is not None:
-        r.set("dtype", str(dtype), "dtype")
+        name = r.dtype(dtype, "dtype")  # SGLang's half and float are torch's float16 and float32
+        r.set("dtype", name, "dtype", dtype if name != dtype else None)
 
     kv = values.get("kv_cache_dtype")
     if kv is not None:
@@ -177,20 +191,22 @@ def _attention_backend(r: Reading, values: Mapping[str, Any]) -> None:
 def _speculation(r: Reading, values: Mapping[str, Any]) -> None:
     """The speculative method and the draft tokens of a decode step."""
     algorithm = values.get("speculative_algorithm")
-    if algorithm is not None:
-        method = _speculative_method(str(algorithm), values)
-        if method is None:
-            r.refuse("speculative_method", "speculative_algorithm", algorithm, "which has no canonical counterpart", SGLANG_SPECULATIVE_METHODS)
-        else:
-            r.set("speculative_method", method, "speculative_algorithm", algorithm)
-        drafts = values.get("speculative_num_draft_tokens")
-        # The verify window counts the verified token: EAGLE topk 1 has num_steps + 1 of them
-        # (speculative_hook), DSPARK gamma + 1 ("DSpark speculative_num_draft_tokens must equal gamma + 1").
-        if isinstance(drafts, int) and not isinstance(drafts, bool):
-            if drafts >= 1:
-                r.set("num_speculative_tokens", drafts - 1, "speculative_num_draft_tokens", drafts)
-            else:
-                r.refuse("num_speculative_tokens", "speculative_num_draft_tokens", drafts, "a verify window of no token", ["an int >= 1"])
+    if algorithm is None:
+        return
+    method = _speculative_method(algorithm, values)
+    if method is None:
+        r.refuse("speculative_method", "speculative_algorithm", algorithm, "which has no canonical counterpart", SGLANG_SPECULATIVE_METHODS)
+    else:
+        r.set("speculative_method", method, "speculative_algorithm", algorithm)
+    drafts = values.get("speculative_num_draft_tokens")
+    # The verify window counts the verified token: EAGLE topk 1 has num_steps + 1 of them
+    # (speculative_hook), DSPARK gamma + 1 ("DSpark speculative_num_draft_tokens must equal gamma + 1").
+    if drafts is None:
+        r.refuse("num_speculative_tokens", "speculative_num_draft_tokens", drafts, "which SGLang resolves from the speculative settings, not given here", ["an int >= 1"])
+    elif drafts >= 1:
+        r.set("num_speculative_tokens", drafts - 1, "speculative_num_draft_tokens", drafts)
+    else:
+        r.refuse("num_speculative_tokens", "speculative_num_draft_tokens", drafts, "a verify window of no token", ["an int >= 1"])
 
 
 def resolved_server_args(obj: Any) -> tuple[dict[str, Any], Any]:
