@@ -136,10 +136,19 @@ def load_config(args: argparse.Namespace) -> Any:
     import attrs
 
     from ..contract.config import WarmConfig
+    from ..values.errors import ConfigError
     from ..values.platform import Platform
 
     if args.target is not None:
         Platform.parse(args.target)
-    config = WarmConfig.load(args.config, serving=serving_overrides(args))
-    given = {s.partition("=")[0].strip(): f"--set {s}" for s in args.settings}  # the last --set of a name wins
+    overrides = serving_overrides(args)
+    given = {name: f"--serving {args.serving}" for name in overrides} if args.serving is not None else {}
+    given |= {s.partition("=")[0].strip(): f"--set {s}" for s in args.settings}  # the last --set of a name wins
+    try:
+        config = WarmConfig.load(args.config, serving=overrides)
+    except ConfigError as exc:  # a value the core refuses: name where it was given
+        name = (exc.field or "").removeprefix("serving.")
+        if name in given and given[name] not in str(exc):
+            raise ConfigError(exc.field, f"{exc.problem} ({given[name]})", plugin=exc.plugin, fix=f"correct it in {given[name]}") from exc
+        raise
     return attrs.evolve(config, origins={**config.origins, **given}) if given else config

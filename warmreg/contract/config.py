@@ -275,31 +275,32 @@ class WarmConfig:
     ) -> _T:  # fmt: skip
         """``value`` of ``field``, validated as :meth:`get` documents."""
         section, _, name = field.partition(".")
+        source = self.origins.get(name, self.source) if section == "serving" else self.source  # --set NAME=..., an engine field
         ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value, ok = float(value), True
         if ok and kind is int and not -MODEL_INT_MAX <= value <= MODEL_INT_MAX:
             raise ConfigError(
                 field, f"must be in -{MODEL_INT_MAX}..{MODEL_INT_MAX} (got an int of {value.bit_length()} bits)", plugin=plugin,
-                fix=fix or f"correct it in {self.source}",
+                fix=fix or f"correct it in {source}",
             )  # fmt: skip
         if not ok:
             raise ConfigError(
                 field,
                 f"must be {kind.__name__} (got {type(value).__name__} {repr(value)[:60]})",
                 plugin=plugin,
-                fix=fix or f"correct it in {self.source}",
+                fix=fix or f"correct it in {source}",
             )
         if choices is not None and value not in (known := tuple(choices)):
             unknown = f"is {value!r}, which {plugin} does not know (accepted: {', '.join(map(str, known))})"
             raise ConfigError(
                 field, self._from_origin(name, unknown) if section == "serving" else unknown, plugin=plugin,
-                fix=fix or f"use one of those in {self.source}",
+                fix=fix or f"use one of those in {source}",
             )  # fmt: skip
         problem = check(value) if check else None
         if problem:
             shown = self._from_origin(name, problem) if section == "serving" else problem
-            raise ConfigError(field, shown, plugin=plugin, fix=fix or f"correct it in {self.source}")
+            raise ConfigError(field, shown, plugin=plugin, fix=fix or f"correct it in {source}")
         return value  # type: ignore[no-any-return]
 
     def to_json(self) -> dict[str, Any]:

@@ -36,8 +36,7 @@ class ConfigError(WarmregError, ValueError):
     """
 
     def __init__(self, field: str, problem: str, *, plugin: str | None = None, fix: str | None = None, file: bool = False) -> None:
-        self.field = field
-        self.plugin = plugin
+        self.field, self.problem, self.plugin = field, problem, plugin
         needed = f" (needed by {plugin})" if plugin else ""
         super().__init__(f"config {'file' if file else 'field'} '{field}' {problem}{needed}", fix=fix)
 
