@@ -73,7 +73,8 @@ def test_a_bare_venv_takes_the_plugin_and_runs_the_main_job(dist: Path, tmp_path
     assert len(results) == 73 and all(r["status"] == "compiled" for r in results)
     # the same job from a pack wheel, installed the same way: a fresh cache, nothing compiles
     _run(bindir / "warmreg", "build", FLASH, "--target", "cuda:90", "-o", tmp_path / "packs", "--wheel", cwd=tmp_path, env=env)
-    _run(py, "-m", "pip", "install", "-q", "--find-links", tmp_path / "packs", "warmreg-pack-deepseek-v4-flash-cuda90", cwd=tmp_path)
+    (wheel,) = (tmp_path / "packs").glob("warmreg_pack_deepseek_v4_cuda90_*.whl")  # model type, target, digest of the keys
+    _run(py, "-m", "pip", "install", "-q", wheel, cwd=tmp_path)
     env["TRITON_CACHE_DIR"] = str(tmp_path / "fresh-cache")
     _run(bindir / "warmreg", "warm", FLASH, "--target", "cuda:90", "--quiet", "--json", report, cwd=tmp_path, env=env)
     results = json.loads(report.read_text())["results"]

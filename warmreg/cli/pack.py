@@ -6,7 +6,6 @@ import argparse
 import json
 import re
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from rich.markup import escape
@@ -25,7 +24,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     config = load_config(args)  # config, --serving/--set and target, checked before anything compiles
     options = {"target": args.target, "workers": args.workers, "launcher_pythons": pythons, "tuning_choices": args.tuning}
     if args.wheel:
-        wrote, manifest = build_wheel(config, args.output, label=Path(args.config).stem, **options)
+        wrote, manifest = build_wheel(config, args.output, **options)
     else:
         wrote, manifest = args.output, build(config, args.output, force=args.force, **options)
     kernels = {e.kernel for e in manifest.entries}

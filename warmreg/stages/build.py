@@ -7,6 +7,8 @@ never see a half-written pack. :func:`build_wheel` wraps a pack as an installabl
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import logging
 import os
@@ -35,6 +37,7 @@ from ..values.platform import Platform, resolve_platform
 from . import tuning
 from .pack import entry_from_result
 from .pack_format import _ARCHIVES, FORMAT, Manifest, PackChoice, PackEntry, PackError, PackFile, PackLauncher, _sha256
+from .pack_reader import lock
 
 __all__ = ["build", "build_wheel"]
 
@@ -113,7 +116,7 @@ def build(
             launchers = _build_launchers(results, platform, pythons, staged, str(out), workers, required=launcher_pythons is not None)
         manifest = _manifest(the_plan, entries, launchers, _choices(the_plan, tune, tuning_choices))
         (staged / "manifest.json").write_text(json.dumps(manifest.to_json(), indent=1))
-        _publish_pack(staged, out)
+        _publish_pack(staged, out, force=force)
     return manifest
 
 
@@ -137,7 +140,7 @@ def _manifest(the_plan: Any, entries: list[PackEntry], launchers: list[PackLaunc
     return Manifest(
         format=FORMAT, warmreg_version=__version__, triton_version=triton.__version__, ptxas_version=_triton_cache.ptxas_version(platform),
         target=platform.target, python=sys.version.split()[0], created=time.time(), model_type=the_plan.config.model_type,
-        entries=entries, launchers=launchers, tuning=choices,
+        entries=entries, launchers=launchers, tuning=choices, knobs=_triton_cache.cache_knobs(),
     )  # fmt: skip
 
 
@@ -160,14 +163,13 @@ def _choices(the_plan: Any, tune: tuning.Tune | None, path: str | os.PathLike[st
     return tuning.choices_from_file(the_plan, path) if path is not None else []
 
 
-def build_wheel(config: Any, out_dir: str | Path, *, label: str | None = None, **kwargs: Any) -> tuple[Path, Manifest]:
-    """:func:`build` a pack and write it as an installable wheel into ``out_dir``
-    (``warmreg_pack_<label>_<target>-<version>-py3-none-any.whl``); returns the wheel's path and the
-    pack's manifest.
+def build_wheel(config: Any, out_dir: str | Path, **kwargs: Any) -> tuple[Path, Manifest]:
+    """:func:`build` a pack and write it as an installable wheel into ``out_dir``; returns the wheel's
+    path and the pack's manifest.
 
-    :param label: names the deployment in the wheel's name (default: the config file's stem, or the
-        model type for a config that is not a file).
-
+    The wheel is ``warmreg_pack_<model type>_<target>_<keys digest>-<version>-py3-none-any.whl``: one
+    distribution per model type, target and set of keys, and a version that grows with each build,
+    so ``pip install`` of a rebuilt wheel replaces the older one (:mod:`warmreg.stages.pack_wheel`).
     ``pip install`` of the wheel registers the pack in the ``warmreg.packs`` entry-point group, and
     :func:`warmreg.warm` installs it first wherever its model type, target and Triton release match.
     Keyword arguments are :func:`build`'s.
@@ -179,9 +181,7 @@ def build_wheel(config: Any, out_dir: str | Path, *, label: str | None = None, *
     with tempfile.TemporaryDirectory(prefix="warmreg-wheel-") as tmp:
         pack_dir = Path(tmp) / "pack"
         manifest = build(config, pack_dir, **kwargs)
-        if label is None:
-            label = Path(config).stem if isinstance(config, (str, os.PathLike)) else manifest.model_type
-        return write_wheel(pack_dir, manifest, out, label), manifest
+        return write_wheel(pack_dir, manifest, out), manifest
 
 
 def _build_launchers(
@@ -212,24 +212,82 @@ def _build_launchers(
     return launchers
 
 
-def _publish_pack(staged: Path, out: Path) -> None:
-    """Stage, then rename: readers never see a half-written pack."""
+def _publish_pack(staged: Path, out: Path, *, force: bool) -> None:
+    """Write the pack staged in ``staged`` beside ``out``, then publish it in one step: readers see
+    the old pack or the new one, whole. Publishers of one directory take turns with each other and
+    with readers of a directory pack there (:func:`_turn`); the last publisher wins, and without
+    ``force`` an output that appeared meanwhile is refused. Nothing is left beside ``out``: neither
+    the staging copy nor the pack it replaced.
+
+    :raises PackError: without ``force``, if ``out`` exists.
+    """
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp-{uuid.uuid4().hex[:8]}")
-    if out.name.endswith(_ARCHIVES):
-        if out.name.endswith(".zip"):
-            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
-                for p in sorted(staged.rglob("*")):
-                    if p.is_file():
-                        zf.write(p, p.relative_to(staged).as_posix())
-        else:
-            with tarfile.open(tmp, "w:gz" if out.name.endswith(("gz", "tgz")) else "w") as tar:
-                for p in sorted(staged.rglob("*")):
-                    if p.is_file():
-                        tar.add(p, p.relative_to(staged).as_posix(), recursive=False)
-    else:
-        shutil.copytree(staged, tmp)
-    if out.exists():
-        shutil.rmtree(out) if out.is_dir() else out.unlink()
-    os.replace(tmp, out)
+    try:
+        _write_staged(staged, tmp, out.name)
+        with _turn(out.parent):
+            if os.path.lexists(out) and not force:
+                raise PackError(str(out), "already exists (another build wrote it meanwhile)", fix="pass force=True (--force) or another path")
+            if os.path.lexists(out) and (out.is_dir() or tmp.is_dir()):
+                _exchange(tmp, out)  # tmp now holds the pack replaced
+            else:
+                os.replace(tmp, out)  # a file replaces a file in one step
+    finally:
+        _remove(tmp)
 
+
+def _write_staged(staged: Path, tmp: Path, name: str) -> None:
+    if not name.endswith(_ARCHIVES):
+        shutil.copytree(staged, tmp)
+        return
+    members = [p for p in sorted(staged.rglob("*")) if p.is_file()]
+    if name.endswith(".zip"):
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
+            for p in members:
+                zf.write(p, p.relative_to(staged).as_posix())
+        return
+    with tarfile.open(tmp, "w:gz" if name.endswith(("gz", "tgz")) else "w") as tar:
+        for p in members:
+            tar.add(p, p.relative_to(staged).as_posix(), recursive=False)
+
+
+@contextmanager
+def _turn(directory: Path) -> Iterator[None]:
+    """Publish in turn: an exclusive lock on ``directory`` (:func:`~warmreg.stages.pack_reader.lock`),
+    which waits for the readers of a directory pack there."""
+    fd = lock(directory, shared=False)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange(a: Path, b: Path) -> None:
+    """Swap two paths: atomically (Linux ``renameat2(RENAME_EXCHANGE)``) where the system and file
+    system can, else in three renames (``b`` is then briefly absent)."""
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None) if sys.platform == "linux" else None
+    if renameat2 is not None:
+        at_cwd = -100  # AT_FDCWD: the paths are absolute or relative to the working directory
+        if renameat2(at_cwd, os.fsencode(a), at_cwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+            return
+        if ctypes.get_errno() not in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()), str(b))
+    aside = a.with_name(f"{a.name}.old")
+    os.rename(b, aside)
+    try:
+        os.rename(a, b)
+    except BaseException:
+        os.rename(aside, b)  # the old pack back in place
+        raise
+    os.rename(aside, a)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        path.unlink()

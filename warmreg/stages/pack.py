@@ -44,8 +44,10 @@ from ..values.key import CompileKey
 from ..values.platform import Platform, resolve_platform
 from . import tuning
 from .pack_format import FORMAT, Manifest, PackEntry, PackError, PackFile, PackLauncher, _sha256
-from .pack_install import install_entries, local_hash
+from .pack_install import entry_label, install_entries, local_hash
 from .pack_reader import Reader, check_entries, check_launchers
+from .pack_report import InstallReport, pack_section, plan_labels
+from .pack_wheel import installed_for, skip
 
 # The planning and compiling modules (and torch with them) are imported where a build or an entry
 # check needs them, so that a pack refused for what it is costs no torch import.
@@ -65,11 +67,32 @@ def _check_machine(reader: Reader, manifest: Manifest, platform: Platform | None
         )
     if platform is not None and Platform.parse(manifest.target).target.split("+")[0] != platform.target.split("+")[0]:
         raise PackError(reader.name, f"targets {manifest.target}, this warm targets {platform.target}", fix="build a pack for this target")
+    _check_knobs(reader.name, manifest.knobs)
     if manifest.ptxas_version is not None:
         local = _triton_cache.ptxas_version(Platform.parse(manifest.target))
         if local != manifest.ptxas_version:
             raise PackError(
                 reader.name, f"was built with ptxas {manifest.ptxas_version!r}, this Triton uses {local!r}", fix="rebuild the pack here"
+            )
+
+
+#: the environment variable behind each recorded knob that is not one itself
+_KNOB_VARIABLE = {"default_fp_fusion": "TRITON_DEFAULT_FP_FUSION"}
+
+
+def _check_knobs(pack: str, built: Mapping[str, str]) -> None:
+    """A pack serves only a process whose Triton knobs match its build's: each enters the cache key, so a
+    mismatch would be a pack of misses (a pack of an older warmreg recorded none: not checked)."""
+    if not built:
+        return
+    here = _triton_cache.cache_knobs()
+    for name in sorted(set(built) | set(here)):
+        if built.get(name) != here.get(name):
+            variable = _KNOB_VARIABLE.get(name, name)
+            was, now = (f"{name}={v}" if v is not None else f"{variable} unset" for v in (built.get(name), here.get(name)))
+            raise PackError(
+                pack, f"was built with {was}, this process has {now} (part of Triton's cache key: every entry would miss)",
+                fix=f"set {variable} as the build had it, or rebuild the pack in this environment",
             )
 
 
@@ -151,23 +174,6 @@ def _installed_jits(manifest: Manifest) -> Mapping[str, Any]:
 # -- installing ---------------------------------------------------------------------------------
 
 
-@attrs.frozen
-class InstallReport:
-    """What an install did: entries written, already present, and refused with reasons."""
-
-    pack: str
-    installed: int
-    present: int
-    refused: tuple[tuple[str, str], ...]
-    seconds: float
-    #: prebuilt C launchers written into the cache (those for this machine's Python ABI, not yet there)
-    launchers: int = 0
-    #: autotune choices written into the cache's choice files (:mod:`warmreg.stages.tuning`)
-    choices: int = 0
-    #: installed by :func:`warmreg.prefetch` in the background, before the warm that reports it
-    prefetched: bool = False
-
-
 def install(
     path: str | Path, *, target: str | Platform | None = None, all_or_nothing: bool = False, jits: Mapping[str, Any] | None = None
 ) -> InstallReport:
@@ -199,44 +205,58 @@ def _install_read(read: _Checked, start: float, *, all_or_nothing: bool, jits: M
         choices = tuning.keep(read.manifest.tuning)
     except OSError as exc:
         raise CacheError(_triton_cache.cache_dir(), f"cannot take the pack's C launchers or choices ({exc.strerror or exc})") from exc
-    return InstallReport(read.name, installed, present, tuple(refused), time.perf_counter() - start, launchers, choices)
+    names = {what for what, _ in refused}
+    usable = frozenset(label for e, _ in read.entries if (label := entry_label(e.kernel, e.key)) not in names)
+    return InstallReport(
+        read.name, installed, present, tuple(refused), time.perf_counter() - start, launchers, choices,
+        model_type=read.manifest.model_type, usable=usable,
+    )  # fmt: skip
 
 
 class PackInstall(Stage):
     """The warm stage that installs packs into Triton's cache: after every key is bound (its launch
     code ran while Triton's installation was still being hashed), before any cache lookup, on every
     branch of a warm (local or distributed). A pack :func:`prefetch_install` installed into this
-    cache for this target is waited for, not installed again."""
+    cache for this target is waited for, not installed again.
+
+    The pack the warm was asked for must fit: one refused as a whole raises :class:`PackError`.
+    An installed pack wheel never fails a warm: one that cannot be used is skipped, with a logged
+    warning naming it and the reason; both are in the section (:mod:`warmreg.stages.pack_report`).
+    """
 
     name = "pack"
 
-    def __init__(self, paths: Iterable[str | os.PathLike[str]]) -> None:
-        self.paths = [os.fspath(p) for p in paths]
-        self.reports: list[InstallReport] = []
+    def __init__(
+        self, pack: str | os.PathLike[str] | None = None, wheels: Iterable[tuple[str, Path]] = (), skipped: Iterable[tuple[str, str]] = ()
+    ) -> None:
+        self.pack = os.fspath(pack) if pack is not None else None
+        self.wheels = list(wheels)
+        self.skipped = list(skipped)
+        self.reports: list[tuple[str | None, InstallReport]] = []  # (wheel, or None for the pack asked for)
+        self._section: dict[str, Any] | None = None
 
     @classmethod
     def for_plan(cls, plan: Any, pack: str | os.PathLike[str] | None = None) -> PackInstall | None:
         """The stage for a warm of ``plan``: the installed pack wheels that fit it
-        (:func:`installed_for`), then ``pack``; ``None`` when there is nothing to install."""
-        paths: list[str | os.PathLike[str]] = [*installed_for(plan.platform, plan.config.model_type)]
-        if pack is not None:
-            paths.append(pack)
-        return cls(paths) if paths else None
+        (:func:`installed_for`), then ``pack``; ``None`` when there is none of either."""
+        wheels, skipped = installed_for(plan.platform, plan.config.model_type)
+        return cls(pack, wheels, skipped) if pack is not None or wheels or skipped else None
 
     def before_compile(self, plan: Any, tasks: Any) -> None:
-        for path in self.paths:
-            report = _prefetched_install(path, plan.platform)
-            self.reports.append(report or install(path, target=plan.platform, jits=plan.jits()))
+        for wheel, path in self.wheels:
+            try:
+                self.reports.append((wheel, install(path, target=plan.platform, jits=plan.jits())))
+            except PackError as exc:  # a bad installed wheel is skipped, whatever is wrong with it
+                self.skipped.append(skip(wheel, str(exc).removeprefix(f"pack {path}: ")))
+        if self.pack is not None:
+            report = _prefetched_install(self.pack, plan.platform)
+            self.reports.append((None, report or install(self.pack, target=plan.platform, jits=plan.jits())))
+        self._section = pack_section(self.reports, self.skipped, keys=plan_labels(plan), model_type=plan.config.model_type)
 
-    def section(self) -> dict[str, Any]:
-        """Each pack installed (``packs``) and one line for them all (``summary``)."""
-        lines = [
-            f"pack {r.pack}: {r.installed} installed, {r.present} present, {len(r.refused)} refused, {r.launchers} C launchers "
-            f"in {r.seconds:.2f} s{' (at prefetch)' if r.prefetched else ''}"
-            for r in self.reports
-        ]
-        packs = [{**attrs.asdict(r), "refused": [list(x) for x in r.refused]} for r in self.reports]
-        return {"packs": packs, "installed": sum(r.installed for r in self.reports), "summary": "; ".join(lines)}
+    def section(self) -> dict[str, Any] | None:
+        """What each pack did and which installed pack wheels were skipped
+        (:func:`~warmreg.stages.pack_report.pack_section`), with one line for them all (``summary``)."""
+        return self._section
 
 
 #: Packs :func:`warmreg.prefetch` installs in the background, by (real path, cache directory): the
@@ -296,29 +316,6 @@ def _prefetched_install(path: str | os.PathLike[str], platform: Platform) -> Ins
         return None
     report, target = future.result()
     return report if target == platform.target and not report.refused else None
-
-
-def installed_for(platform: Platform, model_type: str) -> list[Path]:
-    """The installed pack wheels' packs built for ``model_type`` on ``platform`` with this Triton
-    release; any other installed pack is skipped with a logged reason."""
-    from .pack_wheel import installed_packs
-
-    found = []
-    for name, path in installed_packs():
-        try:
-            m = inspect_pack(path)
-        except WarmregError as exc:
-            log.warning("installed pack %s skipped: %s", name, exc)
-            continue
-        if m.model_type != model_type:
-            continue  # another model's pack: not this warm's business
-        if m.target != platform.target:
-            log.info("installed pack %s skipped: built for %s, this warm is for %s", name, m.target, platform.target)
-        elif m.triton_version != triton.__version__:
-            log.warning("installed pack %s skipped: built with Triton %s, this machine has %s", name, m.triton_version, triton.__version__)
-        else:
-            found.append(path)
-    return found
 
 
 def entry_keys(manifest: Manifest) -> list[CompileKey | None]:

@@ -153,6 +153,9 @@ class Manifest:
     complete: bool = True
     launchers: tuple[PackLauncher, ...] = attrs.field(default=(), converter=_launchers)
     tuning: tuple[PackChoice, ...] = attrs.field(default=(), converter=_choices)
+    #: the environment knobs of the build that enter Triton's cache key or numerics (``cache_knobs()``);
+    #: empty in a pack of an older warmreg, which did not record them
+    knobs: dict[str, str] = attrs.field(factory=dict, converter=dict)
 
     def to_json(self) -> dict[str, Any]:
         body = attrs.asdict(self)
@@ -161,6 +164,8 @@ class Manifest:
         body["tuning"] = [{**attrs.asdict(c), "candidates": list(c.candidates)} for c in self.tuning]
         if not self.tuning:
             del body["tuning"]  # a pack without autotuned kernels reads as before
+        if not self.knobs:
+            del body["knobs"]
         return {"body": body, "sha256": _sha256(_canonical(body))}
 
     @classmethod
@@ -204,6 +209,8 @@ def _one_line(exc: BaseException) -> str:
     return (text[0] if text else type(exc).__name__)[:200]
 
 
+#: an environment knob's name: Triton's variable names and the adapter's ``default_fp_fusion``
+_KNOB = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _SPEC_KEYS = {"signature": dict, "constant_keys": list, "constant_vals": list, "attrs_keys": list, "attrs_vals": list, "options": dict}
 
 
@@ -297,7 +304,7 @@ class _Check:
 
     def manifest(self, body: dict[str, Any]) -> Manifest:
         scalars = {"format", "warmreg_version", "triton_version", "ptxas_version", "target", "python", "created", "model_type"}
-        b = self.fields(body, "body", scalars | {"entries", "complete"}, frozenset({"launchers", "tuning"}))
+        b = self.fields(body, "body", scalars | {"entries", "complete"}, frozenset({"launchers", "tuning", "knobs"}))
         for name in ("warmreg_version", "triton_version", "target", "python", "model_type"):
             self.string(b[name], name)
         if b["ptxas_version"] is not None:
@@ -317,5 +324,10 @@ class _Check:
         tuning = [self.choice(c, f"tuning[{i}]") for i, c in enumerate(self.items(b.get("tuning", []), "tuning", LIMITS.choices))]
         return Manifest(**{
             **b, "format": self.integer(b["format"], "format", 1, FORMAT), "created": float(b["created"]), "entries": entries,
-            "launchers": launchers, "tuning": tuning,
+            "launchers": launchers, "tuning": tuning, "knobs": self.knobs(b.get("knobs", {})),
         })  # fmt: skip
+
+    def knobs(self, obj: Any) -> dict[str, str]:
+        if not isinstance(obj, dict) or len(obj) > 64:
+            raise self.fail("knobs", "must be an object of at most 64 settings")
+        return {self.string(k, "knobs", pattern=_KNOB): self.string(v, f"knobs.{k}") for k, v in obj.items()}

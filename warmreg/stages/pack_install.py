@@ -26,7 +26,7 @@ from ..values.errors import CacheError, WarmregError
 from ..values.platform import Platform
 from .pack_format import PackEntry, PackError, _one_line, check_name
 
-__all__ = ["install_entries", "local_hash"]
+__all__ = ["entry_label", "install_entries", "local_hash"]
 
 
 def install_entries(
@@ -56,7 +56,7 @@ def install_entries(
                 raise blobs
             ready.append((entry, blobs, local_hash(entry, jits, platform, pack)))
         except WarmregError as exc:
-            refused.append((f"{entry.kernel} {entry.key.get('fields')}", str(exc)))
+            refused.append((entry_label(entry.kernel, entry.key), str(exc)))
     if refused and all_or_nothing:
         more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
         raise PackError(pack, f"{len(refused)} entries refused (all-or-nothing): {refused[0][1]}{more}", fix="rebuild the pack")
@@ -71,6 +71,12 @@ def install_entries(
         raise CacheError(str(cache), f"cannot take the pack's entries ({exc.strerror or exc})") from exc
     installed = sum(published)
     return installed, len(published) - installed, tuple(refused)
+
+
+def entry_label(kernel: str, key: Mapping[str, Any]) -> str:
+    """How a refusal names an entry: its kernel and its serialized key's fields (``key`` as
+    :meth:`~warmreg.CompileKey.to_json` gives it, so a plan's key and a pack's entry for it match)."""
+    return f"{kernel} {key.get('fields')}"
 
 
 def local_hash(entry: PackEntry, jits: Mapping[str, Any], platform: Platform, pack: str) -> str:

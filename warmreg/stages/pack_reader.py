@@ -10,6 +10,7 @@ members are indexed in one pass and read in the order they are stored.
 from __future__ import annotations
 
 import errno
+import fcntl
 import io
 import os
 import stat
@@ -33,7 +34,7 @@ from .pack_format import (
     parse_manifest,
 )
 
-__all__ = ["IN_MEMORY", "Reader", "check_entries", "check_entry", "check_launchers"]
+__all__ = ["IN_MEMORY", "Reader", "check_entries", "check_entry", "check_launchers", "lock"]
 
 #: A ``.tar.gz`` pack whose tar is at most this many bytes (the Flash example's: 2 MB) is
 #: decompressed once into memory; a larger one is read as a stream, so memory stays bounded either way.
@@ -43,8 +44,26 @@ _BROKEN = (tarfile.TarError, zipfile.BadZipFile, zipfile.LargeZipFile, zlib.erro
 _NO_LINKS = "do not use this pack; links and special files are never installed"
 
 
+def lock(directory: Path, *, shared: bool) -> int | None:
+    """Take ``flock`` on ``directory`` (no lock file is made): shared while a directory pack in it is
+    read, exclusive while a build publishes one there (:func:`warmreg.stages.build.build`), so a
+    reader sees a pack before or after a publish, whole. Returns the descriptor to close to
+    release it, or ``None`` where the directory cannot be opened or locked (then nothing waits)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 class Reader:
-    """Read-only, bounded access to a pack's members.
+    """Read-only, bounded access to a pack's members. A directory pack is read under one open
+    directory and a shared :func:`lock` of its parent, until :meth:`close`.
 
     :raises PackError: if the path is missing, not a regular file or directory, not a readable
         archive, or holds a member that is a link, a special file, over a limit or unsafely named.
@@ -57,6 +76,8 @@ class Reader:
         self._tar: tarfile.TarFile | None = None
         self._zip: zipfile.ZipFile | None = None
         self._index: dict[str, Any] = {}
+        self._dir_fd: int | None = None
+        self._lock: int | None = None
         try:
             info = os.stat(path)  # the pack's own path may be a link the user made; its members may not
         except FileNotFoundError:
@@ -65,6 +86,12 @@ class Reader:
             raise PackError(self.name, f"cannot be read ({exc.strerror})", fix="check the path and its permissions") from None
         if stat.S_ISDIR(info.st_mode):
             self._dir = path
+            self._lock = lock(path.parent, shared=True)  # a build publishes here after this reader is done
+            try:  # every member is opened under this one directory
+                self._dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+            except OSError as exc:
+                self.close()
+                raise PackError(self.name, f"cannot be read ({exc.strerror})", fix="check the path and its permissions") from None
             return
         if not stat.S_ISREG(info.st_mode):
             raise PackError(self.name, "is not a regular file or a directory (a FIFO, device or socket)", fix="pass a pack file or directory")
@@ -89,6 +116,10 @@ class Reader:
             if handle is not None:
                 handle.close()
         self._tar = self._zip = None
+        for fd in (self._dir_fd, self._lock):
+            if fd is not None:
+                os.close(fd)  # closing the lock's descriptor releases it
+        self._dir_fd = self._lock = None
 
     # -- indexing -------------------------------------------------------------------------------
     def _member_name(self, name: str, *, directory: bool = False) -> str:
@@ -216,12 +247,15 @@ class Reader:
         """One file of a directory pack, opened component by component without following links."""
         parts = self._member_name(name).split("/")
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-        fds: list[int] = []
+        fds: list[int] = []  # those opened here (not the pack's own directory)
         try:
-            fds.append(os.open(self.path, os.O_RDONLY | os.O_DIRECTORY))
+            parent = self._dir_fd
+            if parent is None:
+                raise PackError(self.name, "was closed before it was read", fix="report this as a warmreg bug")
             for part in parts[:-1]:
-                fds.append(os.open(part, flags | os.O_DIRECTORY, dir_fd=fds[-1]))
-            fd = os.open(parts[-1], flags, dir_fd=fds[-1])
+                fds.append(os.open(part, flags | os.O_DIRECTORY, dir_fd=parent))
+                parent = fds[-1]
+            fd = os.open(parts[-1], flags, dir_fd=parent)
             fds.append(fd)
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
