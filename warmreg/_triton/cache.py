@@ -27,6 +27,7 @@ from .target import _device_id, cross_target, current_device, gpu_target
 log = logging.getLogger("warmreg.pipeline.compile")
 
 __all__ = [
+    "cache_knobs",
     "alive",
     "cache_dir",
     "check_cache_writable",
@@ -312,3 +313,14 @@ def import_jit(fn_name: str) -> JITFunction:
     if not isinstance(obj, JITFunction):
         raise WarmregError(f"cannot import the Triton function {fn_name!r}", fix="install the plugin that defines it")
     return obj
+
+
+def cache_knobs() -> dict[str, str]:
+    """The environment knobs of this process that enter Triton's cache key or its numerics: Triton's own
+    cache-invalidating variables that are set, and the default FP fusion (``TRITON_DEFAULT_FP_FUSION``, part
+    of every compile's options: on by default through 3.9, off from 3.10). Checked: 3.6.0, 3.7.1, 3.8.0, 3.9.0."""
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+
+    knobs = {name: str(value) for name, value in get_cache_invalidating_env_vars().items()}
+    knobs["default_fp_fusion"] = "1" if triton.knobs.language.default_fp_fusion else "0"
+    return dict(sorted(knobs.items()))
