@@ -8,11 +8,14 @@ exit code 2, no traceback.
 from __future__ import annotations
 
 import argparse
-import json
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import attrs
 from rich.markup import escape
 
 from ..values.errors import WarmregError
@@ -27,12 +30,23 @@ def _cmd_plugins(args: argparse.Namespace) -> int:
     from ..pipeline.plugins import load_plugins
 
     loaded = load_plugins(on_plugin_error="skip")
-    if args.json and emit_json(args, json.dumps({"plugins": list(loaded.names), "problems": list(loaded.problems)}, indent=2)):
+    if args.json and emit_json(args, "plugins", {"plugins": list(loaded.names), "distributions": _distributions(), "plugin_problems": [attrs.asdict(p) for p in loaded.problems]}):
         return 0
     show_table("warmreg plugins (entry-point group 'warmreg')", ["plugin"], [[name] for name in loaded.names])
     for problem in loaded.problems:
         err.print(f"[yellow]skipped[/] {problem}")
     return 0
+
+
+def _distributions() -> list[dict[str, str | None]]:
+    """Each plugin entry point with the distribution that installs it and its version."""
+    from ..contract.hookspecs import PROJECT
+    from ..support.entry_points import entry_points
+
+    return [
+        {"plugin": ep.name, "distribution": ep.dist.name if ep.dist else None, "version": ep.dist.version if ep.dist else None}
+        for ep in entry_points(PROJECT)
+    ]
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -41,7 +55,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from ..api.warm import plan
 
     p = plan(config, target=args.target, on_plugin_error="skip" if args.skip_broken_plugins else "raise")
-    if args.json and emit_json(args, json.dumps(p.to_json(), indent=2)):
+    if args.json and emit_json(args, "plan", p.to_json()):
         return 0
     rows = [[k.name, str(len(k.keys)), ", ".join(k.plugins)] for k in p.kernels]
     show_table(f"plan for {p.config.model_type} on {p.platform}", ["kernel", "keys", "registered by"], rows)
@@ -102,13 +116,17 @@ def _warm_and_show(args: argparse.Namespace, warm: Callable[..., Any]) -> int:
     )
     for r in report.failed:
         err.print(f"[red]failed[/] {r.kernel} {r.key}: {r.error}")
-    if not (args.json and emit_json(args, report.dumps())):
+    unserved = [p for p in report.stage("pack").get("packs", ()) if p["wheel"] is None and p["problem"]]
+    for p in unserved:  # the pack asked for could not serve: exit 1 (an installed pack wheel's problem is only logged)
+        line = f"pack {p['pack']} could not serve this warm: {p['problem']}"
+        err.print(f"[red]error:[/] {escape(line)}", highlight=False, soft_wrap=True)
+    if not (args.json and emit_json(args, "warm", report.to_json())):
         rows = [
             [name, str(row["keys"]), str(row["compiled"]), str(row["cached"]), str(row["failed"]), f"{row['seconds']:.2f}"]
             for name, row in sorted(report.per_kernel().items())
         ]
         show_table(report.summary(), ["kernel", "keys", "compiled", "cached", "failed", "seconds"], rows)
-    return 1 if report.failed else 0
+    return 1 if report.failed or unserved else 0
 
 
 def _version() -> str:
@@ -150,9 +168,39 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stop_on_interrupt() -> Callable[[], None]:
+    """Make SIGINT (Ctrl-C) stop the command: the first raises KeyboardInterrupt, and the command's clean-up
+    runs as it rises (compile processes ended, running compiles finished); any later one ends the process at
+    once with exit code 130, whatever the clean-up waits for (a compile thread cannot be stopped), until it
+    exits. Only in the main thread, over Python's own handler. Returns what puts Python's handler back
+    where no interrupt came."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return lambda: None
+
+    def again(signum: int, frame: Any) -> None:
+        os.write(2, b"interrupted\n")
+        os._exit(130)
+
+    def first(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, again)
+        raise KeyboardInterrupt
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGINT) is first:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    signal.signal(signal.SIGINT, first)
+    return restore
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``warmreg`` console script."""
+    """Entry point of the ``warmreg`` console script.
+
+    An interrupt (SIGINT, Ctrl-C) prints one line and gives exit code 130; a second one while the command
+    stops ends it at once, also with 130.
+    """
     args = build_parser().parse_args(argv)
+    restore = _stop_on_interrupt()
     try:
         return int(args.func(args))
     except WarmregError as exc:
@@ -165,6 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         err.print("[red]interrupted[/]")
         return 130
+    finally:
+        restore()
 
 
 if __name__ == "__main__":  # pragma: no cover

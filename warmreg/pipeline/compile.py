@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,6 +34,8 @@ _tls = threading.local()
 #: installed pack): a hit is Python under the GIL, so a pool only adds threads contending for it
 #: (modules still load on the pool). ``False`` sends hits to the pool too (benchmarks compare both).
 INLINE_HITS = True
+#: Pool threads block SIGINT, as do the compilers they start: a Ctrl-C to the process group stops the warm, no ptxas.
+_SIGINT_BLOCKED: dict[str, Any] = {"initializer": signal.pthread_sigmask, "initargs": (signal.SIG_BLOCK, {signal.SIGINT})}
 
 def _compile(task: Task) -> None:
     """The second phase for one key: ``JITFunction.warmup`` of its captured launch (submitted to
@@ -125,7 +128,7 @@ def compile_tasks(
         if workers <= 1 or hits:
             _run_serial(todo, on_error, on_done, load)
         else:
-            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="warmreg-compile")
+            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="warmreg-compile", **_SIGINT_BLOCKED)
             try:  # each key loads on the pool as soon as it compiles
                 _run_async(todo, _TimedExecutor(pool, on_done, _triton.current_device() if platform.local else None), on_error, on_done)
             finally:
@@ -188,7 +191,7 @@ def _loading(platform: Platform, workers: int, hits: bool) -> Iterator[Callable[
         yield lambda task: None
         return
     device, futures = _triton.current_device(), []
-    with ThreadPoolExecutor(max(1, workers), "warmreg-load") as pool, ThreadPoolExecutor(1, "warmreg-load-hits") as one:
+    with ThreadPoolExecutor(max(1, workers), "warmreg-load", **_SIGINT_BLOCKED) as pool, ThreadPoolExecutor(1, "warmreg-load-hits", **_SIGINT_BLOCKED) as one:
         via, wide = (one, pool) if hits else (pool, None)
         try:
             yield lambda task: futures.append(via.submit(contextvars.copy_context().run, _load, task, task.compiled, device, wide))

@@ -19,10 +19,19 @@ would otherwise build after the compile. Linux only, CUDA and ROCm targets, and 
 :data:`MIN_MISSES` keys miss (a fork is not worth it for a handful), with as many children as the
 fork budget pays for (:data:`FORK_BUDGET_S`: a fork's cost grows with the resident memory), and with
 the cores shared among the ranks of a job on this host (``LOCAL_WORLD_SIZE``).
+
+An interrupt (SIGINT) is the warm's alone: the children are born with SIGINT blocked and then ignore
+it, and so do the compilers they run (a blocked signal stays blocked across ``exec``; an ignored one
+would not be enough, as LLVM in the child installs handlers of its own, which ``exec`` resets to the
+default), so a Ctrl-C sent to the whole process group kills no ptxas half way (Triton would print its
+PTX with "please share the reproducer"). The warm, on its KeyboardInterrupt, ends the children at once
+(SIGTERM, without waiting for their keys) and raises on. A SIGINT that arrives while the children are
+forked is held and delivered once they are (see :func:`_interrupts_deferred`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import mmap
@@ -33,7 +42,8 @@ import sys
 import threading
 import time
 import warnings
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections.abc import Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from typing import TYPE_CHECKING, Any
 
 from .. import _triton
@@ -129,27 +139,77 @@ class Processes(Stage):
                     initializer=_child_init, initargs=(plan.platform, os.getpid()),
                 )  # fmt: skip
                 try:
-                    with warnings.catch_warnings():  # Python 3.12+ warns about forking a process that runs threads
+                    with _interrupts_deferred(), warnings.catch_warnings():  # the first submit forks the children
+                        # Python 3.12+ warns about forking a process that runs threads
                         warnings.filterwarnings(
                             "ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning
                         )
                         futures = {pool.submit(_child_compile, i): task for i, task in enumerate(misses)}
-                    for future in as_completed(futures):
-                        task = futures[future]
-                        error, seconds = future.result()
-                        task.seconds += seconds
-                        if error is not None:  # the compile step compiles it again, and reports the error
-                            log.debug("a compile process could not compile %s %s: %s", task.kp.name, task.key, error)
-                            continue
-                        task.precompiled = True
-                        self.compiled += 1
-                        if self.progress is not None:
-                            self.progress(task)
+                    self._collect(futures)
+                except BaseException:  # an interrupt, or a broken pool: no child compiles on
+                    _end_children(pool)
+                    raise
                 finally:
                     pool.shutdown(wait=True, cancel_futures=True)
             finally:
                 _LAUNCHES.clear()
                 _CLAIMS = None
+
+    def _collect(self, futures: dict[Future[tuple[str | None, float]], Task]) -> None:
+        """Take in each key a child compiled, as the children finish them."""
+        for future in as_completed(futures):
+            task = futures[future]
+            error, seconds = future.result()
+            task.seconds += seconds
+            if error is not None:  # the compile step compiles it again, and reports the error
+                log.debug("a compile process could not compile %s %s: %s", task.kp.name, task.key, error)
+                continue
+            task.precompiled = True
+            self.compiled += 1
+            if self.progress is not None:
+                self.progress(task)
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold SIGINT while the block forks the children, then hand it to the handler that was there.
+
+    CPython prints and drops an exception raised in an at-fork hook ("Exception ignored in ..."): the
+    KeyboardInterrupt of a SIGINT that arrived while such a hook ran was lost, and the warm ran on. In
+    the block a Python handler of SIGINT (only the main thread runs them) is replaced by one that notes
+    the signal, which the previous handler gets as the block ends, even if the block raised; and the
+    forking thread blocks SIGINT, so that every child starts with it blocked.
+    """
+    noted: list[int] = []
+    handler = signal.getsignal(signal.SIGINT)
+    previous = handler if callable(handler) and threading.current_thread() is threading.main_thread() else None
+    if previous is not None:
+        signal.signal(signal.SIGINT, lambda signum, frame: noted.append(signum))
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        try:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        if noted and previous is not None:  # called, not raised again: a wakeup fd (asyncio's) had its byte
+            previous(signal.SIGINT, None)
+
+
+def _end_children(pool: ProcessPoolExecutor) -> None:
+    """End the children now (SIGTERM: its default action, or LLVM's handler, which removes its temporary
+    files and dies of it), not after the keys they compile: a child killed mid-compile leaves what an
+    interrupted compile leaves, stages Triton wrote without the group file it publishes last, which no
+    warm reads."""
+    terminate = getattr(pool, "terminate_workers", None)  # Python 3.14+
+    if terminate is not None:
+        terminate()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        with contextlib.suppress(OSError, ValueError):
+            process.terminate()
 
 
 def _affordable_forks() -> int:
@@ -221,11 +281,13 @@ _PR_SET_PDEATHSIG = 1
 
 def _child_init(platform: Any, parent: int) -> None:
     """A child dies with the warm (were it killed, the child would wait for work forever, holding
-    the warm's standard streams), ignores interrupts (the warm stops the pool), ends on SIGTERM
-    without the handler an engine may have installed, and only compiles."""
+    the warm's standard streams), blocks and ignores interrupts, as do the compilers it runs (the warm
+    ends the children), ends on SIGTERM without the handler an engine may have installed, and only
+    compiles."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the warm died before the line above
         os._exit(1)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # (born so, when forked by Processes._fork)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _triton.compile_worker(platform)
