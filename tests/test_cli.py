@@ -109,7 +109,7 @@ def test_a_plain_hugging_face_config_takes_its_serving_settings_from_the_command
     sets = [a for k, v in doc["serving"].items() for a in ("--set", f"{k}={v}")]
     assert _plan_json(capsys, str(hf), *sets) == want
     fewer = _plan_json(capsys, str(example), "--set", "max_model_len=262144")  # fewer C128 widths
-    assert fewer != want and warmreg.plan(example, target="cuda:90", serving={"max_model_len": 262144}).to_json() == fewer
+    assert fewer != want and {"schema": "warmreg.plan/1", **warmreg.plan(example, target="cuda:90", serving={"max_model_len": 262144}).to_json()} == fewer
     assert main(["plan", str(hf), "--target", "cuda:90", "--set", "max_model_len=0"]) == 2
     assert "serving.max_model_len" in capsys.readouterr().err
 

@@ -104,8 +104,13 @@ def test_bad_arguments() -> None:
 
 
 def _parse_failing(monkeypatch: pytest.MonkeyPatch, message: str, times: int) -> list[str]:
-    """Make Triton's parse of a kernel's source raise ``SystemError(message)`` on its first ``times`` calls."""
+    """Make Triton's parse of a kernel's source raise ``SystemError(message)`` on its first ``times`` calls
+    (after the prefetch's import of the installed plugins, which parses their kernels on its own thread)."""
     from triton.runtime.jit import JITFunction
+
+    from warmreg.api.prefetch import wait_for_plugins
+
+    wait_for_plugins()
 
     calls: list[str] = []
     parse = JITFunction.parse
@@ -129,14 +134,16 @@ def test_cpython_ast_parse_thread_race_is_compiled_again(monkeypatch: pytest.Mon
     assert calls == ["_scale_kernel"] * 3  # two spurious failures, then the compile that wrote the binary
 
 
-def test_other_system_errors_and_a_persistent_race_still_fail_the_key(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = _parse_failing(monkeypatch, "some other interpreter error", times=1)
-    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False, workers=2, on_error="continue")
+def test_other_system_errors_and_a_persistent_race_still_fail_the_key() -> None:
+    # each patch in its own context: undoing the test's monkeypatch would also undo the isolated TRITON_CACHE_DIR
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _parse_failing(mp, "some other interpreter error", times=1)
+        report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale(sizes=(16,)))], entry_points=False, workers=2, on_error="continue")
     assert [r.status for r in report.results] == ["failed"] and "some other interpreter error" in report.results[0].error
     assert len(calls) == 1
-    monkeypatch.undo()
-    calls = _parse_failing(monkeypatch, "AST constructor recursion depth mismatch (before=3, after=1)", times=100)
-    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale(sizes=(17,)))], entry_points=False, workers=2, on_error="continue")
+    with pytest.MonkeyPatch.context() as mp:
+        calls = _parse_failing(mp, "AST constructor recursion depth mismatch (before=3, after=1)", times=100)
+        report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale(sizes=(17,)))], entry_points=False, workers=2, on_error="continue")
     assert [r.status for r in report.results] == ["failed"] and "recursion depth mismatch" in report.results[0].error
     assert len(calls) == 4  # bounded: a race that keeps failing is reported, not retried forever
 

@@ -47,7 +47,7 @@ def test_plugin_with_missing_dependency_is_skipped_with_a_reason(monkeypatch: py
     _with_entry_points(monkeypatch, _FakeEntryPoint("good", _good), _FakeEntryPoint("needs_flashinfer", _missing_dependency))
     report = warmreg.warm(CONFIG, target="cuda:90")
     assert report.ok and report.compiled == 1
-    assert any("needs_flashinfer" in p and "flashinfer" in p for p in report.plugin_problems)
+    assert any("needs_flashinfer" in p["plugin"] and "flashinfer" in p["reason"] for p in report.plugin_problems)
 
 
 def test_plugin_that_raises_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,7 +57,7 @@ def test_plugin_that_raises_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
         warmreg.warm(CONFIG, target="cuda:90")
     assert info.value.plugin == "buggy"
     report = warmreg.warm(CONFIG, target="cuda:90", on_plugin_error="skip")
-    assert report.ok and report.compiled == 1 and any("buggy" in p for p in report.plugin_problems)
+    assert report.ok and report.compiled == 1 and any("buggy" in p["plugin"] for p in report.plugin_problems)
 
 
 class _HookRaises:

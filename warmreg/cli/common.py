@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 __all__ = [
-    "STDOUT", "Command", "add_common", "add_json", "add_serving", "check_json_output", "emit_json", "err", "load_config", "out",
+    "SCHEMA", "STDOUT", "Command", "add_common", "add_json", "add_serving", "check_json_output", "emit_json", "err", "load_config", "out",
     "serving_overrides", "show_table",
 ]  # fmt: skip
 
@@ -47,17 +47,44 @@ def add_json(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--json", nargs="?", const=STDOUT, default=None, metavar="FILE", help=f"{what} as JSON: on stdout, or into FILE")
 
 
+#: The ``schema`` of every ``--json`` document: ``warmreg.<verb>/<version>`` (docs/guide.md, "JSON output").
+SCHEMA = "warmreg.{verb}/1"
+
+
 def check_json_output(args: argparse.Namespace) -> None:
-    """Refuse, before any work, a ``--json FILE`` that could not be written."""
-    if args.json not in (None, STDOUT):
-        from ..support.outputs import check_output
+    """Refuse, before any work, a ``--json FILE`` that could not be written, that is one of the command's
+    inputs (``warmreg plan --json a.json b.json`` must not replace the config ``a.json``), or that exists and
+    is not a warmreg JSON document (only an earlier output, with its ``schema``, is replaced)."""
+    if args.json in (None, STDOUT):
+        return
+    from ..support.outputs import check_output
+    from ..values.errors import WarmregError
 
-        check_output(args.json, "--json")
+    out = Path(args.json)
+    inputs = [getattr(args, name, None) for name in ("config", "serving", "pack")]
+    if out.is_file() and any(isinstance(i, str) and Path(i).exists() and out.samefile(i) for i in inputs):
+        raise WarmregError(f"--json {args.json} is an input of this command: not overwritten", fix="pass --json a new path")
+    if out.is_file() and not _is_warmreg_json(out):
+        raise WarmregError(f"--json {args.json} exists and is not a warmreg JSON output: not overwritten", fix="pass a new path, or remove the file")
+    check_output(args.json, "--json")
 
 
-def emit_json(args: argparse.Namespace, text: str) -> bool:
-    """Write ``--json``'s JSON; returns whether it went to stdout (then print nothing else there).
-    A file is written whole or not at all (under torchrun every rank writes the same path)."""
+def _is_warmreg_json(path: Path) -> bool:
+    try:
+        with path.open("rb") as f:
+            head = f.read(4096).decode("utf-8", "replace")
+    except OSError:
+        return False
+    return head.lstrip().startswith("{") and '"schema": "warmreg.' in head
+
+
+def emit_json(args: argparse.Namespace, verb: str, data: dict[str, Any]) -> bool:
+    """Write ``--json``'s document, ``{"schema": "warmreg.<verb>/1", ...data}``; returns whether it went to
+    stdout (then print nothing else there). A file is written whole or not at all (under torchrun every
+    rank writes the same path)."""
+    import json
+
+    text = json.dumps({"schema": SCHEMA.format(verb=verb), **data}, indent=2)
     if args.json == STDOUT:
         sys.stdout.write(text.rstrip("\n") + "\n")
         return True

@@ -44,7 +44,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         misses.extend(m)
     warm_report = WarmReport.from_json(json.loads(Path(args.warm_report).read_text())) if args.warm_report else None
     cov = coverage(warm_report, used, misses)
-    if not (args.json and emit_json(args, json.dumps(cov.to_json(), indent=2))):
+    if not (args.json and emit_json(args, "coverage", cov.to_json())):
         rows = [
             [row.kernel, str(row.declared), str(row.compiled), str(row.hit), str(row.missed), str(row.unused), str(row.not_chosen)]
             for row in cov.kernels

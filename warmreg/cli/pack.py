@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -43,7 +42,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from ..stages.pack import inspect_pack
 
     m = inspect_pack(args.pack)
-    if args.json and emit_json(args, json.dumps(m.to_json(), indent=1)):
+    if args.json and emit_json(args, "pack", {"pack": args.pack, **m.to_json()["body"], "sha256": m.to_json()["sha256"]}):
         return 0
     head = f"pack {args.pack}: format {m.format}, warmreg {m.warmreg_version}, Triton {m.triton_version}, target {m.target}, ptxas {m.ptxas_version}, built on Python {m.python}, model {m.model_type}"
     out.print(escape(head))  # every string of a manifest is the pack's: never rich markup

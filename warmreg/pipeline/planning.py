@@ -82,7 +82,7 @@ class Plan:
             "platform": self.platform.target,
             "model_type": self.config.model_type,
             "plugins": list(self.plugins),
-            "plugin_problems": [str(p) for p in self.plugin_problems],
+            "plugin_problems": [attrs.asdict(p) for p in self.plugin_problems],
             "num_kernels": len(self.kernels),
             "num_keys": self.num_keys,
             "kernels": [

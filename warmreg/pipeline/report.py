@@ -65,8 +65,8 @@ class WarmReport:
 
     :param results: one :class:`KeyResult` per declared key.
     :param seconds: wall time of the whole warm (planning, compiling, loading).
-    :param skipped: kernels whose predicate excluded them, with the reason; ``plugin_problems`` the
-        plugins skipped, with theirs.
+    :param skipped: kernels whose predicate excluded them (``{kernel, plugin, reason}``); ``plugin_problems``
+        the plugins skipped (``{plugin, reason}``).
     :param stages: each stage's own section, by the stage's name (:meth:`warmreg.pipeline.stage.Stage.section`:
         e.g. ``pack``, ``shard``, ``processes``, ``tuning``, ``rehearsal``); a section's ``summary``
         line joins :meth:`summary`.
@@ -82,8 +82,8 @@ class WarmReport:
     plan_seconds: float
     results: tuple[KeyResult, ...] = attrs.field(converter=_tuple)
     plugins: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
-    skipped: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
-    plugin_problems: tuple[str, ...] = attrs.field(default=(), converter=_tuple)
+    skipped: tuple[dict[str, str], ...] = attrs.field(default=(), converter=_tuple)
+    plugin_problems: tuple[dict[str, str], ...] = attrs.field(default=(), converter=_tuple)
     stages: dict[str, dict[str, Any]] = attrs.field(factory=dict, converter=_sections)
     already_warm: bool = False
 
@@ -95,8 +95,7 @@ class WarmReport:
         return cls(
             platform=plan.platform.target, model_type=plan.config.model_type, triton_version=triton.__version__,
             workers=workers, seconds=seconds, plan_seconds=plan_seconds, results=results, plugins=plan.plugins,
-            skipped=tuple(f"{s.kernel} ({s.plugin}): {s.reason}" for s in plan.skipped),
-            plugin_problems=tuple(str(p) for p in plan.plugin_problems),
+            skipped=tuple(attrs.asdict(s) for s in plan.skipped), plugin_problems=tuple(attrs.asdict(p) for p in plan.plugin_problems),
             stages={s.name: section for s in stages if (section := s.section()) is not None},
         )  # fmt: skip
 
