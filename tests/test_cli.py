@@ -155,3 +155,21 @@ def test_json_means_one_thing_on_every_verb(tmp_path: Path, capsys: pytest.Captu
         out = tmp_path / f"{argv[0]}.json"
         assert main([*argv, "--json", str(out)]) == 0
         assert key in json.loads(out.read_text()) and f"JSON written to {out}" in capsys.readouterr().err
+
+
+def test_a_published_config_json_learns_every_missing_serving_setting_in_one_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A published config.json holds no serving settings: one run names every one the plan needs (not one a
+    run) and says to give them on the command line, not to edit the published file."""
+    import json
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "deepseek_v4_flash.json"
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps(json.loads(example.read_text())["model"]))
+    assert main(["plan", str(hf), "--target", "cuda:90"]) == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1
+    for name in ("attention_backend", "max_model_len", "max_num_batched_tokens", "max_num_seqs"):
+        assert f"serving.{name}" in lines[0] and f"--set {name}=VALUE" in lines[0]
+    assert "config.json holds no serving settings" in lines[0] and "in the 'serving' section" not in lines[0]
+    assert main(["plan", str(hf), "--target", "cuda:90", "--set", "max_num_seqs=0"]) == 2  # a wrong value given: itself
+    assert "serving.max_num_seqs" in capsys.readouterr().err

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -179,3 +180,52 @@ def load_config(args: argparse.Namespace) -> Any:
             raise ConfigError(exc.field, f"{exc.problem} ({given[name]})", plugin=exc.plugin, fix=f"correct it in {given[name]}") from exc
         raise
     return attrs.evolve(config, origins={**config.origins, **given}) if given else config
+
+
+#: What a probe gives a missing serving setting to find the next one a plan needs (never served: the error
+#: that lists them all is the only outcome). A plugin that refuses one names what it accepts: the first is taken.
+_PROBE = {
+    "max_num_batched_tokens": 8192, "max_num_seqs": 256, "max_model_len": 8192, "block_size": 64, "kv_cache_dtype": "auto",
+    "dtype": "bfloat16", "tensor_parallel_size": 1, "num_speculative_tokens": 0, "decode_context_parallel_size": 1,
+    "cp_kv_cache_interleave_size": 1,
+}  # fmt: skip
+_ACCEPTED = re.compile(r"\(accepted: ([^,)]+)")
+_LISTED = re.compile(r"\([^():]*: ([A-Za-z0-9_]+)[,)]")  # a fix's "(... backends: FLASHMLA_SPARSE_DSV4, ...)"
+
+
+def all_missing_serving(args: argparse.Namespace, exc: Exception) -> Exception:
+    """For a serving setting a plugin found missing (a published ``config.json`` holds none): the error naming
+    every serving setting the plan needs and lacks, found by planning again with stand-ins (at most one plan a
+    setting), and how to give them on the command line; any other error as it is."""
+    from ..values.errors import ConfigError
+
+    first = exc
+    if not (isinstance(exc, ConfigError) and exc.problem == "is missing" and exc.field.startswith("serving.")):
+        return exc
+    if not getattr(args, "config", None) or args.func.__name__ not in ("_cmd_plan", "_cmd_warm", "_cmd_build"):
+        return exc
+    from ..api.warm import plan
+
+    given, missing = serving_overrides(args), []
+    while isinstance(exc, ConfigError) and exc.field.startswith("serving.") and len(missing) < len(_PROBE) + 8:
+        name = exc.field.removeprefix("serving.")
+        accepted = _ACCEPTED.search(exc.problem) or _LISTED.search(exc.fix or "")  # what the plugin names as valid
+        if exc.problem == "is missing":
+            missing.append(name)
+        elif not accepted or name not in missing:
+            break  # a value given, not a stand-in, is wrong: the missing ones found so far are the answer
+        given[name] = accepted.group(1).strip() if accepted else _PROBE.get(name, "auto")
+        try:
+            plan(args.config, target=args.target, serving=given)
+            break
+        except ConfigError as again:
+            exc = again
+        except Exception:
+            break
+    if len(missing) < 2:
+        return first
+    sets = " ".join(f"--set {n}=VALUE" for n in missing)
+    return ConfigError(
+        ", ".join(f"serving.{n}" for n in missing), "are missing (a published config.json holds no serving settings)",
+        plugin=first.plugin, fix=f"give them on the command line: {sets}, or --serving FILE with all of them",
+    )

@@ -21,7 +21,17 @@ from rich.markup import escape
 from ..values.errors import WarmregError
 from . import monitor as cli_monitor
 from . import pack as cli_pack
-from .common import add_common, add_json, check_json_output, emit_json, err, load_config, out, show_table
+from .common import (
+    add_common,
+    add_json,
+    all_missing_serving,
+    check_json_output,
+    emit_json,
+    err,
+    load_config,
+    out,
+    show_table,
+)
 
 __all__ = ["build_parser", "main"]
 
@@ -204,6 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except WarmregError as exc:
+        exc = all_missing_serving(args, exc)  # a published config.json: every setting it lacks, in one line
         err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         return 2
     except OSError as exc:  # a disk or path problem warmreg did not name itself: still one line
