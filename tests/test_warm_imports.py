@@ -87,3 +87,15 @@ def test_the_cli_refuses_bad_input_without_importing_torch(tmp_path: Path) -> No
                               env={**__import__("os").environ, **env})  # fmt: skip
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and needle in lines[0], (argv, done.stderr[-2000:])
+
+
+def test_prefetch_returns_at_once_without_importing_torch_on_the_callers_thread() -> None:
+    """An engine calls ``warmreg.prefetch()`` early, before it imports torch: the call itself imports no torch
+    (it resolved through the module of ``warm``, which pulls the pipeline and torch in: 1.3 s on this machine);
+    torch comes with the plugins, on the prefetch's own thread."""
+    code = _BLOCK.format(module="torch").replace("class _Blocked:", "import threading\n\nclass _Blocked:").replace(
+        'if name == "torch"', 'if threading.current_thread() is threading.main_thread() and name == "torch"'
+    ) + "import warmreg\nwarmreg.prefetch()\nprint('returned', 'torch' in sys.modules)\n"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0 and done.stdout.strip().startswith("returned"), done.stderr[-2000:]
+    assert "imported torch" not in done.stderr, done.stderr[-2000:]

@@ -40,7 +40,8 @@ from .values.platform import (
 )
 
 if TYPE_CHECKING:
-    from .api.warm import prefetch, reset_state, warm
+    from .api.prefetch import prefetch
+    from .api.warm import reset_state, warm
     from .contract.kernel import LaunchSpec, TritonKernel, TuneConfig, kernel_launcher, meta, output
     from .contract.registry import Registry
     from .contract.space import enumerate_keys
@@ -57,7 +58,8 @@ _LAZY = {
     **dict.fromkeys(("KernelPlan", "Plan", "plan"), "pipeline.planning"),
     "Registry": "contract.registry",
     "enumerate_keys": "contract.space",
-    **dict.fromkeys(("prefetch", "reset_state", "warm"), "api.warm"),
+    "prefetch": "api.prefetch",  # torch-free: an engine calls it before it imports torch
+    **dict.fromkeys(("reset_state", "warm"), "api.warm"),
 }
 
 
