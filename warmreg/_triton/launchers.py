@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -272,7 +273,9 @@ def build(compiled: Iterable[Any], pythons: Iterable[str | None], *, workers: in
                 return Launcher(key, pkey, abi.version, os.path.basename(so), f.read())
 
         jobs = [(key, abi) for key in sorted(sources) for abi in abis]
-        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="warmreg-launcher") as pool:
+        # the C compiler inherits the pool thread's blocked SIGINT: a Ctrl-C stops the build, not cc mid-file
+        blocked = {"initializer": signal.pthread_sigmask, "initargs": (signal.SIG_BLOCK, {signal.SIGINT})}
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="warmreg-launcher", **blocked) as pool:  # type: ignore[arg-type]
             return list(pool.map(one, jobs))
 
 
