@@ -144,3 +144,24 @@ def test_build_of_a_config_no_kernel_serves_names_the_model_type_and_writes_noth
     with pytest.raises(PackError, match="no kernel declares a key for model_type 'nobody'") as info:
         packs_build.build({**CONFIG, "model": {"model_type": "nobody"}}, out, target="cuda:90", entry_points=False)
     assert "warmreg plugins" in str(info.value) and not out.exists()
+
+
+def test_a_build_after_a_warm_compiles_nothing_the_warm_compiled(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The build seeds its empty cache with the process cache's entries (stages/seed.py): nothing compiles
+    again, and the pack is as whole as a cold build's (a fresh cache warms from it compiling nothing)."""
+    import triton
+
+    warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False)
+    misses: list[bool] = []
+    previous = triton.knobs.compilation.listener
+    triton.knobs.compilation.listener = lambda *, cache_hit, **_: misses.append(cache_hit)
+    try:
+        warmreg.reset_state()
+        manifest = packs_build.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, launcher_pythons=[])
+    finally:
+        triton.knobs.compilation.listener = previous
+    assert len(manifest.entries) == 3 and misses == [True, True, True]  # three keys, each a hit: none compiled
+    warmreg.reset_state()
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "fresh"))
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, pack=tmp_path / "p")
+    assert report.compiled == 0 and report.from_cache == 3 and "3 installed" in report.stage("pack")["summary"]

@@ -15,7 +15,7 @@ from rich.markup import escape
 from rich.table import Table
 
 __all__ = [
-    "SCHEMA", "STDOUT", "Command", "add_common", "add_json", "add_serving", "check_json_output", "emit_json", "err", "load_config", "out",
+    "SCHEMA", "STDOUT", "Command", "add_common", "all_missing_serving", "add_json", "add_serving", "check_json_output", "emit_json", "err", "load_config", "out",
     "serving_overrides", "show_table",
 ]  # fmt: skip
 

@@ -98,13 +98,14 @@ def build(
     the_plan = _plan(config, out, target, plugins, entry_points)
     platform = the_plan.platform
     from ..pipeline.run import default_workers, run
+    own_cache = _triton_cache.cache_dir()  # a build after a warm copies what that warm compiled (stages/seed.py)
     with tempfile.TemporaryDirectory(prefix="warmreg-build-") as tmp:
         with _cache_at(os.path.join(tmp, "cache")):
             _triton.forget_compiled()  # compile into the empty cache, even keys this process has loaded
             workers = workers or default_workers()
             from . import compose  # the stages import torch: after the refusals above
 
-            stages = compose.for_build(the_plan, workers=workers)
+            stages = compose.for_build(the_plan, workers=workers, seed_from=own_cache)
             tune = next((s for s in stages if isinstance(s, tuning.Tune)), None)
             results = run(the_plan, workers=workers, on_error="continue", stages=stages, progress=progress, verb="build")
             failed = [r for r in results if r.status == "failed"]

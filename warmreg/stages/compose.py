@@ -17,6 +17,7 @@ from .distributed import Shard
 from .pack import PackInstall
 from .processes import Processes
 from .rehearsal import Rehearse
+from .seed import Seed
 from .tuning import Tune
 
 if TYPE_CHECKING:
@@ -42,6 +43,8 @@ def for_warm(
     return [s for s in stages if s is not None]
 
 
-def for_build(plan: Plan, *, workers: int) -> list[Stage]:
-    """The stages of a pack build of ``plan``: compile processes and autotuning."""
-    return [s for s in (Processes.for_plan(plan, workers), Tune.for_plan(plan)) if s is not None]
+def for_build(plan: Plan, *, workers: int, seed_from: str | os.PathLike[str] | None = None) -> list[Stage]:
+    """The stages of a pack build of ``plan``: the entries ``seed_from`` (the process's own Triton cache)
+    already holds copied in, then compile processes and autotuning."""
+    stages = (Seed(seed_from) if seed_from is not None else None, Processes.for_plan(plan, workers), Tune.for_plan(plan))
+    return [s for s in stages if s is not None]
