@@ -173,3 +173,15 @@ def test_a_published_config_json_learns_every_missing_serving_setting_in_one_run
     assert "config.json holds no serving settings" in lines[0] and "in the 'serving' section" not in lines[0]
     assert main(["plan", str(hf), "--target", "cuda:90", "--set", "max_num_seqs=0"]) == 2  # a wrong value given: itself
     assert "serving.max_num_seqs" in capsys.readouterr().err
+
+
+def test_build_takes_quiet_as_warm_does(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from warmreg.stages import build as builds
+
+    seen: list[object] = []
+    monkeypatch.setattr(builds, "build", lambda config, output, **kw: seen.append(kw["progress"]) or __import__("sys").exit(0))
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "kimi_k3.json")
+    for extra, want in (([], None), (["--quiet"], False)):
+        with pytest.raises(SystemExit):
+            main(["build", example, "--target", "cuda:90", "-o", str(tmp_path / "p.tar"), *extra])
+        assert seen.pop() is want

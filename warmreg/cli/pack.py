@@ -21,7 +21,10 @@ def _cmd_build(args: argparse.Namespace) -> int:
 
     pythons = [] if args.no_launchers else args.launcher_python  # None: this interpreter, if it can
     config = load_config(args)  # config, --serving/--set and target, checked before anything compiles
-    options = {"target": args.target, "workers": args.workers, "launcher_pythons": pythons, "tuning_choices": args.tuning}
+    options = {
+        "target": args.target, "workers": args.workers, "launcher_pythons": pythons, "tuning_choices": args.tuning,
+        "progress": False if args.quiet else None,  # None: a bar when stderr is a terminal
+    }  # fmt: skip
     if args.wheel:
         wrote, manifest = build_wheel(config, args.output, **options)
     else:
@@ -110,6 +113,7 @@ def add_commands(sub: Any) -> None:
     b.add_argument("-o", "--output", required=True, help="a directory, or a .tar / .tar.gz / .zip file")
     b.add_argument("--workers", type=int, default=None, help="compile processes and threads (default: all CPUs)")
     b.add_argument("--force", action="store_true", help="replace an existing output")
+    b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument(
         "--launcher-python", action="append", default=None, metavar="PYTHON",
         help="CUDA targets: also carry Triton's C launchers built for this interpreter's ABI (name or path; "
