@@ -185,3 +185,18 @@ def test_build_takes_quiet_as_warm_does(monkeypatch: pytest.MonkeyPatch, tmp_pat
         with pytest.raises(SystemExit):
             main(["build", example, "--target", "cuda:90", "-o", str(tmp_path / "p.tar"), *extra])
         assert seen.pop() is want
+
+
+def test_a_warm_after_warmreg_build_in_the_same_cache_compiles_nothing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``warmreg build`` keeps what it built in the process's own Triton cache too (where it is missing)."""
+    import json
+
+    example = str(Path(__file__).resolve().parents[1] / "examples" / "kimi_k3.json")
+    assert main(["build", example, "--target", "cuda:90", "-o", str(tmp_path / "k.tar"), "--no-launchers", "--quiet"]) == 0
+    import warmreg
+
+    warmreg.reset_state()  # as a new process: what the build compiled is on disk, not in memory
+    report = tmp_path / "warm.json"
+    assert main(["warm", example, "--target", "cuda:90", "--quiet", "--json", str(report)]) == 0
+    statuses = {r["status"] for r in json.loads(report.read_text())["results"]}
+    assert statuses == {"disk_cache"}, statuses

@@ -24,6 +24,7 @@ def _cmd_build(args: argparse.Namespace) -> int:
     options = {
         "target": args.target, "workers": args.workers, "launcher_pythons": pythons, "tuning_choices": args.tuning,
         "progress": False if args.quiet else None,  # None: a bar when stderr is a terminal
+        "keep_in_cache": True,  # a warm here after the build compiles nothing
     }  # fmt: skip
     if args.wheel:
         wrote, manifest = build_wheel(config, args.output, **options)

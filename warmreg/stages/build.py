@@ -71,6 +71,7 @@ def build(
     launcher_pythons: Iterable[str | None] | None = None,
     progress: bool | None = None,
     tuning_choices: str | os.PathLike[str] | None = None,
+    keep_in_cache: bool = False,
 ) -> Manifest:
     """Compile every key of ``config`` for ``target`` and write a pack (no GPU needed for a cross target).
 
@@ -88,15 +89,13 @@ def build(
         one) whose ABI the pack carries Triton's C launchers for, so that a serving host with that
         Python neither runs a C compiler nor waits for one; empty for none. Default: this interpreter
         when a C compiler and its headers are at hand (the pack then simply has none otherwise).
+    :param keep_in_cache: also copy each built entry into the process's own Triton cache (where it is
+        missing), so that a warm there after the build compiles nothing (``warmreg build`` does).
     :raises PackError: if no kernel declares a key for the config, a key failed to compile (no pack is
         written), a launcher could not be built, or the output exists.
     """
     out = Path(output)
-    if out.exists() and not force:
-        raise PackError(str(out), "already exists", fix="pass force=True (--force) or another path")
-    check_output(out, "pack output", create_parents=True)  # before compiling, not after
-    the_plan = _plan(config, out, target, plugins, entry_points)
-    platform = the_plan.platform
+    the_plan = _plan(config, out, target, plugins, entry_points, force)
     from ..pipeline.run import default_workers, run
     own_cache = _triton_cache.cache_dir()  # a build after a warm copies what that warm compiled (stages/seed.py)
     with tempfile.TemporaryDirectory(prefix="warmreg-build-") as tmp:
@@ -108,21 +107,26 @@ def build(
             stages = compose.for_build(the_plan, workers=workers, seed_from=own_cache)
             tune = next((s for s in stages if isinstance(s, tuning.Tune)), None)
             results = run(the_plan, workers=workers, on_error="continue", stages=stages, progress=progress, verb="build")
-            failed = [r for r in results if r.status == "failed"]
-            if failed:
+            if failed := [r for r in results if r.status == "failed"]:
                 raise PackError(str(out), f"{len(failed)} key(s) failed to compile; first: {failed[0].kernel}: {failed[0].error}", fix="fix the kernel")
             staged = Path(tmp) / "pack"
             entries = _stage_entries(the_plan, results, staged)
+            if keep_in_cache:
+                _keep(results, Path(own_cache))
             pythons: list[str | None] = [None] if launcher_pythons is None else list(launcher_pythons)
-            launchers = _build_launchers(results, platform, pythons, staged, str(out), workers, required=launcher_pythons is not None)
+            launchers = _build_launchers(results, the_plan.platform, pythons, staged, str(out), workers, required=launcher_pythons is not None)
         manifest = _manifest(the_plan, entries, launchers, _choices(the_plan, tune, tuning_choices))
         (staged / "manifest.json").write_text(json.dumps(manifest.to_json(), indent=1))
         _publish_pack(staged, out, force=force)
     return manifest
 
 
-def _plan(config: Any, out: Path, target: str | Platform | None, plugins: Iterable[Any], entry_points: bool) -> Any:
-    """The build's plan; a bad config or target is refused before the pipeline imports, a plan without keys after."""
+def _plan(config: Any, out: Path, target: str | Platform | None, plugins: Iterable[Any], entry_points: bool, force: bool) -> Any:
+    """The build's plan; an output that exists (without ``force``) or could not be written, a bad config or target
+    are refused before the pipeline imports, a plan without keys after."""
+    if out.exists() and not force:
+        raise PackError(str(out), "already exists", fix="pass force=True (--force) or another path")
+    check_output(out, "pack output", create_parents=True)  # before compiling, not after
     config = WarmConfig.load(config)
     resolve_platform(target)
     from ..pipeline.planning import plan
@@ -143,6 +147,16 @@ def _manifest(the_plan: Any, entries: list[PackEntry], launchers: list[PackLaunc
         target=platform.target, python=sys.version.split()[0], created=time.time(), model_type=the_plan.config.model_type,
         entries=entries, launchers=launchers, tuning=choices, knobs=_triton_cache.cache_knobs(),
     )  # fmt: skip
+
+
+def _keep(results: list[KeyResult], own_cache: Path) -> None:
+    """Copy each result's entry from the build's cache into ``own_cache`` where that has none (stages/seed.py)."""
+    from .seed import copy_entry
+
+    for r in results:
+        where = {Path(p).parent for p in r.cache_files.values()}
+        if len(where) == 1 and not (own_cache / (src := where.pop()).name).exists():
+            copy_entry(src, own_cache / src.name)
 
 
 def _stage_entries(the_plan: Any, results: list[KeyResult], staged: Path) -> list[PackEntry]:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..pipeline.bind import Task
     from ..pipeline.planning import Plan
 
-__all__ = ["Seed"]
+__all__ = ["Seed", "copy_entry"]
 
 
 class Seed(Stage):
@@ -53,11 +53,11 @@ class Seed(Stage):
                 sub = _triton_cache.cache_subdir(_triton_cache.local_cache_hash(task.captured[0], task.specialization_data, plan.platform))
             except Exception:  # the compile step says why, for this cache
                 continue
-            if not (target / sub).exists() and _copy_entry(self.source / sub, target / sub):
+            if not (target / sub).exists() and copy_entry(self.source / sub, target / sub):
                 self.copied += 1
 
 
-def _copy_entry(src: Path, dst: Path) -> bool:
+def copy_entry(src: Path, dst: Path) -> bool:
     """Copy one whole entry (its group file names every file), group file last; ``False`` if it is not whole."""
     groups = sorted(src.glob("__grp__*.json"))
     if not groups:
