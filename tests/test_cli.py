@@ -200,3 +200,12 @@ def test_a_warm_after_warmreg_build_in_the_same_cache_compiles_nothing(tmp_path:
     assert main(["warm", example, "--target", "cuda:90", "--quiet", "--json", str(report)]) == 0
     statuses = {r["status"] for r in json.loads(report.read_text())["results"]}
     assert statuses == {"disk_cache"}, statuses
+
+
+def test_pack_install_names_each_refused_entry_whole() -> None:
+    """A key name longer than a line is printed whole (it was cut at 120 characters, mid-word)."""
+    from warmreg.cli.pack import _refusal_lines
+
+    what = "deepseek_v4.indexer_prefill_chunk_metadata " + ", ".join(f"field_{i}=value_{i}" for i in range(12))
+    (line,) = _refusal_lines([(what, "source hash differs")])
+    assert what in line and line.endswith("source hash differs") and len(what) > 120

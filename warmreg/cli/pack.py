@@ -84,7 +84,7 @@ def _refusal_lines(refused: Sequence[tuple[str, str]], *, most: int = 5) -> list
     lines = []
     for why, whats in sorted(by_reason.items(), key=lambda item: -len(item[1]))[:most]:
         count = f"{len(whats)} entries, e.g. " if len(whats) > 1 else ""
-        lines.append(f"refused {count}{whats[0][:120]}: {why}")
+        lines.append(f"refused {count}{whats[0]}: {why}")  # whole: a cut key name reads as another key
     if len(by_reason) > most:
         lines.append(f"refused {sum(len(w) for _, w in sorted(by_reason.items(), key=lambda i: -len(i[1]))[most:])} more entries for {len(by_reason) - most} other reasons")
     return lines
