@@ -274,8 +274,9 @@ def build(compiled: Iterable[Any], pythons: Iterable[str | None], *, workers: in
 
         jobs = [(key, abi) for key in sorted(sources) for abi in abis]
         # the C compiler inherits the pool thread's blocked SIGINT: a Ctrl-C stops the build, not cc mid-file
-        blocked = {"initializer": signal.pthread_sigmask, "initargs": (signal.SIG_BLOCK, {signal.SIGINT})}
-        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="warmreg-launcher", **blocked) as pool:  # type: ignore[arg-type]
+        with ThreadPoolExecutor(
+            max(1, workers), "warmreg-launcher", initializer=signal.pthread_sigmask, initargs=(signal.SIG_BLOCK, {signal.SIGINT})
+        ) as pool:
             return list(pool.map(one, jobs))
 
 

@@ -199,14 +199,14 @@ def all_missing_serving(args: argparse.Namespace, exc: Exception) -> Exception:
     setting), and how to give them on the command line; any other error as it is."""
     from ..values.errors import ConfigError
 
-    first = exc
     if not (isinstance(exc, ConfigError) and exc.problem == "is missing" and exc.field.startswith("serving.")):
         return exc
+    first = exc
     if not getattr(args, "config", None) or args.func.__name__ not in ("_cmd_plan", "_cmd_warm", "_cmd_build"):
         return exc
     from ..api.warm import plan
 
-    given, missing = serving_overrides(args), []
+    given, missing = serving_overrides(args), list[str]()
     while isinstance(exc, ConfigError) and exc.field.startswith("serving.") and len(missing) < len(_PROBE) + 8:
         name = exc.field.removeprefix("serving.")
         accepted = _ACCEPTED.search(exc.problem) or _LISTED.search(exc.fix or "")  # what the plugin names as valid

@@ -214,8 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except WarmregError as exc:
-        exc = all_missing_serving(args, exc)  # a published config.json: every setting it lacks, in one line
-        err.print(f"[red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        shown = all_missing_serving(args, exc)  # a published config.json: every setting it lacks, in one line
+        err.print(f"[red]error:[/] {escape(str(shown))}", highlight=False, soft_wrap=True)
         return 2
     except OSError as exc:  # a disk or path problem warmreg did not name itself: still one line
         where = f": {exc.filename}" if exc.filename else ""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import attrs
 import pluggy
@@ -154,4 +154,4 @@ def _serves(plugins: PluginSet, plugin: Any, model_type: str) -> bool:
     none (its ``warmreg_register_kernels`` then reads every config)."""
     caller = plugins.manager.hook.warmreg_model_types
     impls = [i for i in caller.get_hookimpls() if i.plugin is plugin]
-    return not impls or any(model_type in impl.function() for impl in impls)
+    return not impls or any(model_type in cast("list[str]", impl.function()) for impl in impls)

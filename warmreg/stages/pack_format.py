@@ -155,7 +155,7 @@ class Manifest:
     tuning: tuple[PackChoice, ...] = attrs.field(default=(), converter=_choices)
     #: the environment knobs of the build that enter Triton's cache key or numerics (``cache_knobs()``);
     #: empty in a pack of an older warmreg, which did not record them
-    knobs: dict[str, str] = attrs.field(factory=dict, converter=dict)
+    knobs: dict[str, str] = attrs.field(factory=dict, converter=lambda items: {str(k): str(v) for k, v in dict(items).items()})
 
     def to_json(self) -> dict[str, Any]:
         body = attrs.asdict(self)

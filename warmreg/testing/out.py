@@ -168,8 +168,8 @@ def assert_out_refused(build: Callable[[], OpCall], *, tuple_error: str = TUPLE_
             continue
         for what, bad in bad_buffers(leaf):
             if what not in accepts:
-                out = _replace(good, i, bad)
-                _refused(lambda out=out: call(**call.with_out(out)), rf"{re.escape(name)} is ", f"{name} of {what}")
+                out: Any = _replace(good, i, bad)
+                _refused(lambda out=out: call(**call.with_out(out)), rf"{re.escape(name)} is ", f"{name} of {what}")  # type: ignore[misc]
     if isinstance(good, tuple):
         _refused(lambda: call(**call.with_out(good[:-1])), tuple_error, "an out tuple short of one buffer")
 
