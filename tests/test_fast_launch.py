@@ -332,12 +332,12 @@ def test_gpu_no_launch_from_an_unloaded_module(monkeypatch: pytest.MonkeyPatch) 
         assert module not in unloaded and entry.compiled.module == module
         runs: list[int] = []
         real_run = JITFunction.run
-        monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: runs.append(1) or real_run(self, *a, **k))
-        out = Scale()(x, 3.0)
-        torch.cuda.synchronize()
+        with pytest.MonkeyPatch.context() as mp:  # its own context: the test's monkeypatch holds the isolated cache
+            mp.setattr(JITFunction, "run", lambda self, *a, **k: runs.append(1) or real_run(self, *a, **k))
+            out = Scale()(x, 3.0)
+            torch.cuda.synchronize()
         torch.testing.assert_close(out, x * 3.0)
         assert runs == []  # launched from the entry, not recompiled or reloaded by Triton
-        monkeypatch.undo()
         if chain is not None:
             del FAST_TABLES[scale.name], entry
             gc.collect()
