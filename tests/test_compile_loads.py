@@ -11,9 +11,6 @@ import attrs
 import pytest
 
 from warmreg import _triton
-
-from warmreg._triton import launchers as _triton_launchers
-
 from warmreg.pipeline import compile
 from warmreg.values.platform import Platform
 
@@ -98,7 +95,7 @@ def test_whether_a_load_builds_a_launcher(monkeypatch: pytest.MonkeyPatch) -> No
     assert not _triton.builds_on_load(kernel)  # Triton 3.7+: one generic launcher, nothing to build
     monkeypatch.setattr(_triton.compiler, "RELEASE", attrs.evolve(_triton.RELEASE, per_signature_launcher=True))
     built = {"yes": True}
-    monkeypatch.setattr(_triton_launchers, "is_built", lambda compiled: built["yes"])
+    monkeypatch.setattr(_triton.compiler, "is_built", lambda compiled: built["yes"])
     assert not _triton.builds_on_load(kernel)
     built["yes"] = False
     assert _triton.builds_on_load(kernel)
@@ -108,6 +105,6 @@ def test_whether_a_load_builds_a_launcher(monkeypatch: pytest.MonkeyPatch) -> No
     def lookup_fails(compiled: object) -> bool:
         raise KeyError("signature")
 
-    monkeypatch.setattr(_triton_launchers, "is_built", lookup_fails)
+    monkeypatch.setattr(_triton.compiler, "is_built", lookup_fails)
     assert _triton.builds_on_load(kernel)  # cannot tell: the load goes wide and reports its own error
     assert _triton.builds_on_load(types.SimpleNamespace(module=None, src=object(), metadata=cuda))  # not an ASTSource

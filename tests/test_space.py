@@ -152,12 +152,12 @@ def test_default_warmup_inputs_of_a_tuned_kernel_are_those_of_its_tuning_key() -
 
 def test_key_type_defaults_to_the_generic_argument() -> None:
     class Inferred(warmreg.TritonKernel[ScaleKey]):
-        pass
+        """No key_type: the generic argument's."""
 
     class Explicit(warmreg.TritonKernel[ScaleKey]):
         key_type = TunedKey
 
     class Inherited(Explicit):
-        pass
+        """No key_type of its own: the parent's."""
 
     assert Inferred.key_type is ScaleKey and Explicit.key_type is TunedKey and Inherited.key_type is TunedKey

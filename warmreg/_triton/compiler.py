@@ -15,17 +15,14 @@ import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Executor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import triton
 from triton.runtime.jit import JITFunction, compute_cache_key
 
-from . import launchers as _triton_launchers
+from .launchers import is_built, launcher_source, shared_launchers
 from .release import RELEASE
 from .target import _ids_lock, current_device
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["async_compile", "builds_on_load", "cache_files", "compile_listener", "finish_load", "forget_compiled", "full_name", "in_memory", "is_future_kernel", "is_jit", "knob", "param_names", "parse_specialization_key", "preimport", "retrying_ast_race", "run_kwargs", "shared_kernel_objects", "source_hash", "specialization_key", "specialize", "warmup"]
 
@@ -158,7 +155,7 @@ def shared_kernel_objects() -> Iterator[None]:
         _shared_depth += 1
         collections.namedtuple = _namedtuple_sharing_kernel_metadata  # type: ignore[assignment]
     try:
-        with _triton_launchers.shared_launchers():
+        with shared_launchers():
             yield
     finally:
         with _ids_lock:
@@ -273,7 +270,7 @@ def builds_on_load(compiled: Any) -> bool:
     if getattr(getattr(getattr(compiled, "metadata", None), "target", None), "backend", None) != "cuda":
         return True
     try:
-        return not _triton_launchers.is_built(compiled)
+        return not is_built(compiled)
     except Exception:  # the load itself reports what is wrong with the kernel
         return True
 
@@ -283,7 +280,7 @@ def _launcher_identity(compiled: Any, signature: Any, constants: Any) -> str:
     launcher's source (which constexpr values such as block sizes leave unchanged); elsewhere the
     signature and constants."""
     if getattr(getattr(compiled.metadata, "target", None), "backend", None) == "cuda":
-        return _triton_launchers.launcher_source(compiled)[0]
+        return launcher_source(compiled)[0]
     tensordesc = getattr(compiled.metadata, "tensordesc_meta", None)
     return repr((sorted(signature.items()), sorted(constants.items(), key=repr), tensordesc))
 

@@ -7,13 +7,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import triton
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["CompileRequest", "HookHandle", "add_load_hook", "get_jit_cache_hook", "install_compile_hook", "load_hooks", "remove_compile_hook", "remove_load_hook", "set_jit_cache_hook", "unwrap_autotuner_bench", "wrap_autotuner_bench"]
 
