@@ -76,3 +76,17 @@ def test_wrong_type_in_model_section() -> None:
         cfg.get("model.q_lora_rank", int, plugin="p")
     assert cfg.get("model.absent", int, plugin="p", default=7) == 7
     assert warmreg.WarmConfig.load(cfg) is cfg
+
+
+def test_a_config_error_carries_the_values_the_field_accepts() -> None:
+    """What a reader names as accepted (``choices``) travels on the error, missing or unknown, for tools to use."""
+    import pytest
+
+    from warmreg import ConfigError, WarmConfig
+
+    config = WarmConfig.load({"model": {"model_type": "x"}, "serving": {"kv_cache_dtype": "fp8_e5m2"}})
+    with pytest.raises(ConfigError) as missing:
+        config.get("serving.attention_backend", str, plugin="p", choices=("A", "B"))
+    with pytest.raises(ConfigError) as unknown:
+        config.get("serving.kv_cache_dtype", str, plugin="p", choices=("auto", "fp8"))
+    assert missing.value.accepted == ("A", "B") and unknown.value.accepted == ("auto", "fp8")

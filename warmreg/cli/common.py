@@ -183,13 +183,13 @@ def load_config(args: argparse.Namespace) -> Any:
 
 
 #: What a probe gives a missing serving setting to find the next one a plan needs (never served: the error
-#: that lists them all is the only outcome). A plugin that refuses one names what it accepts: the first is taken.
+#: that lists them all is the only outcome). Where the reader named the accepted values (``ConfigError.accepted``,
+#: or a plugin's fix that lists them), the first is taken instead.
 _PROBE = {
     "max_num_batched_tokens": 8192, "max_num_seqs": 256, "max_model_len": 8192, "block_size": 64, "kv_cache_dtype": "auto",
     "dtype": "bfloat16", "tensor_parallel_size": 1, "num_speculative_tokens": 0, "decode_context_parallel_size": 1,
     "cp_kv_cache_interleave_size": 1,
 }  # fmt: skip
-_ACCEPTED = re.compile(r"\(accepted: ([^,)]+)")
 _LISTED = re.compile(r"\([^():]*: ([A-Za-z0-9_]+)[,)]")  # a fix's "(... backends: FLASHMLA_SPARSE_DSV4, ...)"
 
 
@@ -209,12 +209,13 @@ def all_missing_serving(args: argparse.Namespace, exc: Exception) -> Exception:
     given, missing = serving_overrides(args), list[str]()
     while isinstance(exc, ConfigError) and exc.field.startswith("serving.") and len(missing) < len(_PROBE) + 8:
         name = exc.field.removeprefix("serving.")
-        accepted = _ACCEPTED.search(exc.problem) or _LISTED.search(exc.fix or "")  # what the plugin names as valid
+        listed = _LISTED.search(exc.fix or "")  # a plugin's own fix that lists valid values
+        accepted = exc.accepted[0] if exc.accepted else listed.group(1) if listed else None
         if exc.problem == "is missing":
             missing.append(name)
-        elif not accepted or name not in missing:
+        elif accepted is None or name not in missing:
             break  # a value given, not a stand-in, is wrong: the missing ones found so far are the answer
-        given[name] = accepted.group(1).strip() if accepted else _PROBE.get(name, "auto")
+        given[name] = accepted if accepted is not None else _PROBE.get(name, "auto")
         try:
             plan(args.config, target=args.target, serving=given)
             break

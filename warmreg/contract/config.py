@@ -266,7 +266,7 @@ class WarmConfig:
                 return default  # type: ignore[no-any-return]
             where = "the 'serving' section" if section == "serving" else "the model's config.json"
             what = SERVING_FIELDS[name][1] if section == "serving" and name in SERVING_FIELDS else name
-            raise ConfigError(field, "is missing", plugin=plugin, fix=fix or f"set {what} in {where} of {self.source}")
+            raise ConfigError(field, "is missing", plugin=plugin, fix=fix or f"set {what} in {where} of {self.source}", accepted=choices or ())
         return self._checked(field, source[name], kind, plugin=plugin, check=check, fix=fix, choices=choices)
 
     def _checked(
@@ -295,7 +295,7 @@ class WarmConfig:
             unknown = f"is {value!r}, which {plugin} does not know (accepted: {', '.join(map(str, known))})"
             raise ConfigError(
                 field, self._from_origin(name, unknown) if section == "serving" else unknown, plugin=plugin,
-                fix=fix or f"use one of those in {source}",
+                fix=fix or f"use one of those in {source}", accepted=known,
             )  # fmt: skip
         problem = check(value) if check else None
         if problem:

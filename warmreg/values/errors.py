@@ -33,10 +33,11 @@ class ConfigError(WarmregError, ValueError):
     :param field: dotted name of the field (``serving.max_num_seqs``), or the config file's path
         with ``file=True``.
     :param plugin: the plugin or kernel that needs the field, if any.
+    :param accepted: the values the field accepts, where the reader named them.
     """
 
-    def __init__(self, field: str, problem: str, *, plugin: str | None = None, fix: str | None = None, file: bool = False) -> None:
-        self.field, self.problem, self.plugin = field, problem, plugin
+    def __init__(self, field: str, problem: str, *, plugin: str | None = None, fix: str | None = None, file: bool = False, accepted: Any = ()) -> None:  # fmt: skip
+        self.field, self.problem, self.plugin, self.accepted = field, problem, plugin, tuple(accepted)
         needed = f" (needed by {plugin})" if plugin else ""
         super().__init__(f"config {'file' if file else 'field'} '{field}' {problem}{needed}", fix=fix)
 
