@@ -30,7 +30,6 @@ import hashlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import sysconfig
@@ -38,11 +37,11 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
 
+from ..support.threads import quiet_pool
 from ..values.errors import LauncherError
 from .release import RELEASE
 
@@ -273,10 +272,7 @@ def build(compiled: Iterable[Any], pythons: Iterable[str | None], *, workers: in
                 return Launcher(key, pkey, abi.version, os.path.basename(so), f.read())
 
         jobs = [(key, abi) for key in sorted(sources) for abi in abis]
-        # the C compiler inherits the pool thread's blocked SIGINT: a Ctrl-C stops the build, not cc mid-file
-        with ThreadPoolExecutor(
-            max(1, workers), "warmreg-launcher", initializer=signal.pthread_sigmask, initargs=(signal.SIG_BLOCK, {signal.SIGINT})
-        ) as pool:
+        with quiet_pool(workers, "warmreg-launcher") as pool:  # a Ctrl-C stops the build, not cc mid-file
             return list(pool.map(one, jobs))
 
 

@@ -12,17 +12,17 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import Executor, Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future
 from contextlib import contextmanager
 from typing import Any
 
 from .. import _triton
 from .._triton import cache as _triton_cache
 from ..runtime.launch import FAST_LAUNCH, IN_WARMUP, remember_fast_launch
+from ..support.threads import quiet_pool
 from ..values.platform import Platform
 from .bind import OnError, Status, Task, cancel_rest, describe
 
@@ -34,8 +34,6 @@ _tls = threading.local()
 #: installed pack): a hit is Python under the GIL, so a pool only adds threads contending for it
 #: (modules still load on the pool). ``False`` sends hits to the pool too (benchmarks compare both).
 INLINE_HITS = True
-#: Pool threads block SIGINT, as do the compilers they start: a Ctrl-C to the process group stops the warm, no ptxas.
-_SIGINT_BLOCKED: dict[str, Any] = {"initializer": signal.pthread_sigmask, "initargs": (signal.SIG_BLOCK, {signal.SIGINT})}
 
 def _compile(task: Task) -> None:
     """The second phase for one key: ``JITFunction.warmup`` of its captured launch (submitted to
@@ -128,7 +126,7 @@ def compile_tasks(
         if workers <= 1 or hits:
             _run_serial(todo, on_error, on_done, load)
         else:
-            pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="warmreg-compile", **_SIGINT_BLOCKED)
+            pool = quiet_pool(workers, "warmreg-compile")  # a Ctrl-C to the process group stops the warm, not ptxas
             try:  # each key loads on the pool as soon as it compiles
                 _run_async(todo, _TimedExecutor(pool, on_done, _triton.current_device() if platform.local else None), on_error, on_done)
             finally:
@@ -191,7 +189,7 @@ def _loading(platform: Platform, workers: int, hits: bool) -> Iterator[Callable[
         yield lambda task: None
         return
     device, futures = _triton.current_device(), []
-    with ThreadPoolExecutor(max(1, workers), "warmreg-load", **_SIGINT_BLOCKED) as pool, ThreadPoolExecutor(1, "warmreg-load-hits", **_SIGINT_BLOCKED) as one:
+    with quiet_pool(workers, "warmreg-load") as pool, quiet_pool(1, "warmreg-load-hits") as one:
         via, wide = (one, pool) if hits else (pool, None)
         try:
             yield lambda task: futures.append(via.submit(contextvars.copy_context().run, _load, task, task.compiled, device, wide))
