@@ -97,8 +97,9 @@ for e in "${engines[@]}"; do
             f=$(family "$e")
             env $(engine_env "$e") "$py" -m pytest -q -p no:cacheprovider "tests/engines/test_$f.py" \
                 "tests/engines/test_${f}_integration.py" $([ "$e" != vllm-0.34 ] || echo tests/engines/test_vllm_coverage_source.py) || status=1
-            # The differential kernel tests compare with vLLM 0.33's kernels (0.34's are the coverage issue's).
-            kernels=(tests/engines/test_"$e"_kernels*.py)
+            # The differential kernel tests: test_vllm_kernels*.py against vLLM 0.33's kernels,
+            # test_vllm034_kernels*.py against 0.34's (the kernels 0.34 added or changed).
+            kernels=(tests/engines/test_"${e//[-.]/}"_kernels*.py)
             if [ -e "${kernels[0]}" ]; then  # own process: they set TRITON_INTERPRET before the engine imports
                 env $(engine_env "$e") "$py" -m pytest -q -p no:cacheprovider "${kernels[@]}" || status=1
             fi
