@@ -5,6 +5,8 @@ hot path, where host cost is all there is), interleaved over ``--rounds`` rounds
 affects every path alike; each figure is microseconds per call over batches of ``--calls`` launches
 (fewer than the driver's launch queue holds, so the GPU never throttles the host):
 
+- ``driver``: a bare ``cuLaunchKernelEx`` of the same function with the same parameters, prepared once, issued
+  by one call into a minimal C function (``benchmarks/_driver_floor.py``): the cheapest launch Python can make.
 - ``floor``: the compiled kernel's own launcher (``CompiledKernel.run``) called with prepared
   arguments: grid, stream and every argument computed once. Triton's launcher cannot go lower.
 - ``fast``: warmreg's guarded launch with the same kwargs: the C entry (``warmreg.runtime._cdispatch``).
@@ -33,6 +35,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import median, qkv_decode_inputs, write
+from _driver_floor import build as build_driver_floor
+from _driver_floor import prepare as prepare_driver_floor
 
 import warmreg
 import warmreg.runtime.launch
@@ -96,7 +100,7 @@ def main() -> None:
     entry = warmreg.runtime.launch.FAST_TABLES[op.name][key]
     compiled = entry.compiled
     jit = _fused_qkv_rmsnorm_kernel
-    bound = jit.device_caches[torch.cuda.current_device()][4](**kwargs, **options)[0]
+    bound, specialization, _ = jit.device_caches[torch.cuda.current_device()][4](**kwargs, **options)
     prepared = [bound[p.name] for p in jit.params]
     stream = torch.cuda.current_stream().cuda_stream
     run, fn, packed = compiled.run, compiled.function, compiled.packed_metadata
@@ -104,6 +108,15 @@ def main() -> None:
 
     def floor() -> None:
         run(g[0], g[1], g[2], stream, fn, packed, None, None, None, *prepared)
+
+    driver_floor = build_driver_floor()
+    pdl = bool(getattr(compiled.metadata, "launch_pdl", False))
+    prepare_driver_floor(driver_floor, compiled, g, stream, specialization, prepared, launch_pdl=pdl)
+    q_out.zero_(), kv_out.zero_()
+    driver_floor.launch()  # the same outputs as Triton's launch: the parameters are the ones it passes
+    torch.cuda.synchronize()
+    for x, y in zip((q_out, kv_out), ref):
+        torch.testing.assert_close(x, y, atol=0, rtol=2**-7)
 
     def triton_prealloc() -> None:
         jit[grid](**kwargs, **options)
@@ -129,6 +142,7 @@ def main() -> None:
         return call
 
     paths: dict[str, Callable[[], object]] = {
+        "driver": driver_floor.launch,
         "floor": floor,
         "fast": lambda: native(grid, kwargs),
         "fast_python": lambda: python(grid, kwargs),
@@ -150,6 +164,8 @@ def main() -> None:
         "op_over_triton_same_alloc": median([o / t for o, t in zip(samples["op"], samples["triton_same_alloc"])]),
         "op_out_over_triton_prealloc": median([o / t for o, t in zip(samples["op_out"], samples["triton_prealloc"])]),
         "fast_over_floor": median([f / fl for f, fl in zip(samples["fast"], samples["floor"])]),
+        "fast_over_driver": median([f / d for f, d in zip(samples["fast"], samples["driver"])]),
+        "floor_over_driver": median([f / d for f, d in zip(samples["floor"], samples["driver"])]),
     }
     body = type(op).__call__.__wrapped__
     parts = {

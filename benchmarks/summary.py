@@ -91,7 +91,7 @@ def main() -> None:
             lf = _step([py, "benchmarks/launch_floor.py", "--tag", tag], stem, env, args.step_timeout)
             med = lf["median_us"]
             entry.update(
-                launch_floor_us=med["floor"], launch_fast_us=med["fast"], launch_fast_python_us=med["fast_python"],
+                launch_driver_us=med["driver"], launch_floor_us=med["floor"], launch_fast_us=med["fast"], launch_fast_python_us=med["fast_python"],
                 launch_triton_prealloc_us=med["triton_prealloc"], launch_op_us=med["op"], launch_op_out_us=med["op_out"],
                 launch_op_python_us=med["op_python"], launch_triton_same_alloc_us=med["triton_same_alloc"],
                 launch_native_built=lf["native_built"], first_over_steady_one_process=lf["first_over_steady"],
@@ -135,7 +135,7 @@ def main() -> None:
     SUMMARY.write_text(json.dumps(summary, indent=1, default=str))
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], SUMMARY.name).write_text(json.dumps(summary, indent=1, default=str))
-    keys = ("launch_floor_us", "launch_fast_us", "launch_triton_prealloc_us", "launch_op_us", "launch_triton_same_alloc_us",
+    keys = ("launch_driver_us", "launch_floor_us", "launch_fast_us", "launch_triton_prealloc_us", "launch_op_us", "launch_triton_same_alloc_us",
             "first_over_steady", "warm_pack_s", "warm_cache_s", "warm_cold_s", "warm_again_s", "sweep_misses")  # fmt: skip
     print(json.dumps({k: entry.get(k) for k in keys}, indent=1), "->", SUMMARY)
 
