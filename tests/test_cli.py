@@ -125,7 +125,7 @@ def test_piped_output_keeps_every_name_and_number_whole(tmp_path: Path) -> None:
                           text=True, timeout=300, env={**os.environ, "COLUMNS": "40"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    assert "deepseek_v4.indexer_prefill_chunk_metadata\t28\tdeepseek_v4" in lines and "73 keys over 19 kernels" in lines
+    assert "deepseek_v4.indexer_prefill_chunk_metadata\t28\tdeepseek_v4" in lines and "75 keys over 21 kernels" in lines
     assert "…" not in done.stdout
 
 

@@ -66,11 +66,11 @@ def test_a_bare_venv_takes_the_plugin_and_runs_the_main_job(dist: Path, tmp_path
     where = _run(py, "-c", "import sys, warmreg; print(warmreg.__file__, 'torch' in sys.modules)", cwd=tmp_path, env=env).split()
     assert where[0].startswith(str(venv)) and where[1] == "False"  # the installed files, and no torch for `import warmreg`
     assert "deepseek_v4" in _run(bindir / "warmreg", "plugins", cwd=tmp_path, env=env)
-    assert "73 keys over 19 kernels" in _run(bindir / "warmreg", "plan", FLASH, "--target", "cuda:90", cwd=tmp_path, env=env)
+    assert "75 keys over 21 kernels" in _run(bindir / "warmreg", "plan", FLASH, "--target", "cuda:90", cwd=tmp_path, env=env)
     report = tmp_path / "flash.json"
     _run(bindir / "warmreg", "warm", FLASH, "--target", "cuda:90", "--quiet", "--json", report, cwd=tmp_path, env=env)
     results = json.loads(report.read_text())["results"]
-    assert len(results) == 73 and all(r["status"] == "compiled" for r in results)
+    assert len(results) == 75 and all(r["status"] == "compiled" for r in results)
     # the same job from a pack wheel, installed the same way: a fresh cache, nothing compiles
     _run(bindir / "warmreg", "build", FLASH, "--target", "cuda:90", "-o", tmp_path / "packs", "--wheel", cwd=tmp_path, env=env)
     (wheel,) = (tmp_path / "packs").glob("warmreg_pack_deepseek_v4_cuda90_*.whl")  # model type, target, digest of the keys
@@ -78,7 +78,7 @@ def test_a_bare_venv_takes_the_plugin_and_runs_the_main_job(dist: Path, tmp_path
     env["TRITON_CACHE_DIR"] = str(tmp_path / "fresh-cache")
     _run(bindir / "warmreg", "warm", FLASH, "--target", "cuda:90", "--quiet", "--json", report, cwd=tmp_path, env=env)
     results = json.loads(report.read_text())["results"]
-    assert len(results) == 73 and all(r["status"] == "disk_cache" for r in results), {r["status"] for r in results}
+    assert len(results) == 75 and all(r["status"] == "disk_cache" for r in results), {r["status"] for r in results}
     # the plugin template installs the same way, its core from the same wheelhouse
     template = tmp_path / "plugin_template"  # a copy: pip leaves build/ and *.egg-info in what it builds
     shutil.copytree(ROOT / "examples" / "plugin_template", template, ignore=shutil.ignore_patterns("__pycache__", "build", "*.egg-info"))

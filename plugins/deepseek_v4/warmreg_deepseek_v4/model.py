@@ -132,6 +132,8 @@ class DSV4:
     ratios: tuple[int, ...]
     vision_max_n_token: int
     dtype: str
+    #: the vision tower's depth: > 0 marks a vision checkpoint (DeepSeek-V4-Flash-Vision-Exp), 0 a text one
+    vision_n_layers: int = 0
     #: the checkpoint's linear weights are FP8 (:func:`fp8_checkpoint`)
     fp8_checkpoint: bool = False
 
@@ -164,6 +166,7 @@ class DSV4:
             ratios=compress_ratios(config.model),
             vision_max_n_token=config.get("model.vision_max_n_token", int, plugin=PLUGIN, default=0),
             dtype=config.get("serving.dtype", str, plugin=PLUGIN, default="bfloat16"),
+            vision_n_layers=config.get("model.vision_n_layers", int, plugin=PLUGIN, default=0),
             fp8_checkpoint=fp8_checkpoint(config),
         )
 
@@ -176,6 +179,12 @@ class DSV4:
     def has_c128(self) -> bool:
         """Whether any layer compresses by 128 (HCA)."""
         return 128 in self.ratios
+
+    @property
+    def image_tokens(self) -> int:
+        """How far an image span widens the sparse-SWA rows: ``vision_max_n_token`` on a vision checkpoint
+        (``vision_n_layers > 0``), else 0 (vLLM 0.34 ``DeepseekSparseSWAMetadataBuilder.max_image_tokens``)."""
+        return self.vision_max_n_token if self.vision_n_layers > 0 else 0
 
     @property
     def nope_dim(self) -> int:

@@ -4,10 +4,10 @@ Found by ``benchmarks/sweep.py`` through the ``warmreg.sweep`` entry point; the 
 imports it. After the per-step metadata (:class:`~warmreg_deepseek_v4.sweep_inputs.DSV4Engine`), ONE launch per
 layer TYPE, not per layer (the layers of a type launch the same keys), each type: Q/KV RMSNorm, its sparse prefill
 chunk by chunk (dequant-gather of its compressed cache and of the SWA cache, then the combine), inverse RoPE + FP8
-quant. C4 adds its compressor's save, and the indexer (save, compress + insert, Q RoPE + quant, global top-k of the
-decode tokens (and of the prefill tokens under FlashInfer), on decode batches of unequal lengths the pack of the
-FP8 Q and the unpack of the top-k, prefill chunk metadata, cut along M above the logits budget); C128 adds its
-compressor's save. The MTP layer's two norms run around the attention type of the MTP layer (SWA-only: with the
+quant. C4 adds its compressor's save, and the indexer (save, compress + insert, Q RoPE + quant, on a short-context
+step the fill of every candidate as its top-k, global top-k of the decode tokens (and of the prefill tokens under
+FlashInfer), on decode batches of unequal lengths the pack of the FP8 Q and the unpack of the top-k, prefill chunk
+metadata, cut along M above the logits budget); C128 adds its compressor's save. The MTP layer's two norms run around the attention type of the MTP layer (SWA-only: with the
 SWA-only layers when the model has them, else as a type of its own). With DSpark (``speculative_method``
 ``dspark``) a draft step follows each target step: its inputs (decode requests rejected some drafts, prefill chunks
 sampled a token or none), its non-causal SWA indices over ``Nq`` query tokens a request, and the SWA-only draft
@@ -32,6 +32,7 @@ from .fp8_ds_mla import HEAD_DIM
 from .global_topk import global_topk_indices_reference
 from .indexer import compress_pool_reference, indexer_q_rope_mxfp4_reference
 from .pack_seq import pack_seq_reference
+from .short_context_topk import short_context_topk_reference
 from .sweep_inputs import (
     BF16,
     COMBINE,
@@ -65,6 +66,8 @@ class DSV4Sweep(DSV4Engine):
             "compress_pool",
             "decode_swa_indices",
             "dspark_noncausal_swa_indices",
+            "fill_short_context_topk",
+            "gather_block_tables",
             "global_topk_indices",
             "indexer_kv_compress_insert",
             "indexer_prefill_chunk_metadata",
@@ -88,6 +91,7 @@ class DSV4Sweep(DSV4Engine):
 
     def run(self, st: DSV4Step) -> None:
         """The per-step metadata, one layer of each type, then the DSpark draft step where the plan has one."""
+        self.gather_block_tables(st)
         for bs in self.groups:
             self.slot_mapping(st, bs)
         self.compressed_slots(st)
@@ -302,8 +306,19 @@ class DSV4Sweep(DSV4Engine):
         )
 
     def local_topk(self, st: DSV4Step) -> torch.Tensor:
-        """What the indexer's top-k writes into its buffer: ``min((pos+1)//4, topk)`` causal local indices, then -1."""
+        """What the indexer's top-k writes into its buffer: on a short-context step (``max_seq_len // 4 <=
+        index_topk``) vLLM's fill of every candidate, else ``min((pos+1)//4, topk)`` random causal local indices,
+        then -1. (vLLM skips the indexer's Q path on a short step; the sweep runs it on every step, so that the
+        CPU test's short contexts launch it too.)"""
         T, k = st.batch.tokens, self.m.index_topk
+        if self.has("fill_short_context_topk") and max(st.batch.seqs) // 4 <= k:
+            return self.launch(  # type: ignore[no-any-return]
+                DSV4_PREFIX + "fill_short_context_topk",
+                f"max_seq_len {max(st.batch.seqs)}",
+                lambda: self.k("fill_short_context_topk")(st.positions, num_tokens=T, topk=k, out=self.topk_buf[:T]),
+                fallback=lambda: self.topk_buf[:T].copy_(short_context_topk_reference(st.positions, num_tokens=T, topk=k)),
+                ref=lambda: short_context_topk_reference(st.positions, num_tokens=T, topk=k),
+            )
         n = (st.positions + 1) // 4
         vals = (torch.rand(T, k, generator=self.gen, device=self.dev) * n[:, None]).long()
         live = torch.arange(k, device=self.dev)[None, :] < n.clamp(max=k)[:, None]

@@ -4,8 +4,9 @@
 persistent block tables ``[max_num_seqs, width(max_model_len)]`` of random, valid block ids of caches of a few
 hundred pages; ``fp8_ds_mla`` pages of e4m3 bytes, bf16 RoPE parts and UE8M0 scales; FP8 (or MXFP4) indexer pages
 at the allocator's page stride; fp32 compressor states; the metadata builders' persistent buffers; and the DSpark
-speculator's. Once a step it launches the per-step metadata: the compressed slot mappings (the sparse-MLA builder's
-per ratio, and the C4 indexer's site), the C128A metadata, the decode SWA indices, the sparse-SWA prefill metadata
+speculator's, and the V2 runner's forward-pass block tables. Once a step it launches the per-step metadata: the
+runner's block-table gather, the compressed slot mappings (the sparse-MLA builder's per ratio, and the C4 indexer's
+site), the C128A metadata, the decode SWA indices, the sparse-SWA prefill metadata
 and the uniform-decode flattening. A launch that misses or fails is recorded, and the metadata it should have
 produced is computed in PyTorch for the kernels downstream.
 """
@@ -25,6 +26,7 @@ from .compressed_slot_mapping import compressed_slot_mapping_reference
 from .dspark import DSparkDraft
 from .dspark_inputs import DraftInputs
 from .fp8_ds_mla import FP8_MAX, NOPE_DIM, ROPE_DIM, SCALE_BYTES, TOKEN_BYTES, page_bytes
+from .gather_block_tables import block_table_pointers, gather_block_tables_reference
 from .indexer import indexer_page_stride, mxfp4_indexer, token_bytes
 from .inv_rope_quant import fp8_checkpoint
 from .metadata import C4_STATE_BLOCK_SIZE, C128_STATE_BLOCK_SIZE
@@ -128,6 +130,7 @@ class DSV4Engine(Sweep[DSV4Step]):
             self.layers += [("mtp", mtp_ratio)] * (mtp_ratio not in main)
         self._caches()
         self._buffers()
+        self._runner_tables()
         self.draft = DSparkDraft.from_config(self.cfg, m) if self.has("prepare_dspark_inputs") else None
         if self.draft is not None:
             self._draft_buffers(self.draft)
@@ -197,6 +200,24 @@ class DSV4Engine(Sweep[DSV4Step]):
             "decode_lens": torch.empty(rows, dtype=I32, device=dev),
         }
 
+    def _runner_tables(self) -> None:
+        """The V2 runner's forward-pass block tables (one per KV-cache group, shaped as its source in
+        :attr:`tables`), the address tables of both, and the per-group values the block-table gather reads: row
+        stride, block size and sliding-window reach (``SlidingWindowSpec.num_retained_tokens``: the SWA cache's
+        ``window - 1``, the C4 compressor states' ``2 * 4 - 1``, the C128 ones' ``128 - 1``; 0 for full attention)."""
+        dev, groups = self.dev, self.groups
+        self.fwd_tables = [torch.zeros_like(self.tables[bs]) for bs in groups]
+        self.table_ptrs = (
+            (block_table_pointers([self.tables[bs] for bs in groups]), block_table_pointers(self.fwd_tables))
+            if groups
+            else None
+        )
+        self.table_strides = torch.tensor([self.tables[bs].stride(0) for bs in groups], dtype=I64, device=dev)
+        self.group_sizes = torch.tensor(groups, dtype=I32, device=dev)
+        reach = {SWA: self.window - 1, STATE[4]: 2 * 4 - 1, STATE[128]: 128 - 1}
+        self.group_reach = torch.tensor([reach.get(bs, 0) for bs in groups], dtype=I32, device=dev)
+        self.dirty_rows = 0  # forward-pass rows the last gather wrote: a smaller batch zeroes them
+
     def has(self, short: str) -> bool:
         """Whether the plan holds ``deepseek_v4.<short>``."""
         return DSV4_PREFIX + short in self.names
@@ -215,6 +236,41 @@ class DSV4Engine(Sweep[DSV4Step]):
         nd = b.num_decodes
         gather = [q + min(max(s - q - r, 0), self.window - 1) for s, q, r in zip(b.seqs[nd:], b.qlens[nd:], b.replay[nd:])]
         return DSV4Step.of(b, self.dev, gather_host=gather)
+
+    def gather_block_tables(self, st: DSV4Step) -> None:
+        """The V2 runner's gather of the step's block-table rows of every KV-cache group into the forward-pass
+        tables (``GPUModelRunner.prepare_attn``): request ``r`` of the batch owns state row ``r``, holds
+        ``ceil(seq_len / block_size)`` blocks of a group (at most its width) and has computed ``seq_len - q_len``
+        tokens; rows a larger batch wrote before are zeroed (vLLM's ``max(padded, dirty)`` rows)."""
+        name = DSV4_PREFIX + "gather_block_tables"
+        if name not in self.names or self.table_ptrs is None:
+            return
+        b, dev = st.batch, self.dev
+        reqs = len(b.qlens)
+        rows, self.dirty_rows = max(reqs, self.dirty_rows), reqs
+        num_blocks = torch.zeros(len(self.groups), self.lim.max_seqs, dtype=I32)
+        for g, bs in enumerate(self.groups):
+            num_blocks[g, :reqs] = torch.tensor([min(-(-s // bs), self.tables[bs].shape[1]) for s in b.seqs])
+        computed = torch.zeros(self.lim.max_seqs, dtype=I32)
+        computed[:reqs] = torch.tensor([s - q for s, q in zip(b.seqs, b.qlens)])
+        idx, num_blocks, computed = torch.arange(reqs, dtype=I32, device=dev), num_blocks.to(dev), computed.to(dev)
+        (key,) = self.plan.kernel(name).keys  # the mask: the deployment's (sliding-window groups, no DCP)
+        kw: dict[str, Any] = dict(num_rows=rows, mask_sliding_window=key.mask_sliding_window)  # type: ignore[attr-defined]
+        consts = (self.group_reach, self.group_sizes)
+        srcs = [self.tables[bs] for bs in self.groups]
+
+        def gather() -> tuple[torch.Tensor, ...]:
+            self.kernel(name)(idx, *self.table_ptrs, self.table_strides, num_blocks, computed, *consts, **kw)  # type: ignore[misc]
+            return tuple(self.fwd_tables)
+
+        self.launch(
+            name,
+            f"{len(self.groups)} KV-cache groups, {reqs} requests, {rows} rows",
+            gather,
+            ref=lambda: gather_block_tables_reference(
+                idx, srcs, [t.clone() for t in self.fwd_tables], num_blocks, computed, *consts, **kw
+            ),
+        )
 
     def compressed_slots(self, st: DSV4Step) -> None:
         """Compressed slots: the sparse-MLA builder's per ratio (no DCP) and the C4 indexer's (the config's DCP)."""
