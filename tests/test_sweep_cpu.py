@@ -32,7 +32,7 @@ def _sweep_module() -> ModuleType:
     return sys.modules[name]
 
 
-@pytest.mark.parametrize("example", ["deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3"])
+@pytest.mark.parametrize("example", ["deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3", "kimi_k3_dsa"])
 def test_sweep_launches_every_plan_kernel(example: str) -> None:
     sweep = _sweep_module()
     config = str(ROOT / "examples" / f"{example}.json")

@@ -54,6 +54,7 @@ __all__ = [
     "conv1d_chunks",
     "conv_outputs",
     "conv_state_pool",
+    "packed_prefill_conv",
     "projection_row_stride",
     "register",
 ]
@@ -596,15 +597,25 @@ def causal_conv1d_reference(
     return y.to(x.dtype), states
 
 
+def packed_prefill_conv(layout: KDALayout) -> bool:
+    """Whether vLLM 0.34's CUDA layer convolves the prefill rows with the packed conv
+    (:mod:`warmreg_kimi_k3.packed_causal_conv1d`) instead of this op: ``packed_causal_conv1d_supported`` in
+    ``KimiK3DeltaAttention._forward`` asks for an fp32 conv state and fp32 weights (Kimi-K3's conv weights are
+    always fp32), width 4 and ``P % 64 == 0`` (bf16, fp16 or fp32 activations). The conv state has the model dtype
+    (``mamba_cache_dtype`` ``auto``, assumed throughout this plugin), so that is ``serving.dtype`` float32."""
+    return layout.dtype == "float32" and layout.conv_width == 4 and layout.projection_size % 64 == 0
+
+
 def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register the prefill conv1d on CUDA for a deployment with KDA layers: every prefill backend runs it
-    (``vllm/models/kimi_k3/nvidia/kda.py: KimiK3DeltaAttention._forward``, ``num_prefills > 0``).
+    (``vllm/models/kimi_k3/nvidia/kda.py: KimiK3DeltaAttention._forward``, ``num_prefills > 0``), unless vLLM
+    0.34 runs the packed conv instead (:func:`packed_prefill_conv`).
 
     ROCm's Kimi-K3 layer (``vllm/models/kimi_k3/amd/kda.py``) launches the same op unless aiter's fused split-qkv
     conv replaces it; its projection padding and that switch are not modelled here, so it is not planned there.
     """
     layout = kda_layout(m, config)
-    if layout is None:
+    if layout is None or packed_prefill_conv(layout):
         return
     registry.add(
         CausalConv1d(layout=layout, max_num_seqs=config.get("serving.max_num_seqs", int, plugin=PLUGIN)),

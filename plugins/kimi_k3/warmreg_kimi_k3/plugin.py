@@ -14,6 +14,12 @@ from . import (
     attn_res,
     causal_conv1d,
     causal_conv1d_update,
+    dsa_k_insert,
+    dsa_mxfp4_k_insert,
+    dsa_mxfp4_prologue,
+    dsa_mxfp4_q_quant,
+    dsa_prologue,
+    dsa_q_quant,
     gated_rmsnorm,
     gather_initial_states,
     kda,
@@ -21,6 +27,9 @@ from . import (
     kda_packed_decode,
     kda_spec_metadata,
     kda_state_indices,
+    mtp_input,
+    num_accepted,
+    packed_causal_conv1d,
     qkv_rmsnorm,
     slot_mapping,
 )
@@ -37,13 +46,22 @@ OP_MODULES: tuple[ModuleType, ...] = (
     kda,
     kda_chunk,
     causal_conv1d,
+    packed_causal_conv1d,
     causal_conv1d_update,
     kda_packed_decode,
     gated_rmsnorm,
     gather_initial_states,
     kda_state_indices,
     kda_spec_metadata,
+    num_accepted,
+    mtp_input,
     attn_res,
+    dsa_prologue,
+    dsa_k_insert,
+    dsa_q_quant,
+    dsa_mxfp4_prologue,
+    dsa_mxfp4_k_insert,
+    dsa_mxfp4_q_quant,
 )
 
 
@@ -59,8 +77,10 @@ def warmreg_register_kernels(
 ) -> None:
     """Register the kernels of a Kimi-K3 deployment: the shared Q/KV RMSNorm and slot mapping of the
     MLA layers; the KDA layers' decode step, chunked prefill (where vLLM runs it in Triton), short
-    convolutions, output gated RMSNorm, prefill initial-state gather and metadata kernels (aligned state
-    indices, speculative-decode staging); and the attention residuals of every decoder layer."""
+    convolutions (stock or packed), output gated RMSNorm, prefill initial-state gather and metadata kernels (aligned state
+    indices, speculative-decode staging); the attention residuals of every decoder layer; and the DSA layers'
+    indexer kernels (fused prologue or key insert, query quant) with an FP8 or MXFP4 indexer cache; the model
+    runner's accepted-count update; and the MTP draft layer's input norms."""
     m = KimiK3.from_config(config)
     for module in OP_MODULES:
         module.register(registry, m, config, platform)

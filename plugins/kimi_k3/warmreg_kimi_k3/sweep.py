@@ -12,7 +12,8 @@ step over the decode requests (vLLM's convention: q, k, v column views of the co
 ``[N, 1 + spec]`` state indices with accepted counts, a null slot now and then), the six stages of the chunked KDA
 prefill over the prefill requests (initial states mixed) where vLLM's prefill backend is Triton, and the gated
 RMSNorm of the output over every token (the gate a column view of the fused projection, at its usual width or the
-overlap path's); and every distinct call site of the attention residuals.
+overlap path's); and every distinct call site of the attention residuals. Last, the model runner's scatter of the
+step's accepted counts into its persistent buffer.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from warmreg.testing.sweep import NORM, Batch, Limits, Step, Sweep
 from .attn_res import attn_res_reference
 from .causal_conv1d import causal_conv1d_reference, conv1d_chunks, projection_row_stride
 from .causal_conv1d_update import causal_conv1d_update_reference
+from .dsa_k_insert import dsa_k_insert_reference, mx_scale_default
+from .dsa_prologue import dsa_prologue_reference, mla_entry_bytes
+from .dsa_q_quant import dsa_q_quant_reference
 from .gated_rmsnorm import gated_rmsnorm_reference, projection_width
 from .gather_initial_states import gather_initial_states_reference
 from .kda import KDARecurrent, kda_recurrent_reference
@@ -38,6 +42,7 @@ from .kda_chunk_l2norm import l2norm_reference
 from .kda_packed_decode import kda_packed_decode_reference
 from .kda_spec_metadata import stage_spec_decode_metadata_reference
 from .kda_state_indices import aligned_state_indices_reference
+from .num_accepted import scatter_num_accepted_reference
 from .plugin import MODEL_TYPES
 
 __all__ = ["KimiSweep"]
@@ -48,17 +53,22 @@ CONV, CONV_UPDATE = "kimi_k3.causal_conv1d", "kimi_k3.causal_conv1d_update"
 KDA_NORM, KDA_GATHER = "kimi_k3.gated_rmsnorm", "kimi_k3.gather_initial_states"
 KDA_ALIGNED, KDA_STAGE = "kimi_k3.aligned_state_indices", "kimi_k3.stage_spec_decode_metadata"
 KDA_PACKED = "kimi_k3.kda_packed_decode"
+RUNNER = "kimi_k3.scatter_num_accepted"
+DSA_PROLOGUE, DSA_K_INSERT = "kimi_k3.dsa_fused_prologue", "kimi_k3.dsa_k_norm_quant_insert"
+DSA_Q_QUANT = "kimi_k3.dsa_q_quant_fold_weights"
 #: The chunked KDA prefill's stages, in launch order (l2norm, gate, intra, wu, h, o).
 KDA_CHUNK = tuple(stage.name for stage in KDA_CHUNK_STAGES)
 
 
 class KimiSweep(Sweep[Step]):
-    """Kimi-K3: the MLA layers' slot mapping and Q/KV RMSNorm, the KDA layers' recurrent decode step, and the
-    attention residuals of the decoder layers (each distinct call site of the forward once a step)."""
+    """Kimi-K3: the MLA layers' slot mapping and Q/KV RMSNorm, the KDA layers' recurrent decode step, the DSA
+    layers' indexer front-end (FP8 cache), and the attention residuals of the decoder layers (each distinct call
+    site of the forward once a step)."""
 
     model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
     drives: ClassVar[frozenset[str]] = Sweep.drives | {
         KDA, ATTN_RES, CONV, CONV_UPDATE, KDA_NORM, KDA_GATHER, KDA_ALIGNED, KDA_STAGE, KDA_PACKED, *KDA_CHUNK,
+        DSA_PROLOGUE, DSA_K_INSERT, DSA_Q_QUANT, RUNNER,
     }  # fmt: skip
 
     def __init__(self, plan: warmreg.Plan, dev: torch.device, lim: Limits, seed: int) -> None:
@@ -97,6 +107,7 @@ class KimiSweep(Sweep[Step]):
             self.gate = (a_log, dt_bias, kda.lower_bound)
             self.raw_dtypes = (kda.gate_dtype, kda.beta_dtype)
         self.kda_tables()
+        self.accepted = torch.ones(lim.max_seqs, dtype=I32, device=dev)  # the model runner's accepted counts
         if KDA_CHUNK[0] in self.names:  # the chunked prefill shares the decode step's pool and parameters
             stage = self.kernel(KDA_CHUNK[0])
             self.chunk_hkv = (stage.num_heads, stage.head_dim, stage.head_dim)
@@ -108,6 +119,9 @@ class KimiSweep(Sweep[Step]):
                     self.randn(stage.num_heads * stage.head_dim, dtype=F32, scale=0.5),
                     stage.lower_bound,
                 )
+        if DSA_Q_QUANT in self.names:
+            self.layers.append(("dsa", 0))
+            self.dsa_state()
         if ATTN_RES in self.names:
             self.layers.append(("attn_res", 0))
             ar = self.kernel(ATTN_RES)
@@ -137,6 +151,59 @@ class KimiSweep(Sweep[Step]):
                 self.pool = self.randn(lim.max_seqs + 1, h, d, d, dtype=F32, scale=0.1)
             self.o_norm_w = self.randn(d, scale=0.2).add_(1)
 
+    def dsa_state(self) -> None:
+        """A DSA layer's norm weights, its caches in 64-token pages (the fp8_ds_mla MLA cache and the FP8 indexer
+        cache) and the model-level top-k buffer."""
+        lay, pages = self.kernel(DSA_Q_QUANT).layout, self.lim.num_blocks
+        self.dsa_lay = lay
+        self.dsa_norms = (self.randn(lay.q_lora_rank or 1, scale=0.2).add_(1), self.randn(lay.kv_lora_rank, scale=0.2).add_(1),
+                          self.randn(lay.index_head_dim, dtype=F32, scale=0.3).add_(1),
+                          self.randn(lay.index_head_dim, dtype=F32, scale=0.1))  # fmt: skip
+        self.dsa_mla = torch.zeros(pages, 64, mla_entry_bytes(lay.kv_lora_rank, lay.qk_rope_head_dim),
+                                   dtype=torch.uint8, device=self.dev)  # fmt: skip
+        self.dsa_index = torch.zeros(pages, 64, lay.index_head_dim + 4, dtype=torch.uint8, device=self.dev)
+        self.dsa_topk = torch.empty(self.lim.max_tokens, lay.index_topk, dtype=I32, device=self.dev)
+
+    def dsa(self, st: Step) -> None:
+        """One DSA layer's indexer front-end (``KimiK3DSAAttention._fused_attention`` or the indexer's unfused
+        forward): the packed projection split into column views, the fused prologue (or the key insert), then the
+        query quant on the query projection's column view, with the token's slots folded into the caches' pages."""
+        lay, t = self.dsa_lay, st.batch.tokens
+        q, kv, r = lay.q_lora_rank or 1, lay.kv_lora_rank, lay.qk_rope_head_dim
+        d, h = lay.index_head_dim, lay.index_num_heads
+        q_c, kv_c, k_pe, index_k, weights = self.randn(t, q + kv + r + d + h, scale=2.0).split([q, kv, r, d, h], -1)
+        slots = st.positions.long() % (self.dsa_index.shape[0] * 64)
+        qw, kvw, kw, kb = self.dsa_norms
+        if DSA_PROLOGUE in self.names:
+            args = (q_c, kv_c, k_pe, index_k, qw, kvw, kw, kb, lay.eps, self.dsa_topk, self.dsa_mla, slots,
+                    self.dsa_index, slots)  # fmt: skip
+            mx = mx_scale_default(None)  # the op's default on this device, as its launch takes it
+            self.launch(DSA_PROLOGUE, f"{t} tokens", lambda: self.kernel(DSA_PROLOGUE)(*args),
+                        ref=lambda: dsa_prologue_reference(*args, mx_scale=mx), tol=(1e-2, 1.6e-2))  # fmt: skip
+        elif DSA_K_INSERT in self.names:
+            args2 = (index_k, kw, kb, lay.eps, slots, self.dsa_index, self.dsa_topk, t)
+
+            def written() -> tuple[torch.Tensor, torch.Tensor]:  # the top-k rows and the cache's scale words, exact
+                return self.dsa_topk[:t].clone(), self.dsa_index.flatten(1)[:, 64 * d :].contiguous().view(I32)
+
+            def reference() -> tuple[torch.Tensor, torch.Tensor]:
+                dsa_k_insert_reference(*args2, mx_scale=mx_scale_default(None))
+                return written()
+
+            def insert() -> tuple[torch.Tensor, torch.Tensor]:
+                self.kernel(DSA_K_INSERT)(*args2)
+                return written()
+
+            self.launch(DSA_K_INSERT, f"{t} tokens", insert, ref=reference)
+        index_q = self.randn(t, 64 + h * d, scale=2.0)[:, 64:].view(t, h, d)  # [q | index_q] column view
+        scale = d**-0.5 * h**-0.5
+        padded = lay.padded_index_num_heads
+        # Checked on the folded weights (exact): Triton's interpreter does not round fp32 -> e4m3fn to nearest even,
+        # so the CPU's FP8 codes may differ from the reference's (the plugin's tests bound how; vLLM's agree bitwise).
+        self.launch(DSA_Q_QUANT, f"{t} tokens, {h} heads",
+                    lambda: self.kernel(DSA_Q_QUANT)(index_q, weights, scale, padded)[1],
+                    ref=lambda: dsa_q_quant_reference(index_q, weights, scale, padded)[1])  # fmt: skip
+
     def step_tensors(self, b: Batch) -> Step:
         """The step's tensors (the KDA group's metadata is built in :meth:`run`)."""
         return Step.of(b, self.dev)
@@ -156,10 +223,32 @@ class KimiSweep(Sweep[Step]):
                 self.conv(st)
             elif kind == "kda_chunk":
                 self.kda_chunk(st)
+            elif kind == "dsa":
+                self.dsa(st)
             else:
                 self.attn_res(st)
         self.gather_initial_states(st, state)
         self.kda_gated_norm(st)
+        self.scatter_num_accepted(st)
+
+    def scatter_num_accepted(self, st: Step) -> None:
+        """After sampling, the model runner's accepted counts (``MambaHybridModelState.postprocess_state``): each
+        request's ``max(num_sampled, 1)`` into its slot of the persistent int32 buffer; a decode samples 1 to
+        ``1 + spec`` tokens, a prefill chunk 0 or 1; ``idx_mapping`` int64."""
+        if RUNNER not in self.names:
+            return
+        b, n = st.batch, len(st.batch.qlens)
+        idx = torch.randperm(self.lim.max_seqs, generator=self.gen, device=self.dev)[:n]
+        top = torch.tensor([1 + self.lim.spec] * b.num_decodes + [1] * b.num_prefills, device=self.dev)
+        sampled = (torch.rand(n, generator=self.gen, device=self.dev) * (top + 1)).to(I32).clamp_(max=top)
+        sampled[: b.num_decodes].clamp_(min=1)
+        args = (idx, sampled, self.accepted)
+        self.launch(
+            RUNNER,
+            f"{n} requests",
+            lambda: self.kernel(RUNNER)(*args),
+            ref=lambda: scatter_num_accepted_reference(*args),
+        )
 
     def aligned_state_indices(self, st: Step) -> torch.Tensor:
         """The V1 builder's align-mode state slots ``[R, 1 + spec]``: each request's block of its last token on."""
