@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 from warmreg import ConfigError
-
 from warmreg.api import startup
 
 __all__ = ["RUNNER", "register"]
