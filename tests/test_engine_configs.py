@@ -271,7 +271,7 @@ def test_fp8_checkpoint_on_every_form_the_engines_hand_over(name: str) -> None:
 def test_engines_module_imports_only_the_standard_library_attrs_and_errors() -> None:
     """The engine readers import no engine and no torch at import time (an engine's module is imported
     only to read an object of that engine)."""
-    allowed = {"__future__", "enum", "importlib", "collections.abc", "typing", "attrs", "..values.errors"}
+    allowed = {"__future__", "enum", "importlib", "collections.abc", "types", "typing", "attrs", "..values.errors"}
     for path in sorted(Path(engines.__file__).parent.glob("*.py")):
         tree = ast.parse(path.read_text())
         names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}

@@ -84,17 +84,20 @@ _INTS = {"True": True, "NaN": NAN, "'2'": "2", "2.0": 2.0, "[2]": [2]}
 _NAMES = {"['x']": ["x"], "7": 7, "NaN": NAN, "True": True}
 _DTYPES = {"-1": -1, "'Tensor'": "Tensor", "'e'": "e", "['bfloat16']": ["bfloat16"], "True": True}
 _VLLM_INT_PATHS = sorted(p for n, p in VLLM_PATHS.items() if SERVING_FIELDS[n][0](1) is None)  # the int settings
-_VLLM_NAME_PATHS = sorted(set(VLLM_PATHS.values()) - {*_VLLM_INT_PATHS, VLLM_PATHS["dtype"]})
+_FLAGS = {"1": 1, "'true'": "true", "[True]": [True], "NaN": NAN}
+_VLLM_FLAG_PATHS = sorted(p for n, p in VLLM_PATHS.items() if SERVING_FIELDS[n][0](True) is None)  # the bool settings
+_VLLM_NAME_PATHS = sorted(set(VLLM_PATHS.values()) - {*_VLLM_INT_PATHS, *_VLLM_FLAG_PATHS, VLLM_PATHS["dtype"]})
 VLLM_CASES = (
     [(f"int: {p} = {v}", "vllm-flash", p, _INTS[v]) for p in _VLLM_INT_PATHS for v in _INTS]
     + [(f"name: {p} = {v} ({case})", case, p, _NAMES[v]) for p in _VLLM_NAME_PATHS for v in _NAMES for case in ("vllm-flash", "vllm-kimi_k3")]
     + [(f"dtype: model_config.dtype = {v}", "vllm-flash", "model_config.dtype", _DTYPES[v]) for v in _DTYPES]
+    + [(f"flag: {p} = {v}", "vllm-kimi_k3", p, _FLAGS[v]) for p in _VLLM_FLAG_PATHS for v in _FLAGS]
 )  # fmt: skip
 
 
 @pytest.mark.parametrize(("name", "snapshot", "path", "value"), VLLM_CASES, ids=[c[0] for c in VLLM_CASES])
 def test_hostile_vllm_value(name: str, snapshot: str, path: str, value: Any) -> None:
-    """a VllmConfig value of the wrong type (list, int, NaN, bool for an int or a name, -1 for a dtype) is a ConfigError naming its field"""
+    """a VllmConfig value of the wrong type (list, int, NaN, bool for an int or a name, -1 for a dtype, an int or a string for a flag) is a ConfigError naming its field"""
     _refused(engine(snapshot, **{path: value}), f"VllmConfig.{path}", value)
 
 

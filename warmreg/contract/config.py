@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 import attrs
 
 from .. import engines
+from ..engines.settings import SERVING_FIELDS
 from ..support import bounded_json as _json
 from ..values.errors import ConfigError
 
@@ -27,56 +28,8 @@ __all__ = ["CONFIG_FILE_MAX", "MODEL_INT_MAX", "SERVING_FIELDS", "WarmConfig"]
 _T = TypeVar("_T")
 
 
-def _int_in(low: int, high: int) -> Callable[[Any], str | None]:
-    """A validator of an int in ``low..high`` (``bool`` is not an int here)."""
-
-    def check(value: Any) -> str | None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            return f"must be an int (got {type(value).__name__} {repr(value)[:40]})"
-        if not low <= value <= high:
-            shown = value if abs(value) < 10**12 else f"an int of {value.bit_length()} bits"
-            return f"must be in {low}..{high} (got {shown})"
-        return None
-
-    return check
-
-
-def _string(value: Any) -> str | None:
-    return None if isinstance(value, str) and value else f"must be a non-empty string (got {repr(value)[:60]})"
-
-
-_ACTIVATION_DTYPES = ("bfloat16", "float16", "float32")  # what vLLM and SGLang serve in: torch's names
-
-
-def _dtype(value: Any) -> str | None:
-    ok = isinstance(value, str) and value in _ACTIVATION_DTYPES
-    return None if ok else f"must be one of {', '.join(_ACTIVATION_DTYPES)} (got {repr(value)[:60]})"
-
-
 #: The widest int any model field may hold (Triton's int32 kernel arguments); plugins narrow it.
 MODEL_INT_MAX = 2**31 - 1
-
-#: Serving settings understood by the core, each with its validator and meaning. Every int setting
-#: has a range (documented in the README), so no value reaches a plugin's arithmetic unchecked.
-SERVING_FIELDS: Mapping[str, tuple[Callable[[Any], str | None], str]] = MappingProxyType(
-    {
-        "max_num_batched_tokens": (_int_in(1, 2**24), "tokens in one engine step (prefill chunk budget)"),
-        "max_num_seqs": (_int_in(1, 2**16), "requests in one engine step"),
-        "max_model_len": (_int_in(1, 2**24), "longest sequence, prompt plus output"),
-        "block_size": (_int_in(1, 2**16), "KV-cache block size in tokens (the KV manager's page)"),
-        "kv_cache_dtype": (_string, "KV-cache storage format, e.g. fp8_ds_mla or auto"),
-        "dtype": (_dtype, "model activation dtype: bfloat16, float16 or float32"),
-        "attention_backend": (_string, "attention backend name, e.g. FLASHMLA_SPARSE_DSV4"),
-        "tensor_parallel_size": (_int_in(1, 1024), "tensor-parallel ranks"),
-        "num_speculative_tokens": (_int_in(0, 64), "draft tokens per decode step (0 = no speculation)"),
-        "speculative_method": (_string, "speculative decoding method in vLLM's names, e.g. mtp, eagle or dspark"),
-        "indexer_kv_dtype": (_string, "sparse-attention indexer K cache format in vLLM's names, e.g. auto, fp8 or mxfp4"),
-        "kda_prefill_backend": (_string, "KDA (linear attention) prefill kernels in vLLM's names, e.g. auto or triton"),
-        "kda_decode_backend": (_string, "KDA (linear attention) decode kernels in vLLM's names, e.g. auto or triton"),
-        "decode_context_parallel_size": (_int_in(1, 1024), "decode context-parallel ranks (1 = off)"),
-        "cp_kv_cache_interleave_size": (_int_in(1, 2**16), "tokens dealt to one DCP rank at a time"),
-    }
-)
 
 #: A config file is read only if it is a regular file of at most this many bytes.
 CONFIG_FILE_MAX = 16 * 1024 * 1024

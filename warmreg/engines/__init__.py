@@ -1,7 +1,7 @@
 """Reading the serving engines' own config objects into warmreg's canonical settings.
 
 One reader per engine, and each engine's vocabulary is mapped in that reader alone, so plugins only
-ever see the **canonical** serving settings (:data:`warmreg.contract.config.SERVING_FIELDS`). Canonical is
+ever see the **canonical** serving settings (:data:`warmreg.engines.settings.SERVING_FIELDS`). Canonical is
 vLLM's vocabulary, the one the example configs are written in:
 
 * ``attention_backend``: a member name of vLLM's ``AttentionBackendEnum`` (``FLASHMLA_SPARSE_DSV4``,

@@ -80,7 +80,7 @@ class Reading:
 
     The typed reads (:meth:`name`, :meth:`count`, :meth:`dtype`) refuse a value of the wrong type at
     once, naming the engine field and the value: such a value is never read as something else (a bool
-    as an int, a list as its repr) nor dropped. Ranges are :data:`~warmreg.contract.config.SERVING_FIELDS`'.
+    as an int, a list as its repr) nor dropped. Ranges are :data:`~warmreg.engines.settings.SERVING_FIELDS`'.
     """
 
     def __init__(self, engine: str) -> None:
@@ -117,6 +117,15 @@ class Reading:
         if value is None or (isinstance(value, int) and not isinstance(value, bool)):
             return value
         raise self.wrong(field, value, "an int")
+
+    def flag(self, value: Any, field: str) -> bool | None:
+        """``value`` if it is ``None`` or a bool.
+
+        :raises ConfigError: for anything else (an int, a string).
+        """
+        if value is None or isinstance(value, bool):
+            return value
+        raise self.wrong(field, value, "true or false")
 
     def dtype(self, value: Any, field: str) -> str:
         """A dtype's name: ``torch.bfloat16`` -> ``bfloat16``; a string as it is (``half``, ``float``: torch's names).

@@ -31,6 +31,10 @@ VLLM_PATHS: Mapping[str, str] = {
     "kda_decode_backend": "additional_config.kda_decode_backend",
     "decode_context_parallel_size": "parallel_config.decode_context_parallel_size",
     "cp_kv_cache_interleave_size": "parallel_config.cp_kv_cache_interleave_size",
+    "prefill_context_parallel_size": "parallel_config.prefill_context_parallel_size",
+    "use_replayssm": "cache_config.use_replayssm",
+    "decode_backend": "additional_config.decode_backend",
+    "draft_sample_method": "speculative_config.draft_sample_method",
 }
 
 
@@ -56,7 +60,7 @@ _VLLM_DSV4_FLASHMLA_CACHE = {"auto": "fp8_ds_mla", "fp8": "fp8_ds_mla", "fp8_e4m
 #: backend an ``AttentionBackendEnum`` member, read as its name).
 _VLLM_INTS = frozenset(
     {"max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "tensor_parallel_size", "num_speculative_tokens",
-     "decode_context_parallel_size", "cp_kv_cache_interleave_size"}
+     "decode_context_parallel_size", "cp_kv_cache_interleave_size", "prefill_context_parallel_size"}
 )  # fmt: skip
 
 
@@ -75,6 +79,8 @@ def _value(r: Reading, name: str, path: str, raw: Any) -> Any:
         return r.name(raw, path, "FLASHMLA_SPARSE_DSV4", expected="an AttentionBackendEnum member or its name")
     if name in _VLLM_INTS:
         return r.count(raw, path)
+    if name == "use_replayssm":
+        return r.flag(raw, path)
     return r.name(raw, path, "auto" if name.endswith("dtype") else None)
 
 
