@@ -16,9 +16,28 @@ import attrs
 
 import warmreg
 
-__all__ = ["DSV4", "FP8_QUANT_METHODS", "KV_CACHE_DTYPES", "PLUGIN", "compress_ratios", "fp8_checkpoint", "kv_cache_dtype"]
+__all__ = [
+    "DSV4",
+    "FP8_QUANT_METHODS",
+    "KV_CACHE_DTYPES",
+    "MODEL_TYPES",
+    "PLUGIN",
+    "V41_MODEL_TYPE",
+    "compress_ratios",
+    "fp8_checkpoint",
+    "kv_cache_dtype",
+    "mxfp8_checkpoint",
+    "v41_compress_ratios",
+]
 
 PLUGIN = "warmreg-deepseek-v4"
+#: DeepSeek-V4.1's ``model_type`` (vLLM 0.34 ``transformers_utils/configs/deepseek_v41.py: DeepseekV41Config``; its
+#: architecture is ``DeepseekV41ForCausalLM``, ``model_executor/models/registry.py``). Its config.json nests the text
+#: model under ``text_config`` and the vision tower under ``vision_config``; vLLM's config class flattens both onto
+#: the top level (the vision fields as ``vision_*``), so a VllmConfig's hf_config is flat.
+V41_MODEL_TYPE = "deepseek_v41"
+#: The model types this plugin plans: DeepSeek-V4 and DeepSeek-V4.1.
+MODEL_TYPES = ("deepseek_v4", V41_MODEL_TYPE)
 #: The DeepSeek-V4 sparse backends support only a KV-manager block size of 256 (vLLM 0.33 forces it for
 #: DeepSeek-V4 in ``DeepseekV4ForCausalLMConfig``; a VllmConfig built for it reports 256).
 SPARSE_BLOCK_SIZE = 256
@@ -54,21 +73,48 @@ def fp8_checkpoint(config: warmreg.WarmConfig | Mapping[str, Any] | Any) -> bool
         (transformers' ``DeepseekV4Config``, SGLang's ``_DeepseekV4ConfigAlias``).
     :raises warmreg.ConfigError: if ``quantization_config`` is neither an object nor absent.
     """
+    quant = _quantization_config(config)
+    if quant is None:
+        return False
+    method = quant.get("quant_method")
+    return getattr(method, "value", method) in FP8_QUANT_METHODS
+
+
+def mxfp8_checkpoint(config: warmreg.WarmConfig | Mapping[str, Any] | Any) -> bool:
+    """Whether the checkpoint's linear layers are MXFP8: an FP8 checkpoint (:func:`fp8_checkpoint`) whose
+    ``quantization_config`` has ``weight_block_size`` [32, 32] and ``scale_fmt`` ``ue8m0``. vLLM 0.34's DeepSeek-V4.1
+    quant config (``models/deepseek_v41/quant_config.py: DeepseekV4FP8Config.get_quant_method``) then gives every
+    linear layer MXFP8 weights and dynamic MXFP8 activations (``kMxfp8Dynamic``).
+
+    :param config: as for :func:`fp8_checkpoint`.
+    :raises warmreg.ConfigError: if ``quantization_config`` is neither an object nor absent.
+    """
+    quant = _quantization_config(config)
+    if quant is None or not fp8_checkpoint(config):
+        return False
+    block = quant.get("weight_block_size")
+    return list(block or ()) == [32, 32] and quant.get("scale_fmt") == "ue8m0"
+
+
+def _quantization_config(config: warmreg.WarmConfig | Mapping[str, Any] | Any) -> Mapping[str, Any] | None:
+    """The checkpoint's ``quantization_config`` as a mapping (top level, else a V4.1 ``text_config``'s), or None."""
     if isinstance(config, warmreg.WarmConfig):
         model: Any = config.model
     elif isinstance(config, Mapping):
         model = config
     else:
-        model = {"quantization_config": getattr(config, "quantization_config", None)}
+        model = {k: getattr(config, k, None) for k in ("quantization_config", "text_config")}
     quant = model.get("quantization_config")
+    text = model.get("text_config")
+    if quant is None and isinstance(text, Mapping):
+        quant = text.get("quantization_config")
     if quant is None:
-        return False
+        return None
     if not isinstance(quant, Mapping):
         if not hasattr(quant, "quant_method"):  # a quantization config object, e.g. transformers'
             raise warmreg.ConfigError("model.quantization_config", f"must be an object (got {quant!r})", plugin=PLUGIN)
-        quant = {"quant_method": quant.quant_method}
-    method = quant.get("quant_method")
-    return getattr(method, "value", method) in FP8_QUANT_METHODS
+        return {k: getattr(quant, k, None) for k in ("quant_method", "weight_block_size", "scale_fmt")}
+    return quant
 
 
 def _ratio(value: Any) -> str | None:
@@ -112,6 +158,65 @@ def compress_ratios(model: Mapping[str, Any]) -> tuple[int, ...]:
     return tuple(ratios)
 
 
+def v41_compress_ratios(text: Mapping[str, Any], layers: int) -> tuple[int, ...]:
+    """DeepSeek-V4.1's per-layer compress ratios over ``layers`` layers (backbone and MTP), as published: 0 a
+    sliding-window-only layer, 1 a full-length compressed cache, 2 a ratio-2 one. Layers past the list (MTP) are 0,
+    as vLLM 0.34 reads them (``models/deepseek_v41/attention.py: DeepseekV4Attention.__init__``).
+
+    :raises warmreg.ConfigError: naming ``text.compress_ratios`` if it is not a list of 0, 1 and 2.
+    """
+    raw = text.get("compress_ratios")
+    if raw is None:
+        return (0,) * layers
+    if not isinstance(raw, Sequence) or isinstance(raw, str):
+        raise warmreg.ConfigError("text.compress_ratios", "must be a list of ints", plugin=PLUGIN)
+    for i, r in enumerate(raw):
+        if not (isinstance(r, int) and not isinstance(r, bool) and r in (0, 1, 2)):
+            problem = f"has ratio {r!r}; DeepSeek-V4.1 uses 0, 1 or 2"
+            raise warmreg.ConfigError(f"text.compress_ratios[{i}]", problem, plugin=PLUGIN, fix="use 0, 1 or 2")
+    return tuple(int(r) for r in raw[:layers]) + (0,) * max(0, layers - len(raw))
+
+
+def _layer_ids(config: warmreg.WarmConfig, field: str) -> tuple[int, ...]:
+    """The sorted layer ids of the V4.1 list ``text.<field>`` (empty if absent).
+
+    :raises warmreg.ConfigError: if it is not a list of non-negative ints.
+    """
+    raw = config.text.get(field)
+    if raw is None:
+        return ()
+    if not isinstance(raw, Sequence) or isinstance(raw, str):
+        raise warmreg.ConfigError(f"text.{field}", "must be a list of layer ids", plugin=PLUGIN)
+    for i, v in enumerate(raw):
+        if not (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            raise warmreg.ConfigError(f"text.{field}[{i}]", f"must be a layer id >= 0 (got {v!r})", plugin=PLUGIN)
+    return tuple(sorted(set(raw)))
+
+
+def _v41_vision(config: warmreg.WarmConfig) -> tuple[int, int]:
+    """A V4.1 checkpoint's ``(vision_n_layers, vision_max_n_token)``: the flat ``vision_*`` fields vLLM's
+    ``DeepseekV41Config`` writes, else ``vision_config.num_hidden_layers`` (default 0) and
+    ``vision_config.max_image_tokens`` (default 1024), as that config class reads them.
+
+    :raises warmreg.ConfigError: naming the field that is not an int.
+    """
+    if "vision_n_layers" in config.model:
+        return (
+            config.get("model.vision_n_layers", int, plugin=PLUGIN, default=0),
+            config.get("model.vision_max_n_token", int, plugin=PLUGIN, default=1024),
+        )
+    vision = config.model.get("vision_config") or {}
+    if not isinstance(vision, Mapping):
+        raise warmreg.ConfigError("model.vision_config", "must be an object", plugin=PLUGIN)
+    values = []
+    for name, default in (("num_hidden_layers", 0), ("max_image_tokens", 1024)):
+        value = vision.get(name, default)
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise warmreg.ConfigError(f"model.vision_config.{name}", f"must be int (got {value!r})", plugin=PLUGIN)
+        values.append(value)
+    return values[0], values[1]
+
+
 @attrs.frozen(kw_only=True)
 class DSV4:
     """The DeepSeek-V4 values kernels read, validated once per config."""
@@ -136,13 +241,29 @@ class DSV4:
     vision_n_layers: int = 0
     #: the checkpoint's linear weights are FP8 (:func:`fp8_checkpoint`)
     fp8_checkpoint: bool = False
+    #: a DeepSeek-V4.1 checkpoint (``model_type`` :data:`V41_MODEL_TYPE`). Its ``ratios`` are as published
+    #: (:func:`v41_compress_ratios`: 0 sliding window only, 1 and 2 compressed), not DeepSeek-V4's 1 / 4 / 128,
+    #: so :attr:`has_c4` and :attr:`has_c128` are False; :attr:`v41_compressed_ratios` lists its compressed kinds.
+    v41: bool = False
+    #: V4.1: the backbone layers that own a compressor and compressed cache (``kv_source_layer_ids``); the other
+    #: compressed layers reuse the latest source below them
+    kv_source_layer_ids: tuple[int, ...] = ()
+    #: V4.1: the backbone layers that run an indexer (``index_source_layer_ids``)
+    index_source_layer_ids: tuple[int, ...] = ()
+    #: backbone layers (``num_hidden_layers``; 0 where a V4 config leaves it out: V4 ops do not read it)
+    num_hidden_layers: int = 0
+    #: the checkpoint's linear layers are MXFP8 (:func:`mxfp8_checkpoint`)
+    mxfp8_checkpoint: bool = False
 
     @classmethod
     def from_config(cls, config: warmreg.WarmConfig) -> DSV4:
-        """Read and validate the model section.
+        """Read and validate the model section: DeepSeek-V4's top-level fields, or for DeepSeek-V4.1
+        (:data:`V41_MODEL_TYPE`) the text model's (``text.<field>``: ``text_config`` where the config nests it).
 
         :raises warmreg.ConfigError: naming the field.
         """
+        if config.model_type == V41_MODEL_TYPE:
+            return cls._from_v41(config)
 
         def pos(field: str) -> int:
             return config.get(
@@ -169,6 +290,52 @@ class DSV4:
             vision_n_layers=config.get("model.vision_n_layers", int, plugin=PLUGIN, default=0),
             fp8_checkpoint=fp8_checkpoint(config),
         )
+
+    @classmethod
+    def _from_v41(cls, config: warmreg.WarmConfig) -> DSV4:
+        """A DeepSeek-V4.1 config, read as vLLM 0.34's ``DeepseekV41Config`` and ``DeepseekV4Attention`` read it."""
+
+        def pos(field: str, default: int | None = None) -> int:
+            check = lambda v: None if v > 0 else f"must be > 0 (got {v})"  # noqa: E731
+            if default is None:
+                return config.get(f"text.{field}", int, plugin=PLUGIN, check=check)
+            return config.get(f"text.{field}", int, plugin=PLUGIN, check=check, default=default)
+
+        layers = pos("num_hidden_layers")
+        mtp = config.get("text.num_nextn_predict_layers", int, plugin=PLUGIN, default=0)
+        vision_layers, vision_tokens = _v41_vision(config)
+        return cls(
+            hidden_size=pos("hidden_size"),
+            head_dim=pos("head_dim"),
+            qk_rope_head_dim=pos("qk_rope_head_dim"),
+            q_lora_rank=pos("q_lora_rank"),
+            num_attention_heads=pos("num_attention_heads"),
+            o_groups=pos("o_groups"),
+            index_n_heads=pos("index_n_heads"),
+            index_head_dim=pos("index_head_dim"),
+            index_topk=pos("index_topk"),
+            sliding_window=pos("sliding_window"),
+            rms_norm_eps=config.get("text.rms_norm_eps", float, plugin=PLUGIN),
+            hc_mult=pos("hc_mult", 4),
+            num_nextn_predict_layers=mtp,
+            ratios=v41_compress_ratios(config.text, layers + mtp),
+            vision_max_n_token=vision_tokens,
+            dtype=config.get("serving.dtype", str, plugin=PLUGIN, default="bfloat16"),
+            vision_n_layers=vision_layers,
+            fp8_checkpoint=fp8_checkpoint(config),
+            v41=True,
+            kv_source_layer_ids=_layer_ids(config, "kv_source_layer_ids"),
+            index_source_layer_ids=_layer_ids(config, "index_source_layer_ids"),
+            num_hidden_layers=layers,
+            mxfp8_checkpoint=mxfp8_checkpoint(config),
+        )
+
+    @property
+    def v41_compressed_ratios(self) -> tuple[int, ...]:
+        """V4.1: the compress ratios of its kv-source layers (the layers that run a compressor), sorted; () for V4."""
+        if not self.v41:
+            return ()
+        return tuple(sorted({self.ratios[i] for i in self.kv_source_layer_ids if i < len(self.ratios) and self.ratios[i]}))
 
     @property
     def has_c4(self) -> bool:

@@ -33,6 +33,11 @@ from . import (
     mtp_shared_head_norm,
     pack_seq,
     qkv_rmsnorm,
+    rocm_combine_indices,
+    rocm_decode_topk,
+    rocm_localize_topk,
+    rocm_prefill_topk,
+    rocm_ragged,
     short_context_topk,
     slot_mapping,
     sparse_mla,
@@ -41,8 +46,9 @@ from . import (
     swa_prefill_metadata,
     uniform_decode,
     unpack_seq,
+    v41,
 )
-from .model import DSV4, PLUGIN
+from .model import DSV4, MODEL_TYPES, PLUGIN
 
 __all__ = ["OP_MODULES", "warmreg_model_types", "warmreg_register_kernels"]
 
@@ -65,6 +71,11 @@ OP_MODULES: tuple[ModuleType, ...] = (
     dspark_swa_indices,
     combine_indices,
     flashinfer_indices,
+    rocm_ragged,
+    rocm_decode_topk,
+    rocm_prefill_topk,
+    rocm_combine_indices,
+    rocm_localize_topk,
     cache,
     cache_insert,
     state_cache,
@@ -83,8 +94,9 @@ OP_MODULES: tuple[ModuleType, ...] = (
 
 @warmreg.hookimpl
 def warmreg_model_types() -> list[str]:
-    """The model types this plugin serves: warmreg calls :func:`warmreg_register_kernels` for these only."""
-    return ["deepseek_v4"]
+    """The model types this plugin serves (DeepSeek-V4 and V4.1): warmreg calls :func:`warmreg_register_kernels` for
+    these only."""
+    return list(MODEL_TYPES)
 
 
 @warmreg.hookimpl
@@ -97,6 +109,9 @@ def warmreg_register_kernels(
         backend refuses on the target (:func:`.backends.kv_cache_layout`), or any field an op module cannot read.
     """
     m = DSV4.from_config(config)
+    if m.v41:  # DeepSeek-V4.1: its own backends and kernel set (warmreg_deepseek_v4.v41)
+        v41.register(registry, m, config, platform)
+        return
     backend = backends.attention_backend(config)
     if platform.is_cuda and backend not in backends.SPARSE_BACKENDS:
         raise warmreg.ConfigError(

@@ -14,6 +14,7 @@ from . import (
     attn_res,
     causal_conv1d,
     causal_conv1d_update,
+    draft_fold,
     dsa_k_insert,
     dsa_mxfp4_k_insert,
     dsa_mxfp4_prologue,
@@ -27,10 +28,17 @@ from . import (
     kda_packed_decode,
     kda_spec_metadata,
     kda_state_indices,
+    kv_balanced_plan,
+    markov_noise,
+    markov_select,
+    markov_step,
     mtp_input,
     num_accepted,
     packed_causal_conv1d,
     qkv_rmsnorm,
+    recoverssm_commit,
+    recoverssm_plan,
+    recoverssm_verify,
     slot_mapping,
 )
 from .model import KimiK3
@@ -62,6 +70,14 @@ OP_MODULES: tuple[ModuleType, ...] = (
     dsa_mxfp4_prologue,
     dsa_mxfp4_k_insert,
     dsa_mxfp4_q_quant,
+    recoverssm_verify,
+    recoverssm_plan,
+    recoverssm_commit,
+    kv_balanced_plan,
+    markov_noise,
+    markov_step,
+    markov_select,
+    draft_fold,
 )
 
 
@@ -80,7 +96,9 @@ def warmreg_register_kernels(
     convolutions (stock or packed), output gated RMSNorm, prefill initial-state gather and metadata kernels (aligned state
     indices, speculative-decode staging); the attention residuals of every decoder layer; and the DSA layers'
     indexer kernels (fused prologue or key insert, query quant) with an FP8 or MXFP4 indexer cache; the model
-    runner's accepted-count update; and the MTP draft layer's input norms."""
+    runner's accepted-count update; the MTP draft layer's input norms; and under the specialized decode the
+    KV-balanced MLA plan, the DSpark drafter's Markov sampling and its draft attention's balanced tables; and
+    RecoverSSM's verify and commit (plan, conv-state compaction, SSM fold)."""
     m = KimiK3.from_config(config)
     for module in OP_MODULES:
         module.register(registry, m, config, platform)
