@@ -70,6 +70,25 @@ build() {  # ENGINE
     echo "== $e: ready in $((SECONDS - start)) s"
 }
 
+vllm_dsls() {  # ENGINE: the kernel DSLs vLLM's wheel requires, at vLLM's own pins, in a vLLM venv (idempotent)
+    # TileLang, CuTeDSL (nvidia-cutlass-dsl[cu13]) and quack-kernels, read from vLLM's metadata
+    # (importlib.metadata.requires("vllm")): on CUDA vLLM registers its CuTeDSL and TileLang kernels only where
+    # they import, so warmreg_vllm.registry_keys needs them to see the GPU's registrations (issue 38). About
+    # 25 s and 0.8 GB per venv (z3-solver, ml-dtypes, torch-c-dlpack-ext, protobuf come with them). Its own stamp,
+    # so adding it did not rebuild the venvs.
+    local venv="$root/$1" reqs stamp
+    [ "$(family "$1")" = vllm ] || return 0
+    reqs=$("$venv/bin/python" -c 'import importlib.metadata as m, re
+names = {"tilelang", "nvidia-cutlass-dsl", "quack-kernels"}
+print("\n".join(r for r in m.requires("vllm") if ";" not in r and re.split(r"[\[=<>!~ ]", r)[0] in names))')
+    stamp=$(printf '%s\n' "$reqs" | sha256sum | cut -c1-16)
+    [ "$(cat "$venv/.dsls" 2>/dev/null)" = "$stamp" ] && return 0
+    echo "== $1: vLLM's kernel DSLs: $(echo $reqs)"
+    # shellcheck disable=SC2086  # one requirement per word
+    "$venv/bin/pip" install -q $reqs
+    echo "$stamp" > "$venv/.dsls"
+}
+
 release() {  # ENGINE: the pinned release
     case "$1" in vllm) echo vllm==0.33.0 ;; vllm-0.34) echo vllm==0.34.0 ;; sglang) echo sglang==0.5.23 ;; esac
 }
@@ -90,6 +109,7 @@ status=0
 for e in "${engines[@]}"; do
     case "$e" in vllm|vllm-0.34|sglang) ;; *) echo "unknown engine: $e (vllm, vllm-0.34, sglang)"; exit 2 ;; esac
     build "$e"
+    vllm_dsls "$e"
     py="$root/$e/bin/python"
     case "$cmd" in
         test)

@@ -40,6 +40,7 @@ from .values.platform import (
 )
 
 if TYPE_CHECKING:
+    from ._triton.target import cross_target
     from .api.prefetch import prefetch
     from .api.warm import reset_state, warm
     from .contract.kernel import LaunchSpec, TritonKernel, TuneConfig, kernel_launcher, meta, output
@@ -58,6 +59,7 @@ _LAZY = {
     **dict.fromkeys(("KernelPlan", "Plan", "plan"), "pipeline.planning"),
     "Registry": "contract.registry",
     "enumerate_keys": "contract.space",
+    "cross_target": "_triton.target",  # compile for a named target in a block (a pack built beside an engine)
     "prefetch": "api.prefetch",  # torch-free: an engine calls it before it imports torch
     **dict.fromkeys(("reset_state", "warm"), "api.warm"),
 }
@@ -105,6 +107,7 @@ __all__ = [
     "WarmregError",
     "__version__",
     "arm",
+    "cross_target",
     "disarm",
     "dtype_name",
     "enumerate_keys",

@@ -172,3 +172,71 @@ def test_a_model_package_imported_under_the_cpu_platform_is_refused() -> None:
     )
     assert "vllm.models.deepseek_v4.cpu were imported under the CPU platform" in out["error"]
     assert "enter emulate_gpu before vLLM builds a config" in out["error"]
+
+
+# -- 3. vLLM's own registrations and keys (warmreg_vllm.registry_keys) ------------------------------------------------
+#: a small DeepSeek-V4-Flash TP 4 deployment: the Flash example's model at a short length and small batch
+SMALL_FLASH = (
+    'dict(max_num_batched_tokens=1024, max_num_seqs=16, max_model_len=8192, block_size=256, kv_cache_dtype="fp8_ds_mla",'
+    ' dtype="bfloat16", tensor_parallel_size=4, attention_backend="FLASHMLA_SPARSE_DSV4",'
+    ' speculative_config={"method": "mtp", "num_speculative_tokens": 1})'
+)
+B200 = "attrs.evolve(h200, name='NVIDIA B200', capability=(10, 0), num_compute_units=148, triton_target=TritonTarget(backend='cuda', arch=100, warp_size=32))"
+
+
+def registrations(profile: str) -> dict[str, Any]:
+    """vLLM's registered kernels of :data:`SMALL_FLASH` on a profile (a Python expression over ``h200``), in a fresh
+    process."""
+    return run_vllm(
+        f"""
+        import attrs, cases, tempfile, pathlib
+        from vllm.engine.arg_utils import EngineArgs
+        from warmreg_vllm.profile import GpuProfile, TritonTarget
+        from warmreg_vllm.registry_keys import registered_kernels
+        h200 = GpuProfile.named("h200")
+        model = cases.model_dir(pathlib.Path(tempfile.mkdtemp()), "deepseek_v4_flash")
+        found = registered_kernels(EngineArgs(model=model, skip_tokenizer_init=True, **{SMALL_FLASH}), {profile})
+        print(json.dumps({{"kernels": [k.to_dict() for k in found.kernels], "per_kind": found.keys_per_kind()}}))
+        """,
+        timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def h200_runs() -> list[dict[str, Any]]:
+    return [registrations("h200"), registrations("h200")]
+
+
+def by_name(run: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {k["name"]: k for k in run["kernels"]}
+
+
+def test_registrations_of_a_deployment_are_the_same_in_two_processes(h200_runs: list[dict[str, Any]]) -> None:
+    first, second = h200_runs
+    assert first == second
+    assert sum(first["per_kind"].values()) == sum(len(k["keys"]) for k in first["kernels"]) > 100
+
+
+def test_each_kernel_is_classified_by_how_vllm_compiles_it(h200_runs: list[dict[str, Any]]) -> None:
+    kernels = by_name(h200_runs[0])
+    expected = {
+        "FusedQKVRMSNormKernel": ("triton", ["model"]),  # a layer's __init__
+        "BuildPrefillChunkMetadataKernel": ("triton", ["model"]),
+        "DequantGatherKCacheKernel": ("cutedsl", ["model"]),  # cutlass importable on CUDA: the CuTeDSL variant
+        "IndexerQFp8Kernel": ("cutedsl", ["model"]),  # needs vllm.vllm_flash_attn.cute (emulate_gpu, point 4)
+        "MhcPreBigFuseTileLangKernel": ("tilelang", ["model"]),  # its split count reads the SM count (point 5)
+        "_topk_topp_kernel": ("triton", ["sampler"]),  # a Triton-derived key (the profile's target stands in)
+    }
+    assert {name: (kernels[name]["kind"], kernels[name]["points"]) for name in expected} == expected
+    assert all(k["keys"] and k["reason"] is None for k in kernels.values())
+    # the Triton-derived keys are written as Triton cache keys: no process-local id in them
+    assert all(key.startswith("TritonCompileKey(") for key in kernels["_topk_topp_kernel"]["keys"])
+    # the CPU platform's own choice (the Triton dequant-gather) is not registered on the GPU
+    assert "DequantizeAndGatherKCacheKernel" not in kernels
+
+
+def test_the_profile_changes_the_keys_of_a_named_kernel(h200_runs: list[dict[str, Any]]) -> None:
+    sm90, sm100 = by_name(h200_runs[0]), by_name(registrations(B200))
+    assert sm90["FusedInvRopeFP8QuantKernel"]["keys"] != sm100["FusedInvRopeFP8QuantKernel"]["keys"]
+    assert sm90["MhcPreBigFuseTileLangKernel"]["keys"] != sm100["MhcPreBigFuseTileLangKernel"]["keys"]  # 132 vs 148
+    assert sm90["FusedQKVRMSNormKernel"]["keys"] == sm100["FusedQKVRMSNormKernel"]["keys"]

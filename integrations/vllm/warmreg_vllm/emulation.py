@@ -15,12 +15,25 @@
    (``CudaPlatformBase.check_and_update_config``: the GPU worker, chunked prefill, the batch defaults of the GPU,
    Model Runner V2). ``vllm/platforms/cuda.py`` imports vLLM's CUDA extension ``vllm._C_stable_libtorch``, which
    needs ``libcuda.so.1``; a stand-in module takes its place in ``sys.modules`` while that one module is imported.
-3. **Modules whose CUDA import branch loads a CUDA extension are imported first, under the CPU platform**:
-   ``vllm/v1/attention/backends/fa_utils.py`` (``vllm.vllm_flash_attn``) and
-   ``vllm/model_executor/layers/quantization/online/base.py`` (``torch.ops._C.cutlass_scaled_mm_supports_fp8``).
-   Their module-level choices are the CPU's; they hold no JIT-warmup registration. A model package that picks its
-   implementation at import (``vllm/models/deepseek_v4/__init__.py``: ``nvidia/`` or ``cpu/``) must be imported
+3. **A module whose CUDA import branch loads a CUDA extension it cannot do without is imported first, under the CPU
+   platform**: ``vllm/model_executor/layers/quantization/online/base.py``
+   (``torch.ops._C.cutlass_scaled_mm_supports_fp8``). Its module-level choices are the CPU's; it holds no JIT-warmup
+   registration. A model package that picks its implementation at import
+   (``vllm/models/deepseek_v4/__init__.py``: ``nvidia/`` or ``cpu/``) must be imported
    inside the block: one already imported under the CPU platform is refused with :class:`EmulationError`.
+4. **vLLM's own CUDA extensions answer as present where only their import is tested**: vLLM's wheel ships them, so
+   on the GPU they load; here they need ``libcuda``. Each module of :data:`EXTENSION_PROBES` records at import
+   whether its extensions import, and is imported in the block with a stand-in module for each in ``sys.modules``,
+   removed right after: ``vllm/v1/attention/ops/flashmla.py`` (``vllm._flashmla_C``, ``vllm._flashmla_extension_C``:
+   the FlashMLA backends' validity, Kimi-K3's MLA) and ``vllm/vllm_flash_attn/__init__.py``, whose
+   ``flash_attn_interface`` tries ``_vllm_fa2_C`` and ``_vllm_fa3_C`` and whose ``__init__`` raises when neither
+   loads (the FlashAttention MLA prefill backend's validity; the DeepSeek-V4 CuTeDSL indexer-Q kernel imports
+   ``vllm.vllm_flash_attn.cute.utils``). Nothing in them is called here. Then ``vllm/v1/attention/backends/
+   fa_utils.py``, which the CPU-platform imports of point 3 bring in with its CPU branch, is executed again
+   (``importlib.reload``) to take its CUDA branch, which imports ``vllm.vllm_flash_attn``'s functions.
+5. **torch's device queries answer from the profile**: ``torch.cuda.get_device_properties`` (name, capability,
+   SM count, memory) and ``torch.cuda.get_device_capability``, which some keys read directly
+   (``model_executor/kernels/mhc/tilelang_kernels.py``: the mHC split count from the SM count).
 """
 
 from __future__ import annotations
@@ -39,15 +52,19 @@ from warmreg import WarmregError
 
 from .profile import GpuProfile
 
-__all__ = ["CUDA_IMPORT_BRANCHES", "EmulationError", "emulate_gpu"]
+__all__ = ["CUDA_IMPORT_BRANCHES", "CUDA_RELOADS", "EXTENSION_PROBES", "EmulationError", "emulate_gpu"]
 
 #: vLLM modules imported under the CPU platform before the swap: their CUDA branch imports a CUDA extension that
 #: cannot load without a driver (see the module docstring, point 3).
-CUDA_IMPORT_BRANCHES = (
-    "vllm.v1.attention.backends.fa_utils",
-    "vllm.model_executor.layers.quantization.online.base",
-)
+CUDA_IMPORT_BRANCHES = ("vllm.model_executor.layers.quantization.online.base",)
+#: vLLM modules imported under the CPU platform by point 3 and executed again in the block (end of point 4).
+CUDA_RELOADS = ("vllm.v1.attention.backends.fa_utils",)
 _CUDA_EXTENSION = "vllm._C_stable_libtorch"
+#: module -> the vLLM CUDA extensions whose import it tests (point 4).
+EXTENSION_PROBES = {
+    "vllm.v1.attention.ops.flashmla": ("vllm._flashmla_C", "vllm._flashmla_extension_C"),
+    "vllm.vllm_flash_attn": ("vllm.vllm_flash_attn._vllm_fa2_C", "vllm.vllm_flash_attn._vllm_fa3_C"),
+}
 
 
 class EmulationError(WarmregError, RuntimeError):
@@ -128,6 +145,38 @@ def _refuse_cpu_model_packages() -> None:
         )
 
 
+def _import_with_extensions(module: str, extensions: tuple[str, ...]) -> None:
+    """Import ``module`` with a stand-in for each absent extension in ``extensions`` (point 4); one imported
+    before (under the CPU platform) is left as it is."""
+    if module in sys.modules:
+        return
+    absent = [name for name in extensions if name not in sys.modules]
+    for name in absent:
+        sys.modules[name] = types.ModuleType(name)
+    try:
+        importlib.import_module(module)
+    finally:
+        for name in absent:
+            sys.modules.pop(name, None)
+
+
+@contextlib.contextmanager
+def _profiled_torch_cuda(profile: GpuProfile) -> Iterator[None]:
+    """``torch.cuda``'s device queries answering from ``profile`` (point 5)."""
+    major, minor = profile.capability
+    properties = types.SimpleNamespace(
+        name=profile.name, major=major, minor=minor, multi_processor_count=profile.num_compute_units,
+        total_memory=profile.total_memory, warp_size=profile.triton_target.warp_size,
+    )  # fmt: skip
+    saved = torch.cuda.get_device_properties, torch.cuda.get_device_capability
+    torch.cuda.get_device_properties = lambda device=None: properties  # type: ignore[assignment, return-value]
+    torch.cuda.get_device_capability = lambda device=None: (major, minor)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.get_device_properties, torch.cuda.get_device_capability = saved  # type: ignore[assignment]
+
+
 @contextlib.contextmanager
 def emulate_gpu(profile: GpuProfile) -> Iterator[Any]:
     """Make vLLM, on this machine, register kernels and compute their keys as on ``profile``'s GPU.
@@ -150,7 +199,13 @@ def emulate_gpu(profile: GpuProfile) -> Iterator[Any]:
         previous = type(current)
         current.__class__ = cls
         try:
-            yield current
+            for module, extensions in EXTENSION_PROBES.items():
+                _import_with_extensions(module, extensions)
+            for module in CUDA_RELOADS:
+                if module in sys.modules:
+                    importlib.reload(sys.modules[module])
+            with _profiled_torch_cuda(profile):
+                yield current
         finally:
             current.__class__ = previous
     finally:
