@@ -60,7 +60,9 @@ print(json.dumps({{"wall": wall, "again_wall": time.perf_counter() - t, "already
 
 def _run(code: str, cache: str) -> dict:
     env = {**os.environ, "TRITON_CACHE_DIR": cache}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"a warm process exited with {out.returncode}:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
