@@ -9,7 +9,11 @@ Importing this module, before vLLM or any kernel module is imported:
   imported afterwards, vLLM's and warmreg's, is interpreted on CPU tensors;
 - sets ``CUDA_VISIBLE_DEVICES`` to the empty string: without an active GPU driver vLLM replaces every
   ``@triton.jit`` with a placeholder (``vllm/triton_utils/importing.py``), except in its
-  distributed-start case, an empty ``CUDA_VISIBLE_DEVICES``, which keeps Triton on.
+  distributed-start case, an empty ``CUDA_VISIBLE_DEVICES``, which keeps Triton on;
+- hides the CuTeDSL, TileLang and quack packages (``sys.modules[name] = None``: ``find_spec`` answers None, an
+  import fails), which the venvs hold for vLLM's registry keys (``warmreg_vllm.registry_keys``): where they import,
+  vLLM's dequant-gather and indexer-Q entry points take their CuTeDSL branch (``vllm/utils/import_utils.py``
+  ``_has_module``), and these tests compare warmreg's ops with vLLM's Triton kernels.
 
 A test module must therefore import this module before anything that imports triton kernels, and the
 kernel tests run in their own pytest process (``scripts/engine-envs.sh`` does).
@@ -39,6 +43,8 @@ if "vllm" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
     )
 os.environ["TRITON_INTERPRET"] = "1"
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+for _dsl in ("cutlass", "tilelang", "quack"):
+    sys.modules.setdefault(_dsl, None)  # type: ignore[assignment]
 
 import torch
 import triton
