@@ -32,7 +32,7 @@ def _sweep_module() -> ModuleType:
     return sys.modules[name]
 
 
-@pytest.mark.parametrize("example", ["deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3", "kimi_k3_dsa"])
+@pytest.mark.parametrize("example", ["deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3", "kimi_k3_dsa", "deepseek_v41"])
 def test_sweep_launches_every_plan_kernel(example: str) -> None:
     sweep = _sweep_module()
     config = str(ROOT / "examples" / f"{example}.json")
@@ -72,6 +72,24 @@ def test_sweep_drives_the_dspark_draft_step() -> None:
     assert all(o["platform_only"] for o in run["keys_outside_plan"]), run["keys_outside_plan"]
 
 
+def test_sweep_drives_deepseek_v41_on_sm100() -> None:
+    """DeepSeek-V4.1's plan for cuda:100: the fused Q/KV norm + MXFP8 query quant replaces the shared RMSNorm and the
+    inverse RoPE is not planned (DeepGEMM's MXFP8 wo_a); every planned kernel launches, through the same driver as
+    the V4 examples (DSV4Sweep builds its V4.1 subclass). About 7 CPU seconds."""
+    sweep = _sweep_module()
+    config = str(ROOT / "examples" / "deepseek_v41.json")
+    run = sweep.run_config(
+        config, steps=3, seed=36, device="cpu", max_tokens=3, max_seq_len=16, max_seqs=2, target="cuda:100"
+    )
+    assert run["step_failures"] == [] and run["not_launched"] == []
+    planned = {kp.name for kp in warmreg.plan(config, target="cuda:100").kernels}
+    assert set(run["kernels"]) == planned and "deepseek_v4.v41_q_kv_norm_quant" in planned
+    for name, k in run["kernels"].items():
+        assert k["launches"] >= 1 and k["failures"] == 0 and k["misses"] == 0 and k["monitor_agrees"], (name, k)
+        assert all(c.endswith("matches the PyTorch reference") for c in k["checks"]), k["checks"]
+    assert all(o["platform_only"] for o in run["keys_outside_plan"]), run["keys_outside_plan"]
+
+
 def _without_kda(drivers: dict[str, type[kit.Sweep[Any]]]) -> dict[str, type[kit.Sweep[Any]]]:
     """The installed drivers, Kimi-K3's made to drive everything but the KDA decode step."""
     kimi = drivers["kimi_k3"]
@@ -95,7 +113,7 @@ def test_the_plugins_declare_their_drivers_and_the_sweep_names_no_plugin() -> No
     assert drivers["deepseek_v4"].__module__ == "warmreg_deepseek_v4.sweep"
     assert drivers["kimi_k3"].__module__ == "warmreg_kimi_k3.sweep"
     source, named = (ROOT / "benchmarks" / "sweep.py").read_text(), set()
-    for example in ("deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3", "kimi_k3_full"):
+    for example in ("deepseek_v4_flash", "deepseek_v4_pro", "kimi_k3", "kimi_k3_full", "deepseek_v41"):
         plan = warmreg.plan(str(ROOT / "examples" / f"{example}.json"), target=sweep.CPU_TARGET)
         assert kit.driver_for(plan, drivers) is drivers[plan.config.model_type]
         named |= {kp.name for kp in plan.kernels if not kp.name.startswith("warmreg.")}

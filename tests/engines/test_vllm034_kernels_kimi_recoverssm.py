@@ -10,6 +10,13 @@ projection, a column of the packed projection for beta, the layer's SSM pool and
 ``local_num_heads``, ``head_dim``, ``gate_lower_bound``), with and without request indices and align mode. warmreg's
 ops run on clones of the same seeded tensors; every output, record, plan buffer, conv state and checkpoint is
 compared bitwise: both sides run the same fp32 operations in the same order, so no tolerance is needed.
+
+The last section checks the keys RecoverSSM changes elsewhere in the plan against vLLM's own choice of shapes and
+strides: vLLM's ``KimiK3KDAMetadataBuilder`` (its real ``__init__`` and ``build``) builds a step's metadata from a
+block table as wide as vLLM sizes it (``MambaBase.get_kv_cache_spec``, ``MambaSpec.max_num_blocks_per_req``,
+``get_block_table_width``), with RecoverSSM on and off; the conv update is then called as the layer calls it
+(``_recoverssm_verify`` or ``_forward``'s speculative path) and the staging as the builder calls it, each by vLLM and
+by warmreg, bitwise, and warmreg's key of each call must be one the plan of ``examples/kimi_k3.json`` warms.
 """
 
 from __future__ import annotations
@@ -29,11 +36,28 @@ import pytest
 import torch
 
 vllm_rssm = engine("vllm.models.kimi_k3.nvidia.ops.recoverssm")
-from warmreg_kimi_k3.backends import KDALayout  # noqa: E402
+vllm_meta = engine("vllm.models.kimi_k3.nvidia.kda_metadata")
+vllm_conv_cpu = engine("vllm.model_executor.layers.mamba.ops.causal_conv1d")
+import importlib.util  # noqa: E402
+from unittest import mock  # noqa: E402
+
+from vllm.config.compilation import CUDAGraphMode  # noqa: E402
+from vllm.model_executor.layers.mamba.abstract import MambaBase  # noqa: E402
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum  # noqa: E402
+from vllm.v1.attention.backends.utils import CommonAttentionMetadata  # noqa: E402
+from vllm.v1.kv_cache_interface import get_block_table_width  # noqa: E402
+from warmreg_kimi_k3.backends import KDALayout, kda_layout  # noqa: E402
+from warmreg_kimi_k3.causal_conv1d import projection_row_stride  # noqa: E402
+from warmreg_kimi_k3.causal_conv1d_update import CausalConv1dUpdate  # noqa: E402
+from warmreg_kimi_k3.kda_spec_metadata import StageSpecDecodeMetadata  # noqa: E402
+from warmreg_kimi_k3.model import KimiK3  # noqa: E402
 from warmreg_kimi_k3.recoverssm import LayerTable  # noqa: E402
 from warmreg_kimi_k3.recoverssm_commit import RecoverSSMCommitState, RecoverSSMCompactConv  # noqa: E402
 from warmreg_kimi_k3.recoverssm_plan import RecoverSSMCommitPlan  # noqa: E402
 from warmreg_kimi_k3.recoverssm_verify import RecoverSSMVerify  # noqa: E402
+
+import warmreg  # noqa: E402
+from warmreg.testing import config_loader  # noqa: E402
 
 
 def _layout(heads: int, d: int, spec: int, bound: float | None, dtype: str = "bfloat16") -> KDALayout:
@@ -193,3 +217,169 @@ def test_commit_equals_vllm(layers: int, heads: int, d: int, spec: int, bound: f
     for i in range(layers):
         assert_same(ours[f"conv{i}"], theirs[f"conv{i}"], f"conv state of layer {i}")
         assert_same(ours[f"ssm{i}"], theirs[f"ssm{i}"], f"SSM checkpoints of layer {i}")
+
+
+# -- the metadata builder's state slots: the conv update's and the staging's keys, RecoverSSM on and off -----------
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SPEC, HEADS, D, MAX_SEQS, LINES = 3, 12, 128, 8, 14  # examples/kimi_k3.json on one TP-8 rank
+P = HEADS * D
+CONV_ROWS, ROW = 3 + SPEC, 4 * P + D + HEADS + 4  # the conv state's W - 1 + spec rows; the packed projection row
+
+
+def _triton_conv_module() -> Any:
+    """vLLM's ``causal_conv1d.py`` as a GPU imports it: on its CPU platform the module rebinds
+    ``causal_conv1d_update`` to a C++ CPU op at import (``if current_platform.is_cpu(): ...``), so it is executed
+    again, under another name, with ``is_cpu`` answering False for that import only; its kernels are unchanged."""
+    spec = importlib.util.spec_from_file_location("vllm_causal_conv1d_on_gpu", vllm_conv_cpu.__file__)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    with mock.patch.object(vllm_conv_cpu.current_platform, "is_cpu", return_value=False):
+        spec.loader.exec_module(module)
+    return module
+
+
+vllm_conv = _triton_conv_module()
+
+
+class _OnCuda(torch.Tensor):
+    """A CPU tensor that says it is on CUDA: ``stage_spec_decode_metadata`` asserts ``state_indices.is_cuda``
+    before its Triton launch, which the interpreter runs on CPU tensors. It changes no kernel and no math."""
+
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
+        return True
+
+
+def _engine_config(recoverssm: bool, graphs: bool) -> SimpleNamespace:
+    """The ``VllmConfig`` fields the builder, the Mamba spec and the commit context read: what
+    ``validate_mamba_cached_kernel`` leaves for Kimi-K3 with 3 drafts (``use_kda_recoverssm = use_replayssm``)."""
+    mode = CUDAGraphMode.FULL_AND_PIECEWISE if graphs else CUDAGraphMode.NONE
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(use_replayssm=recoverssm, use_kda_recoverssm=recoverssm, mamba_block_size=16,
+                                     mamba_page_size_padded=None, mamba_cache_mode="none"),
+        speculative_config=SimpleNamespace(num_speculative_tokens=SPEC, enable_adaptive_verification=False,
+                                           max_num_new_slots_for_drafting=0, use_eagle_block_drop=lambda: False),
+        compilation_config=SimpleNamespace(cudagraph_mode=mode, max_cudagraph_capture_size=None,
+                                           static_forward_context={}),
+        scheduler_config=SimpleNamespace(max_num_seqs=MAX_SEQS), parallel_config=SimpleNamespace(
+            decode_context_parallel_size=1), model_config=SimpleNamespace(hf_text_config=SimpleNamespace()),
+        num_speculative_tokens=SPEC, num_hash_lookahead_tokens=0, additional_config={},
+    )  # fmt: skip
+
+
+def _builder(config: SimpleNamespace, pages: torch.Tensor) -> tuple[Any, int]:
+    """vLLM's builder for one KDA group, and the group's block-table width as the V2 runner sizes it
+    (``v1/worker/gpu/model_runner.py``: ``get_block_table_width(spec.max_num_blocks_per_req(...), ...)``). The
+    group's one layer is a stand-in holding what ``KDARecoverSSMCommitContext.create`` reads."""
+    layer = SimpleNamespace(
+        get_state_shape=lambda: ((CONV_ROWS, 3 * P), (HEADS, D, D)),
+        get_state_dtype=lambda: (torch.bfloat16, torch.float32), state_alignment=1,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN, is_kv_cache_tp_replicated=False,
+    )  # fmt: skip
+    spec = MambaBase.get_kv_cache_spec(layer, config)
+    width = get_block_table_width(spec.max_num_blocks_per_req(config, 4096), spec.block_size,
+                                  token_alignment=spec.block_table_token_alignment)  # fmt: skip
+    conv, ssm = _conv_state(pages).transpose(-1, -2), pages[:, CONV_ROWS * 3 * P :].view(torch.float32)
+    s = 1 + SPEC
+    config.compilation_config.static_forward_context["kda.0"] = SimpleNamespace(
+        kv_cache=(conv, ssm[:, : HEADS * D * D].unflatten(1, (HEADS, D, D))), recoverssm_backend="triton",
+        recoverssm_records=vllm_rssm.KDARecoverSSMRecords(torch.zeros(MAX_SEQS, HEADS, s, D),
+                                                          torch.zeros(MAX_SEQS, HEADS, s, 2 * D).bfloat16()),
+        A_log=torch.zeros(HEADS), dt_bias=torch.zeros(P), local_num_heads=HEADS, head_dim=D, gate_lower_bound=-5.0,
+    )  # fmt: skip
+    return vllm_meta.KimiK3KDAMetadataBuilder(spec, ["kda.0"], config, torch.device("cpu")), width
+
+
+def _conv_state(pages: torch.Tensor) -> torch.Tensor:
+    """The layer's conv state as the conv kernels take it, ``[lines, 3P, W - 1 + spec]``, at the start of each page."""
+    return pages[:, : CONV_ROWS * 3 * P].unflatten(1, (CONV_ROWS, 3 * P)).transpose(-1, -2)
+
+
+def _step(case: str, width: int, g: torch.Generator) -> tuple[CommonAttentionMetadata, dict[str, torch.Tensor]]:
+    """Three requests as the V2 runner hands them to the builder: all verifying drafts (``"spec"``), or a prefill
+    chunk first (``"mixed"``); each row of the block table a distinct page."""
+    lens = [4, 2, 4] if case == "spec" else [5, 4, 3]
+    prefill = [False] * 3 if case == "spec" else [True, False, False]
+    qsl = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([40 + n for n in lens], dtype=torch.int32)
+    table = (torch.randperm(LINES - 1, generator=g)[: 3 * width] + 1).int().view(3, width).as_subclass(_OnCuda)
+    common = CommonAttentionMetadata(
+        query_start_loc=qsl, query_start_loc_cpu=qsl.clone(), seq_lens=seq_lens, num_reqs=3,
+        num_actual_tokens=int(qsl[-1]), max_query_len=max(lens), max_seq_len=int(seq_lens.max()),
+        block_table_tensor=table, slot_mapping=torch.zeros(int(qsl[-1]), dtype=torch.int64),
+        is_prefilling=torch.tensor(prefill), seq_lens_cpu_upper_bound=seq_lens.clone(),
+    )  # fmt: skip
+    drafts = torch.tensor([-1 if p else n - 1 for p, n in zip(prefill, lens)], dtype=torch.int32)
+    return common, {"num_accepted_tokens": torch.tensor([2, 1, 4], dtype=torch.int32), "drafts": drafts}
+
+
+def _planned(recoverssm: bool) -> dict[str, set[Any]]:
+    config = config_loader(EXAMPLES)("kimi_k3", use_replayssm=recoverssm)
+    return {kp.name: set(kp.keys) for kp in warmreg.plan(config, target="cuda:90").kernels}
+
+
+@pytest.mark.parametrize(("case", "graphs"), [("spec", True), ("spec", False), ("mixed", True)])
+@pytest.mark.parametrize("recoverssm", [False, True])
+def test_builder_state_slots_are_planned(recoverssm: bool, case: str, graphs: bool) -> None:
+    """``KimiK3KDAMetadataBuilder.build`` for a step of speculative rows (staged into the graph buffers, or not) or a
+    prefill beside them; then ``causal_conv1d_update`` on the speculative rows as ``_recoverssm_verify`` calls it
+    (``conv_state_indices=m.spec_state_indices_tensor[:n, 0]``, ``max_query_len=spec_query_len``) or, RecoverSSM
+    off, as ``_forward`` does (``spec_state_indices_tensor[:, 0][:n]``, ``max_query_len=
+    spec_state_indices_tensor.size(-1)``), and the staging as the builder calls it. Both bitwise against vLLM, and
+    each warmreg key (cuda:90: PDL) among the keys the example's plan warms; the index stride is 1 with RecoverSSM
+    (the block table is one slot wide, the staged buffer ``[max_num_seqs, 1]``), ``1 + spec`` without."""
+    g = seeded(17 + recoverssm)
+    config = _engine_config(recoverssm, graphs)
+    pages = torch.randn(LINES, CONV_ROWS * 3 * P + 2 * HEADS * D * D, generator=g).bfloat16()
+    builder, width = _builder(config, pages)
+    assert width == (1 if recoverssm else 1 + SPEC)
+    common, step = _step(case, width, g)
+    planned, staged = _planned(recoverssm), []
+    real_stage = vllm_meta.stage_spec_decode_metadata
+
+    def stage(*, num_spec_decodes: int, **args: torch.Tensor) -> None:  # the builder passes keywords
+        ours = {name: x.as_subclass(torch.Tensor).clone() for name, x in args.items()}
+        real_stage(**args, num_spec_decodes=num_spec_decodes)
+        op = StageSpecDecodeMetadata(max_num_seqs=MAX_SEQS, num_speculative_tokens=SPEC)
+        op(**ours, num_spec_decodes=num_spec_decodes, launch_pdl=False)
+        for name in args:
+            assert_same(ours[name], args[name].as_subclass(torch.Tensor), name)
+        staged.append(op.dispatch(staged_state_indices=ours["staged_state_indices"],
+                                  query_start_loc=ours["query_start_loc"],
+                                  num_accepted_tokens=ours["num_accepted_tokens"], launch_pdl=True))  # fmt: skip
+
+    with mock.patch.object(vllm_meta, "stage_spec_decode_metadata", stage):
+        m = builder.build(0, common, num_accepted_tokens=step["num_accepted_tokens"],
+                          num_decode_draft_tokens_cpu=step["drafts"])  # fmt: skip
+    assert m.num_spec_decodes == (3 if case == "spec" else 2) and (m.recoverssm_commit is not None) == recoverssm
+    assert len(staged) == (graphs and case == "spec") and all(
+        k in planned[StageSpecDecodeMetadata.name] for k in staged
+    )
+    assert all(k.num_state_slots == (1 if recoverssm else 1 + SPEC) for k in staged)
+
+    n, slots = m.num_spec_decodes, m.spec_state_indices_tensor
+    indices = slots[:n, 0] if recoverssm else slots[:, 0][:n]
+    indices = indices.as_subclass(torch.Tensor)
+    rows = torch.randn(common.num_actual_tokens, ROW, generator=g).bfloat16()
+    start = 0 if m.spec_token_start is None else m.spec_token_start
+    args = {
+        "x": rows[start : start + m.num_spec_decode_tokens, : 3 * P],
+        "weight": torch.randn(3 * P, 4, generator=g), "bias": None, "activation": "silu",
+        "conv_state_indices": indices, "num_accepted_tokens": m.num_accepted_tokens.as_subclass(torch.Tensor),
+        "query_start_loc": m.spec_query_start_loc[: n + 1].as_subclass(torch.Tensor),
+        "max_query_len": 1 + SPEC if recoverssm else slots.size(-1),
+    }  # fmt: skip
+    theirs, ours = pages.clone(), pages.clone()
+    want = vllm_conv.causal_conv1d_update(conv_state=_conv_state(theirs), **args, validate_data=False,
+                                          out=torch.empty_like(args["x"]))  # fmt: skip
+    config_kimi = warmreg.WarmConfig.load(config_loader(EXAMPLES)("kimi_k3", use_replayssm=recoverssm))
+    layout = kda_layout(KimiK3.from_config(config_kimi), config_kimi)
+    assert layout is not None and (layout.num_heads, layout.head_dim, projection_row_stride(layout)) == (HEADS, D, ROW)
+    op = CausalConv1dUpdate(layout=layout, plain_decode=True, max_num_seqs=MAX_SEQS)
+    got = op(conv_state=_conv_state(ours), **args, launch_pdl=False, out=torch.full_like(args["x"], 3.0))
+    assert_same(got, want, "conv output")
+    assert_same(ours, theirs, "KV pages (conv states)")
+    key = op.dispatch(conv_state=_conv_state(ours), null_block_id=0, launch_pdl=True,
+                      **{k: v for k, v in args.items() if k != "out"})  # fmt: skip
+    assert key.stride_state_indices == (1 if recoverssm else 1 + SPEC)
+    assert key in planned[CausalConv1dUpdate.name], key

@@ -24,8 +24,8 @@ import warmreg
 from .model import DSV4, PLUGIN
 
 __all__ = [
-    "RECORDS", "V41_KV_CACHE_DTYPES", "check_index_vector", "compressed_record", "pcp_size", "ring_capacity",
-    "v41_register_predicate",
+    "RECORDS", "V41_KV_CACHE_DTYPES", "check_index_vector", "compressed_record", "indexer_block_size", "index_ratios",
+    "pcp_size", "v41_fp8_indexer", "ring_capacity", "v41_register_predicate",
 ]  # fmt: skip
 
 #: ``serving.kv_cache_dtype`` values a V4.1 deployment may name (vLLM 0.34 ``CacheDType`` values its backends take).
@@ -38,6 +38,33 @@ def v41_register_predicate(model: DSV4, config: warmreg.WarmConfig) -> tuple[war
     """``(when, ratios)``: CUDA for a DeepSeek-V4.1 model with compressor layers, and their ratios."""
     ratios = model.v41_compressed_ratios
     return (warmreg.is_cuda if ratios else False), ratios
+
+
+def index_ratios(model: DSV4) -> tuple[int, ...]:
+    """V4.1: the compress ratios of the backbone ``index_source_layer_ids`` layers that build an indexer, sorted (the
+    ratio every ``DeepseekV4Indexer`` and its ``DeepseekV4IndexerCache`` takes from its layer); () for V4 or a model
+    whose index sources are all sliding-window layers."""
+    if not model.v41:
+        return ()
+    layers = model.index_source_layer_ids
+    return tuple(sorted({model.ratios[i] for i in layers if i < model.num_hidden_layers and model.ratios[i] > 0}))
+
+
+def v41_fp8_indexer(config: warmreg.WarmConfig) -> bool:
+    """Whether V4.1's indexer K cache is FP8 (``dsa_indexer_uses_fp4`` False): ``serving.indexer_kv_dtype`` ``auto``
+    (vLLM's CUDA default, FP8: the ROCm MXFP4 default is DeepSeek-V4's only) or ``fp8``. On ``mxfp4`` V4.1 runs the
+    MXFP4 indexer kernels, which this plugin does not plan for V4.1.
+
+    :raises warmreg.ConfigError: for a value outside ``auto``, ``fp8``, ``mxfp4``.
+    """
+    value = config.get("serving.indexer_kv_dtype", str, plugin=PLUGIN, default="auto", choices=("auto", "fp8", "mxfp4"))
+    return value != "mxfp4"
+
+
+def indexer_block_size(platform: warmreg.Platform) -> int:
+    """Uncompressed tokens a block of V4.1's indexer K cache holds at the kernels: ``DeepseekV41IndexerBackend.
+    get_supported_kernel_block_sizes`` (64 on SM90 and SM12x, 128 elsewhere)."""
+    return 64 if platform.is_cuda and platform.sm // 10 in (9, 12) else 128
 
 
 def ring_capacity(config: warmreg.WarmConfig) -> int:

@@ -16,6 +16,7 @@ import warmreg
 from ._checks import check_int32_vector, out_parts
 from ._metadata_common import HIGH_REPS, LOW_REPS, TILE, int_rep
 from ._serving import serving_int
+from ._v41 import index_ratios
 from .model import DSV4
 
 __all__ = [
@@ -266,5 +267,13 @@ def indexer_prefill_chunk_metadata_reference(
 
 
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
-    """Register the C4 indexer's prefill chunk metadata when the model has C4 layers (every platform)."""
+    """Register the C4 indexer's prefill chunk metadata when the model has C4 layers (every platform).
+
+    DeepSeek-V4.1 (CUDA): its indexer backends' builder is V4's (``DeepseekV32IndexerMetadataBuilder``), which calls
+    ``build_prefill_chunk_metadata`` with its cache's ratio (``tokens_per_state``): each index-source ratio.
+    """
+    if model.v41:
+        ratios = index_ratios(model)
+        registry.add(IndexerPrefillChunkMetadata(compress_ratios=ratios), when=warmreg.is_cuda if ratios else False)
+        return
     registry.add(IndexerPrefillChunkMetadata(compress_ratios=(4,)), when=model.has_c4)

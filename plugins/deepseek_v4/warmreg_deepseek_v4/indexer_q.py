@@ -33,6 +33,7 @@ from ._checks import check_rope_cache, out_parts
 from ._indexer_common import SCALE_FLOOR, IndexerQBase, rope_pairs
 from ._quant import bf16_round, ceil_log2, exp2i, fp8_bits, pow2_scale_reference
 from ._serving import mxfp4_indexer
+from ._v41 import index_ratios, v41_fp8_indexer
 from .model import DSV4
 
 __all__ = [
@@ -239,11 +240,20 @@ def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig
     CUDA without CuTeDSL (CuTeDSL replaces it; XPU has its own op). On an MXFP4 cache
     (``serving.indexer_kv_dtype``) CUDA runs :mod:`.indexer_q_mxfp4` and ROCm aiter's MXFP4 Q instead.
 
+    DeepSeek-V4.1 launches the same function (``models/deepseek_v41/common/ops`` re-exports V4's
+    ``fused_indexer_q_rope_quant`` verbatim) from ``DeepseekV4Indexer.forward_q`` with the same arguments (its FP8
+    path takes ``weights_out_dtype`` float32 only, V4's default): on CUDA without CuTeDSL, when the index-source
+    layers build an indexer (:func:`._v41.index_ratios`) on an FP8 K cache (:func:`._v41.v41_fp8_indexer`).
+
     :raises warmreg.ConfigError: for a ``serving.indexer_kv_dtype`` the platform cannot serve.
     """
     kernel = IndexerQRopeQuant(
         num_heads=model.index_n_heads, head_dim=model.index_head_dim, rope_dim=model.qk_rope_head_dim, dtype=model.dtype
     )
+    if model.v41:
+        v41_fp8 = bool(index_ratios(model)) and v41_fp8_indexer(config)
+        registry.add(kernel, when=warmreg.is_cuda & ~warmreg.has_feature("cutedsl") if v41_fp8 else False)
+        return
     triton_q = warmreg.is_rocm | (warmreg.is_cuda & ~warmreg.has_feature("cutedsl"))
     fp8 = model.has_c4 and not mxfp4_indexer(config, model, platform)
     registry.add(kernel, when=triton_q if fp8 else False)

@@ -150,6 +150,7 @@ class InvRopeFP8Quant(warmreg.TritonKernel[InvRopeQuantKey]):
     :param head_dim: ``head_dim`` (512).
     :param rope_dim: ``qk_rope_head_dim`` (64).
     :param dtype: activation dtype name.
+    :param quantize: whether ``wo_a`` is FP8 (domains only; default: :func:`.model.fp8_checkpoint` of the config).
     """
 
     name = "deepseek_v4.inv_rope_fp8_quant"
@@ -164,9 +165,10 @@ class InvRopeFP8Quant(warmreg.TritonKernel[InvRopeQuantKey]):
         head_dim: int = 512,
         rope_dim: int = 64,
         dtype: str = "bfloat16",
+        quantize: bool | None = None,
     ) -> None:
         self.num_heads, self.n_groups, self.head_dim, self.rope_dim = num_heads, n_groups, head_dim, rope_dim
-        self.dtype = getattr(torch, dtype)
+        self.dtype, self.quantize = getattr(torch, dtype), quantize
 
     def dispatch(
         self,
@@ -203,7 +205,7 @@ class InvRopeFP8Quant(warmreg.TritonKernel[InvRopeQuantKey]):
             ],
             "cos_sin_cache": [warmreg.meta((rows, self.rope_dim), torch.float32)],
             "n_groups": [self.n_groups],
-            "quantize": [fp8_checkpoint(config)],
+            "quantize": [fp8_checkpoint(config) if self.quantize is None else self.quantize],
             "tma_aligned_scales": [platform.is_cuda and platform.sm >= 100],
             "launch_pdl": [platform.supports_pdl],
         }
@@ -344,7 +346,11 @@ def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig
 
     CUDA and XPU only: ROCm runs aiter's ``inverse_rope_group_quant`` instead; and not where FlashInfer's SM10x
     kernel fuses it into the attention output (:func:`warmreg_deepseek_v4.backends.flashinfer_rope_quant`).
+    DeepSeek-V4.1: :func:`_register_v41`.
     """
+    if model.v41:
+        _register_v41(registry, model, config, platform)
+        return
     tp = config.get("serving.tensor_parallel_size", int, plugin=PLUGIN, default=1)
     if model.num_attention_heads % tp or model.o_groups % tp:
         raise warmreg.ConfigError(
@@ -362,3 +368,33 @@ def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig
     # Not where FlashInfer's SM10x kernel writes the rotated FP8 output itself (RopeQuant: backends.flashinfer_rope_quant).
     sparse = attention_backend(config) in SPARSE_BACKENDS and not flashinfer_rope_quant(model, config, platform)
     registry.add(kernel, when=(warmreg.is_cuda | warmreg.is_xpu) if sparse else False)
+
+
+def _register_v41(
+    registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform
+) -> None:
+    """DeepSeek-V4.1 on CUDA: ``dsv41_o_proj`` (``models/deepseek_v41/nvidia/ops/o_proj.py``) of the FlashMLA and
+    FlashInfer attention classes runs ``DeepseekV4GroupedWoA.grouped_forward``, V4's ``deep_gemm_fp8_o_proj``, which
+    launches V4's ``fused_inv_rope_fp8_quant`` (re-exported verbatim by ``models/deepseek_v41/common/ops``) on the live
+    heads with ``quant_group_size = einsum_recipe[2]`` and ``quantize`` for an e4m3 ``wo_a`` weight. Mega attention
+    rotates and quantizes inside its kernel (no launch). Which ``wo_a`` a checkpoint gets:
+
+    * plain FP8 (128x128 blocks): e4m3, recipe block 128 (the V4 keys);
+    * MXFP8 (:attr:`.model.DSV4.mxfp8_checkpoint`) below SM100: Marlin's MXFP8 linear repacks the weight to int32
+      (``prepare_mxfp8_layer_for_marlin``), so ``quantize`` is False (bf16 output for ``torch.bmm``);
+    * MXFP8 on SM100 and newer: DeepGEMM's MXFP8 BMM sets ``weight_block_size [1, 32]``, so the quant group is 32,
+      which this op does not build (its group is 128): not registered, a gap of issue 37;
+    * bf16: ``quantize`` False.
+    """
+    from .v41 import attention_kind, tensor_parallel_size  # here: .v41 imports the op modules
+
+    if not platform.is_cuda or attention_kind(config, model, platform) == "mega":
+        return
+    if model.mxfp8_checkpoint and platform.sm >= 100:
+        return
+    tp = tensor_parallel_size(config)
+    kernel = InvRopeFP8Quant(
+        num_heads=model.num_attention_heads // tp, n_groups=model.o_groups // tp, head_dim=model.head_dim,
+        rope_dim=model.qk_rope_head_dim, dtype=model.dtype, quantize=model.fp8_checkpoint and not model.mxfp8_checkpoint,
+    )  # fmt: skip
+    registry.add(kernel, when=warmreg.is_cuda)

@@ -37,6 +37,7 @@ import triton.language as tl
 
 import warmreg
 
+from ._v41 import index_ratios
 from .model import DSV4
 
 __all__ = ["ShortContextTopk", "ShortContextTopkKey", "register", "short_context_topk_reference"]
@@ -74,14 +75,16 @@ class ShortContextTopk(warmreg.TritonKernel[ShortContextTopkKey]):
     """Every visible compressed candidate of each token, then ``-1`` (the module docstring has the math).
 
     :param topk: the model's ``index_topk`` (domains only).
+    :param compress_ratios: the indexers' ratios (domains only): 4 for DeepSeek-V4, the index-source layers' 1 or 2
+        for V4.1.
     """
 
     name = "deepseek_v4.fill_short_context_topk"
     key_type = ShortContextTopkKey
     jit = _short_context_topk_kernel
 
-    def __init__(self, *, topk: int) -> None:
-        self.topk = topk
+    def __init__(self, *, topk: int, compress_ratios: tuple[int, ...] = (C4,)) -> None:
+        self.topk, self.compress_ratios = topk, compress_ratios
 
     def dispatch(self, *, topk: int, compress_ratio: int) -> ShortContextTopkKey:
         return ShortContextTopkKey(
@@ -89,7 +92,7 @@ class ShortContextTopk(warmreg.TritonKernel[ShortContextTopkKey]):
         )
 
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
-        return {"topk": [self.topk], "compress_ratio": [C4]}
+        return {"topk": [self.topk], "compress_ratio": self.compress_ratios}
 
     def warmup_inputs(self, key: ShortContextTopkKey) -> Mapping[str, Any]:
         return {
@@ -153,5 +156,16 @@ def short_context_topk_reference(
 
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register the fill on every platform when the model has C4 layers (``DeepseekV4Indexer.forward``'s
-    short-context branch; see the module docstring). It reads no serving setting."""
+    short-context branch; see the module docstring). It reads no serving setting.
+
+    DeepSeek-V4.1 launches the same kernel (its ``models/deepseek_v41/attention.py`` imports
+    ``fill_short_context_topk_indices`` from V4's) from its own ``DeepseekV4Indexer.forward``, with the same
+    arguments and ``COMPRESS_RATIO`` its layer's ratio: on CUDA (this plugin's V4.1 plan) for each ratio of the
+    index-source layers (:func:`._v41.index_ratios`).
+    """
+    if model.v41:
+        ratios = index_ratios(model)
+        kernel = ShortContextTopk(topk=model.index_topk, compress_ratios=ratios)
+        registry.add(kernel, when=warmreg.is_cuda if ratios else False)
+        return
     registry.add(ShortContextTopk(topk=model.index_topk), when=model.has_c4)

@@ -56,9 +56,14 @@ __all__ = ["DSV4Sweep"]
 
 
 class DSV4Sweep(DSV4Engine):
-    """DeepSeek-V4: per-step metadata, then its SWA-only, C4, C128 and MTP layer types (those the config has)."""
+    """DeepSeek-V4: per-step metadata, then its SWA-only, C4, C128 and MTP layer types (those the config has).
 
-    model_types: ClassVar[tuple[str, ...]] = ("deepseek_v4",)
+    It is the ``warmreg.sweep`` entry point of both model types: a ``deepseek_v41`` plan builds its subclass
+    :class:`~warmreg_deepseek_v4.sweep_v41.DSV41Sweep` (V4.1's engine state and layer types), so one entry point
+    serves the plugin.
+    """
+
+    model_types: ClassVar[tuple[str, ...]] = ("deepseek_v4", "deepseek_v41")
     drives: ClassVar[frozenset[str]] = Sweep.drives | {CSLOTS, GATHER, COMBINE, SAVE} | {
         DSV4_PREFIX + n
         for n in (
@@ -81,8 +86,24 @@ class DSV4Sweep(DSV4Engine):
             "prepare_uniform_decode",
             "sparse_swa_prefill_metadata",
             "unpack_seq",
+            # DeepSeek-V4.1 (sweep_v41.DSV41Sweep)
+            "v41_combine_topk_swa_indices",
+            "v41_hc_expand",
+            "v41_indexer_k_store",
+            "v41_q_kv_norm_quant",
+            "v41_ring_slot_mapping",
+            "v41_rope_insert",
+            "v41_save_compress_norm",
         )
     }
+
+    def __new__(cls, plan: warmreg.Plan, *args: Any, **kwargs: Any) -> DSV4Sweep:
+        """A :class:`~warmreg_deepseek_v4.sweep_v41.DSV41Sweep` for a DeepSeek-V4.1 plan, else this class."""
+        if cls is DSV4Sweep and plan.config.model_type == "deepseek_v41":
+            from .sweep_v41 import DSV41Sweep  # here: it subclasses this class
+
+            return super().__new__(DSV41Sweep)
+        return super().__new__(cls)
 
     @classmethod
     def speculative_tokens(cls, cfg: warmreg.WarmConfig) -> int:

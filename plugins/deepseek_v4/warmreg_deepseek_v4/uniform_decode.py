@@ -17,6 +17,7 @@ from warmreg.ops import block_table_width
 from ._checks import check_int32_table, check_int32_vector, out_for_buffers
 from ._metadata_common import TILE
 from ._serving import max_model_len
+from ._v41 import index_ratios, indexer_block_size
 from .backends import cache_block_size
 from .dspark import num_speculative_tokens
 from .model import DSV4, SPARSE_BLOCK_SIZE
@@ -197,8 +198,16 @@ def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig
     """Register the uniform decode flattening of the C4 indexer, unless the varlen DeepGEMM path serves
     decode (SM100 with DeepGEMM).
 
+    DeepSeek-V4.1 (CUDA): the same builder (``DeepseekV32IndexerMetadataBuilder``, subclassed by V4.1's indexer
+    backends) for its index-source layers, over block tables of the indexer's kernel blocks
+    (:func:`._v41.indexer_block_size`).
+
     :raises warmreg.ConfigError: for a KV-manager block size other than 256.
     """
     native_varlen = warmreg.sm_at_least(100) & warmreg.has_feature("deepgemm")
+    if model.v41:
+        v41 = PrepareUniformDecode(cache_block_size=indexer_block_size(platform))
+        registry.add(v41, when=warmreg.is_cuda & ~native_varlen if index_ratios(model) else False)
+        return
     kernel = PrepareUniformDecode(cache_block_size=cache_block_size(config))
     registry.add(kernel, when=~native_varlen if model.has_c4 else False)

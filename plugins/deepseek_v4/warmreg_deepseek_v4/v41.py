@@ -27,10 +27,20 @@ import warmreg
 from warmreg.ops import FusedQKVRMSNorm
 
 from . import (
+    compressed_slot_mapping,
     gather_block_tables,
+    indexer_chunk_metadata,
+    indexer_q,
+    inv_rope_quant,
+    short_context_topk,
     swa_prefill_metadata,
+    uniform_decode,
+    v41_combine_indices,
     v41_compress,
+    v41_flashinfer_indices,
+    v41_global_topk,
     v41_hc_expand,
+    v41_indexer_k_store,
     v41_pad_q,
     v41_q_norm_quant,
     v41_ring_rows,
@@ -132,11 +142,23 @@ def fused_query_quant(model: DSV4, platform: warmreg.Platform) -> bool:
 #: The op modules a V4.1 deployment registers, each with ``register(registry, model, config, platform)``. The V4 ops
 #: here launch the same vLLM kernel with the same arguments for V4.1: the V2 runner's block-table gather
 #: (``v1/worker/gpu/block_table.py``) and the sparse-SWA prefill metadata (``v1/attention/backends/mla/sparse_swa.py``,
-#: whose warmup V4.1's ``DeepseekV4Attention.__init__`` registers). :func:`register` adds the two whose V4
-#: registration reads V4's backend names: the shared Q/KV RMSNorm and the decode SWA indices.
+#: whose warmup V4.1's ``DeepseekV4Attention.__init__`` registers); and those whose ``register`` has a V4.1 branch
+#: (``model.v41``) with V4.1's predicates: the compressed slot mapping, the indexer's prefill-chunk metadata and
+#: uniform decode (V4's indexer builder, which V4.1's indexer backends subclass), the short-context top-k fill, the
+#: indexer Q quant and the inverse RoPE quant (V4's kernels, imported or re-exported by ``models/deepseek_v41``).
+#: V4.1's own index kernels follow: the global top-k (V4's op with V4.1's domains), the prefill combine, FlashInfer's
+#: mixed sparse indices and the indexer key store. :func:`register` adds the two whose V4 registration reads V4's
+#: backend names: the shared Q/KV RMSNorm and the
+#: decode SWA indices.
 OP_MODULES: tuple[ModuleType, ...] = (
     gather_block_tables,
     swa_prefill_metadata,
+    compressed_slot_mapping,
+    indexer_chunk_metadata,
+    uniform_decode,
+    short_context_topk,
+    indexer_q,
+    inv_rope_quant,
     v41_ring_slots,
     v41_q_norm_quant,
     v41_pad_q,
@@ -144,6 +166,10 @@ OP_MODULES: tuple[ModuleType, ...] = (
     v41_compress,
     v41_ring_rows,
     v41_rope_insert,
+    v41_global_topk,
+    v41_combine_indices,
+    v41_flashinfer_indices,
+    v41_indexer_k_store,
 )
 
 

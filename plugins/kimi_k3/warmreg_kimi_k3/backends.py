@@ -14,7 +14,7 @@ backends once per layer, from ``additional_config`` (warmreg's ``serving.kda_pre
 * **speculative decode** (``resolve_kda_spec_decode_backend``, ``additional_config.kda_spec_decode_backend``, not a
   warmreg setting, so always its ``"auto"``): ``"flashinfer"`` (FlashInfer's packed fused kernel, for batches of
   speculative rows only) or ``"native"`` (``causal_conv1d_update`` with ``num_accepted_tokens`` then
-  ``fused_recurrent_kda``).
+  ``fused_recurrent_kda``, or under RecoverSSM the verify: :mod:`warmreg_kimi_k3.recoverssm`).
 
 States: the conv state is in the model dtype (``mamba_cache_dtype`` ``auto``) and the recurrent state float32
 (``mamba_ssm_cache_dtype`` ``auto``, ``MambaStateDtypeCalculator.kda_state_dtype``); neither cache dtype is a warmreg
@@ -39,6 +39,7 @@ import attrs
 import warmreg
 
 from .model import PLUGIN, KimiK3, positive, tensor_parallel_size
+from .recoverssm import use_recoverssm
 
 __all__ = [
     "DECODE_BACKENDS",
@@ -271,13 +272,20 @@ def kda_spec_decode_backend(model: KimiK3, config: warmreg.WarmConfig, platform:
 
     FlashInfer's packed fused kernel needs its API installed (target feature ``flashinfer``), the SM 10.x family,
     heads per rank in :data:`FLASHINFER_DECODE_HEADS`, head_dim 128, conv width 4, 1..7 speculative tokens, bf16,
-    a gate lower bound, RecoverSSM off (not a warmreg setting: assumed off) and the default conv-state layout.
+    a gate lower bound, RecoverSSM off (``is_flashinfer_fused_kda_spec_decode_supported``: ``not use_recoverssm``;
+    :func:`warmreg_kimi_k3.recoverssm.use_recoverssm`, ``serving.use_replayssm``) and the default conv-state layout.
     Even then it runs only for batches of speculative rows alone: a batch that mixes speculative rows with
     prefills takes the ``"native"`` path (Triton conv update and ``fused_recurrent_kda``), so both run in such a
-    deployment. Without speculative tokens this is ``"native"`` and nothing launches for it. ROCm: ``"native"``.
+    deployment. Under RecoverSSM ``"native"`` means the RecoverSSM verify for every speculative row. Without
+    speculative tokens this is ``"native"`` and nothing launches for it. ROCm: ``"native"``.
+
+    :raises warmreg.ConfigError: for an invalid ``serving.use_replayssm``
+        (:func:`~warmreg_kimi_k3.recoverssm.use_recoverssm`).
     """
     has_flashinfer = warmreg.has_feature("flashinfer")(platform)
     layout = kda_layout(model, config)
+    if use_recoverssm(config, layout):
+        return "native"
     packed = (
         layout is not None and _cuda_family(platform, 10) and layout.num_heads in FLASHINFER_DECODE_HEADS
         and layout.head_dim == _FUSED_HEAD_DIM and layout.conv_width == _FUSED_CONV_WIDTH

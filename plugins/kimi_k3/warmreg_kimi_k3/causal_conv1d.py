@@ -41,6 +41,7 @@ import warmreg
 
 from .backends import KDALayout, kda_layout
 from .model import PLUGIN, KimiK3
+from .recoverssm import state_slots
 
 __all__ = [
     "BLOCK_M",
@@ -311,15 +312,18 @@ class CausalConv1d(warmreg.TritonKernel[CausalConv1dKey]):
 
     :param layout: the KDA layout (:func:`warmreg_kimi_k3.backends.kda_layout`).
     :param max_num_seqs: the most sequences in a step (the cache-index tensors' length in the domains).
+    :param state_slots: the width of the KDA group's block-table rows (:func:`warmreg_kimi_k3.recoverssm.state_slots`:
+        ``1 + spec``, or 1 under RecoverSSM; default ``1 + spec``).
     """
 
     name = "kimi_k3.causal_conv1d"
     key_type = CausalConv1dKey
     jit = _causal_conv1d_fwd_kernel
 
-    def __init__(self, *, layout: KDALayout, max_num_seqs: int = 1) -> None:
+    def __init__(self, *, layout: KDALayout, max_num_seqs: int = 1, state_slots: int | None = None) -> None:
         self.layout = layout
         self.max_num_seqs = max_num_seqs
+        self.state_slots = 1 + layout.num_speculative_tokens if state_slots is None else state_slots
 
     def dispatch(
         self,
@@ -352,13 +356,14 @@ class CausalConv1d(warmreg.TritonKernel[CausalConv1dKey]):
         """q, k and v of every prefill batch: column slices of the packed projection (row stride
         :func:`projection_row_stride`), or of the gathered ``[T, 3P]`` copy of a batch that mixes prefills with
         speculative rows (``index_select``), starting at row 0 or later (``mixed_qkv[non_spec_slice]``); the cache
-        indices are ``block_table[:, 0]`` (stride ``1 + num_speculative_tokens``, the Mamba group's block-table
-        width) or, in a mixed speculative batch, a gathered copy (stride 1)."""
+        indices are ``block_table[:, 0]`` (stride :attr:`state_slots`, the Mamba group's block-table width:
+        ``1 + num_speculative_tokens``, or 1 under RecoverSSM) or, in a mixed speculative batch, a gathered copy
+        (stride 1)."""
         lay, n = self.layout, self.max_num_seqs
         dt = getattr(torch, lay.dtype)
         p, tokens = lay.projection_size, 2
         widths = {projection_row_stride(lay)} | ({3 * p} if lay.num_speculative_tokens else set())
-        index_strides = {1, 1 + lay.num_speculative_tokens}
+        index_strides = {1, self.state_slots}
         state = conv_state_pool(lay, n + 1, dt)
         weight = warmreg.meta((3 * p, lay.conv_width), torch.float32)
         points = []
@@ -617,7 +622,6 @@ def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, 
     layout = kda_layout(m, config)
     if layout is None or packed_prefill_conv(layout):
         return
-    registry.add(
-        CausalConv1d(layout=layout, max_num_seqs=config.get("serving.max_num_seqs", int, plugin=PLUGIN)),
-        when=warmreg.is_cuda,
-    )
+    kernel = CausalConv1d(layout=layout, max_num_seqs=config.get("serving.max_num_seqs", int, plugin=PLUGIN),
+                          state_slots=state_slots(config, layout))  # fmt: skip
+    registry.add(kernel, when=warmreg.is_cuda)

@@ -9,7 +9,8 @@ on all ``3 * P`` packed channels at once, with the packed float32 weight, no bia
 * **speculative decode** (every step with speculative rows, unless FlashInfer's packed kernel takes a batch of
   speculative rows alone): varlen ``x`` ``[T, 3P]`` with ``query_start_loc``, ``max_query_len = 1 + spec``,
   ``num_accepted_tokens`` and ``conv_state_indices = spec_state_indices[:, 0]`` (also the RecoverSSM verify's
-  Triton fallback, ``_recoverssm_verify``, with the same arguments).
+  Triton path, ``_recoverssm_verify``, with ``max_query_len = spec_query_len`` and the builder's one-column
+  ``spec_state_indices``: the same key but for the index stride, 1; :func:`warmreg_kimi_k3.recoverssm.state_slots`).
 
 Math, per sequence ``s`` and channel ``c`` (width ``W``), in fp32::
 
@@ -57,6 +58,7 @@ from .causal_conv1d import (
     same_device,
 )
 from .model import PLUGIN, KimiK3, positive_text_int
+from .recoverssm import state_slots
 
 __all__ = ["CausalConv1dUpdate", "CausalConv1dUpdateKey", "causal_conv1d_update_reference", "overlap_rows", "register"]
 
@@ -198,6 +200,8 @@ class CausalConv1dUpdate(warmreg.TritonKernel[CausalConv1dUpdateKey]):
     :param plain_decode: whether plain decode steps run it (the decode backend resolved to ``"triton"``).
     :param overlap_rows: whether decode steps may see the projection-overlap path's ``[T, 4P]`` rows.
     :param max_num_seqs: the most sequences in a step.
+    :param state_slots: the width of the KDA group's block-table rows (:func:`warmreg_kimi_k3.recoverssm.state_slots`:
+        ``1 + spec``, or 1 under RecoverSSM; default ``1 + spec``).
     """
 
     name = "kimi_k3.causal_conv1d_update"
@@ -205,10 +209,17 @@ class CausalConv1dUpdate(warmreg.TritonKernel[CausalConv1dUpdateKey]):
     jit = _causal_conv1d_update_kernel
 
     def __init__(
-        self, *, layout: KDALayout, plain_decode: bool, overlap_rows: bool = False, max_num_seqs: int = 1
+        self,
+        *,
+        layout: KDALayout,
+        plain_decode: bool,
+        overlap_rows: bool = False,
+        max_num_seqs: int = 1,
+        state_slots: int | None = None,
     ) -> None:
         self.layout, self.plain_decode, self.overlap_rows = layout, plain_decode, overlap_rows
         self.max_num_seqs = max_num_seqs
+        self.state_slots = 1 + layout.num_speculative_tokens if state_slots is None else state_slots
 
     def dispatch(
         self,
@@ -245,10 +256,11 @@ class CausalConv1dUpdate(warmreg.TritonKernel[CausalConv1dUpdateKey]):
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> list[dict[str, Any]]:  # type: ignore[override]
         """Speculative steps (``spec > 0``): varlen x as the projection's rows (from row 0, or later in a batch that
         mixes prefills), or their gathered ``[T, 3P]`` copy; state indices ``spec_state_indices[:, 0]``, whose row is
-        ``1 + spec`` wide in every case (block table, staged copy, gathered rows). Plain decode (when planned): x the
-        projection's rows (or the ``4P`` rows of the projection-overlap path), indices ``block_table[:, 0]``
-        (stride ``1 + spec``) or the staged CUDA-graph copy (stride 1)."""
-        lay, n = self.layout, self.max_num_seqs
+        :attr:`state_slots` wide in every case (block table, staged copy, gathered rows: ``1 + spec``, or 1 under
+        RecoverSSM). Plain decode (when planned): x the projection's rows (or the ``4P`` rows of the
+        projection-overlap path), indices ``block_table[:, 0]`` (stride :attr:`state_slots`) or the staged
+        CUDA-graph copy (stride 1)."""
+        lay, n, slots = self.layout, self.max_num_seqs, self.state_slots
         dt, conv_dim, spec = getattr(torch, lay.dtype), 3 * lay.projection_size, lay.num_speculative_tokens
         row = projection_row_stride(lay)
         common = {"weight": warmreg.meta((conv_dim, lay.conv_width), torch.float32), "bias": None,
@@ -257,14 +269,14 @@ class CausalConv1dUpdate(warmreg.TritonKernel[CausalConv1dUpdateKey]):
         points = []
         if spec:
             qsl, accepted = warmreg.meta((n + 1,), torch.int32), warmreg.meta((n,), torch.int32)
-            indices = warmreg.meta((n, 1 + spec), torch.int32)[:, 0]
+            indices = warmreg.meta((n, slots), torch.int32)[:, 0]
             for width, first in ((row, 0), (row, 1), (conv_dim, 0)):
                 x = warmreg.meta((first + 2, width), dt)[first:, :conv_dim]
                 points.append({**common, "x": x, "conv_state_indices": indices, "num_accepted_tokens": accepted,
                                "query_start_loc": qsl, "max_query_len": 1 + spec})  # fmt: skip
         if self.plain_decode:
             for width in (row, 4 * lay.projection_size) if self.overlap_rows else (row,):
-                for stride in sorted({1, 1 + spec}):
+                for stride in sorted({1, slots}):
                     points.append({**common, "x": warmreg.meta((n, width), dt)[:, :conv_dim],
                                    "conv_state_indices": warmreg.meta((n, stride), torch.int32)[:, 0],
                                    "num_accepted_tokens": None, "query_start_loc": None, "max_query_len": -1})  # fmt: skip
@@ -449,10 +461,13 @@ def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, 
     (``num_speculative_tokens > 0``: every batch with speculative rows and prefills, and with any backend), and
     plain decode when :func:`warmreg_kimi_k3.backends.kda_decode_backend` is ``"triton"`` (native and FlashInfer
     fuse the conv; with speculation vLLM resolves every decode backend to Triton, and its plain-decode steps, e.g.
-    one-token prompt chunks with prior state, run this kernel). Not planned on ROCm (see
+    one-token prompt chunks with prior state, run this kernel). Under RecoverSSM the verify runs it on the
+    speculative rows (``KimiK3DeltaAttention._recoverssm_verify``) and every state-index column is one slot wide
+    (:func:`warmreg_kimi_k3.recoverssm.state_slots`). Not planned on ROCm (see
     :func:`warmreg_kimi_k3.causal_conv1d.register`).
 
-    :raises warmreg.ConfigError: for an unknown or refused ``serving.kda_decode_backend``.
+    :raises warmreg.ConfigError: for an unknown or refused ``serving.kda_decode_backend``, or an invalid
+        ``serving.use_replayssm``.
     """
     layout = kda_layout(m, config)
     if layout is None:
@@ -462,6 +477,6 @@ def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, 
         return
     kernel = CausalConv1dUpdate(
         layout=layout, plain_decode=plain, overlap_rows=plain and overlap_rows(layout, config, platform),
-        max_num_seqs=config.get("serving.max_num_seqs", int, plugin=PLUGIN),
+        max_num_seqs=config.get("serving.max_num_seqs", int, plugin=PLUGIN), state_slots=state_slots(config, layout),
     )  # fmt: skip
     registry.add(kernel, when=warmreg.is_cuda)

@@ -4,10 +4,11 @@ The op of ``vllm/models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py: f
 ``fuse_gate=True``: ``fused_recurrent_kda_fwd`` launches ``fused_recurrent_kda_fwd_kernel`` with
 ``USE_GATE_IN_KERNEL`` and ``APPLY_BETA_SIGMOID``), which ``vllm/models/kimi_k3/nvidia/kda.py:
 KimiK3DeltaAttention._forward`` calls for the speculative-decode rows of a step (spec-decode backend ``"native"``,
-RecoverSSM off) right after ``causal_conv1d_update`` wrote their q/k/v. vLLM's NVIDIA layer launches it nowhere
-else: plain decode runs ``fused_recurrent_kda_packed_decode`` (:mod:`warmreg_kimi_k3.kda_packed_decode`) or a fused
-C++/FlashInfer decode, prefill the chunked kernels (vLLM's own warmup says so: "fused_recurrent_kda_fwd_kernel is only
-used by speculative decode"). The call it replaces, with the same arguments::
+RecoverSSM off: with it the layer runs ``_recoverssm_verify`` instead) right after ``causal_conv1d_update`` wrote
+their q/k/v. vLLM's NVIDIA layer launches it nowhere else: plain decode runs ``fused_recurrent_kda_packed_decode``
+(:mod:`warmreg_kimi_k3.kda_packed_decode`) or a fused C++/FlashInfer decode, prefill the chunked kernels (vLLM's
+own warmup says so: "fused_recurrent_kda_fwd_kernel is only used by speculative decode"). The call it replaces,
+with the same arguments::
 
     core_attn_out_spec, _ = fused_recurrent_kda(q, k, v, raw_g, raw_beta, A_log, dt_bias, lower_bound,
         initial_state=recurrent_state, cu_seqlens=spec_cu_seqlens, ssm_state_indices=spec_state_indices_tensor,
@@ -77,6 +78,7 @@ from .backends import KDALayout, kda_layout
 from .causal_conv1d import projection_row_stride
 from .causal_conv1d_update import overlap_rows
 from .model import PLUGIN, KimiK3, local_pdl
+from .recoverssm import use_recoverssm
 
 __all__ = [
     "L2NORM_EPS",
@@ -678,20 +680,23 @@ def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, 
     """Register the step on CUDA when the deployment speculates (``serving.num_speculative_tokens > 0``): vLLM's
     layer launches it for the speculative rows of every step that has them, except the steps of speculative rows
     alone that FlashInfer's packed kernel takes (:func:`warmreg_kimi_k3.backends.kda_spec_decode_backend`
-    ``"flashinfer"``: mixed steps still come here), with RecoverSSM off (an assumption: not a warmreg setting).
-    ROCm's layer (``vllm/models/kimi_k3/amd/kda.py``) runs its own copy of the kernel, with other launch
-    heuristics and ``rsqrt`` normalisation, also for plain decodes: not modelled here.
+    ``"flashinfer"``: mixed steps still come here), with RecoverSSM off: under RecoverSSM
+    (:func:`warmreg_kimi_k3.recoverssm.use_recoverssm`) every speculative row goes to ``self._recoverssm_verify``
+    (``if self.use_recoverssm: ... else: ... fused_recurrent_kda(...)`` in ``_forward``'s spec-decode path) and
+    plain decodes to ``fused_recurrent_kda_packed_decode``, so vLLM 0.34 launches this kernel nowhere. ROCm's layer
+    (``vllm/models/kimi_k3/amd/kda.py``) runs its own copy of the kernel, with other launch heuristics and ``rsqrt``
+    normalisation, also for plain decodes: not modelled here.
 
     Reads the layout (:func:`warmreg_kimi_k3.backends.kda_layout`: heads, head dim K = V, the gate lower bound, the
     conv width), ``serving.max_num_seqs`` and whether the projection-overlap path feeds one-token steps
     (:func:`warmreg_kimi_k3.causal_conv1d_update.overlap_rows`).
 
-    :raises warmreg.ConfigError: for a malformed ``linear_attn_config`` or a tensor-parallel size that does not
-        divide the KDA head count.
+    :raises warmreg.ConfigError: for a malformed ``linear_attn_config``, a tensor-parallel size that does not
+        divide the KDA head count, or an invalid ``serving.use_replayssm``.
     """
     layout = kda_layout(m, config)
-    if layout is None or not layout.num_speculative_tokens:
-        return  # a pure-MLA config, no KDA layers, or no speculation: vLLM never launches the kernel
+    if layout is None or not layout.num_speculative_tokens or use_recoverssm(config, layout):
+        return  # a pure-MLA config, no KDA layers, no speculation, or RecoverSSM's verify: never launched
     rows = (
         projection_row_stride(layout),
         *([4 * layout.projection_size] if overlap_rows(layout, config, platform) else []),

@@ -1,4 +1,4 @@
-"""Stage a speculative-decode step's KDA metadata into the CUDA-graph buffers (vLLM 0.33
+"""Stage a speculative-decode step's KDA metadata into the CUDA-graph buffers (vLLM 0.33 and 0.34
 ``models/kimi_k3/nvidia/kda_metadata.py``: ``stage_spec_decode_metadata``, ``_stage_spec_decode_metadata_kernel``).
 
 A full CUDA graph of a speculative-decode step was captured for a padded batch of ``B`` requests and reads its
@@ -23,8 +23,11 @@ Where it runs: ``KimiK3KDAMetadataBuilder.build`` on every step whose requests a
 for Kimi-K3: ``FULL_AND_PIECEWISE`` under breakable CUDA graphs) and the padded batch fits the graph buffers. It
 runs for either speculative-decode KDA backend (native or FlashInfer's packed kernel) and does not depend on the
 KDA prefill or decode backend. Registered on CUDA (vLLM asserts CUDA tensors) when
-``serving.num_speculative_tokens > 0``, with ``S = 1 + num_speculative_tokens``. RecoverSSM (``--use-replayssm``)
-stages one slot instead; warmreg has no setting for it, so that key is not planned.
+``serving.num_speculative_tokens > 0``, with ``S = 1 + num_speculative_tokens``; under RecoverSSM
+(``serving.use_replayssm``, :func:`warmreg_kimi_k3.recoverssm.use_recoverssm`) with ``S = 1``: vLLM 0.34's builder
+then keeps ``spec_state_slots = 1`` and stages into its own ``[max_num_seqs, 1]`` buffer
+(``KimiK3KDAMetadataBuilder.__init__``), and the step's accepted counts are its all-ones
+``recoverssm_num_accepted_tokens`` (int32, as without RecoverSSM).
 
 Key: the three dtypes, ``S`` and its power-of-two tile, the NULL id, the rows per program and PDL. vLLM makes the
 four strides constexprs; here they, ``n`` and ``B`` are runtime integers that are not specialized, and no pointer
@@ -46,6 +49,7 @@ import warmreg
 
 from .backends import kda_layout
 from .model import PLUGIN, KimiK3, local_pdl
+from .recoverssm import state_slots
 
 __all__ = [
     "BLOCK_ROWS",
@@ -131,14 +135,17 @@ class StageSpecDecodeMetadata(warmreg.TritonKernel[StageSpecDecodeMetadataKey]):
 
     :param max_num_seqs: requests in a step (domains only).
     :param num_speculative_tokens: draft tokens per step (``> 0``); ``S = 1 +`` this (domains only).
+    :param num_state_slots: ``S`` when it is not ``1 + num_speculative_tokens`` (1 under RecoverSSM:
+        :func:`warmreg_kimi_k3.recoverssm.state_slots`; domains only).
     """
 
     name = "kimi_k3.stage_spec_decode_metadata"
     key_type = StageSpecDecodeMetadataKey
     jit = _stage_spec_decode_metadata_kernel
 
-    def __init__(self, *, max_num_seqs: int, num_speculative_tokens: int) -> None:
+    def __init__(self, *, max_num_seqs: int, num_speculative_tokens: int, num_state_slots: int | None = None) -> None:
         self.max_num_seqs, self.num_speculative_tokens = max_num_seqs, num_speculative_tokens
+        self.num_state_slots = 1 + num_speculative_tokens if num_state_slots is None else num_state_slots
 
     def dispatch(
         self,
@@ -162,11 +169,11 @@ class StageSpecDecodeMetadata(warmreg.TritonKernel[StageSpecDecodeMetadataKey]):
         )
 
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
-        # The builder's int32 graph buffers: spec_state_indices_tensor [max_bs, 1 + spec], query_start_loc,
-        # num_accepted_tokens (their lengths are not in the key).
+        # The builder's int32 graph buffers: spec_state_indices_tensor [max_bs, S] (S = 1 + spec; under RecoverSSM
+        # [max_num_seqs, 1]), query_start_loc, num_accepted_tokens (their lengths are not in the key).
         rows = self.max_num_seqs * (1 + self.num_speculative_tokens)
         return {
-            "staged_state_indices": [warmreg.meta((rows, 1 + self.num_speculative_tokens), torch.int32)],
+            "staged_state_indices": [warmreg.meta((rows, self.num_state_slots), torch.int32)],
             "query_start_loc": [warmreg.meta((rows + 1,), torch.int32)],
             "num_accepted_tokens": [warmreg.meta((rows,), torch.int32)],
             "launch_pdl": [platform.supports_pdl],
@@ -295,9 +302,11 @@ def stage_spec_decode_metadata_reference(
 
 
 def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
-    """Register the staging on CUDA when there are KDA layers and ``serving.num_speculative_tokens > 0``.
+    """Register the staging on CUDA when there are KDA layers and ``serving.num_speculative_tokens > 0``, with
+    :func:`warmreg_kimi_k3.recoverssm.state_slots` slots a request.
 
-    :raises warmreg.ConfigError: for a malformed ``linear_attn_config`` or a missing ``serving.max_num_seqs``.
+    :raises warmreg.ConfigError: for a malformed ``linear_attn_config``, a missing ``serving.max_num_seqs`` or an
+        invalid ``serving.use_replayssm``.
     """
     layout = kda_layout(m, config)
     if layout is None or layout.num_speculative_tokens <= 0:
@@ -305,5 +314,6 @@ def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, 
     kernel = StageSpecDecodeMetadata(
         max_num_seqs=config.get("serving.max_num_seqs", int, plugin=PLUGIN),
         num_speculative_tokens=layout.num_speculative_tokens,
+        num_state_slots=state_slots(config, layout),
     )
     registry.add(kernel, when=warmreg.is_cuda)

@@ -21,9 +21,14 @@ Where it runs: the KDA metadata builder (``KimiK3KDAMetadataBuilder.build``) on 
 aligned indices were not precomputed, which is Model Runner V1 only (V2 precomputes them for every Mamba group
 with its own kernel, ``v1/worker/mamba_utils.py``). vLLM turns align mode on whenever prefix caching is on (its
 default); Kimi-K3 runs on V1 when V2 lacks a feature it needs (DSpark drafting, for one) or
-``VLLM_USE_V2_MODEL_RUNNER=0``. Neither prefix caching nor the runner is a warmreg serving setting, so it is
-registered whenever there are KDA layers, on CUDA (vLLM asserts CUDA tensors here): one small key. It does not
-depend on the KDA prefill or decode backend.
+``VLLM_USE_V2_MODEL_RUNNER=0``. vLLM 0.34 launches it nowhere: it removed Model Runner V1
+(``v1/worker/gpu_model_runner.py`` is gone) and this kernel with it (0.34's ``kda_metadata.py`` has no
+``_get_aligned_state_indices_kernel``; its builder asserts ``mamba_aligned_state_indices``, which the V2 runner
+fills with ``v1/worker/mamba_utils.py: get_aligned_state_indices_multi_group_kernel``, not an op of this plugin).
+Neither prefix caching, the runner nor the engine's version is a warmreg serving setting (a ``WarmConfig`` read from
+a ``VllmConfig`` records the engine's class, not its version), so it is registered whenever there are KDA layers,
+on CUDA (vLLM asserts CUDA tensors here): one small key, which a vLLM 0.34 deployment warms without launching. It
+does not depend on the KDA prefill or decode backend.
 
 Key: the dtypes, ``S`` and its power-of-two tile, the rows per program and PDL. Unlike vLLM's kernel, whose five
 strides and block size are constexprs (one binary per block-table width and block size), the strides, ``B`` and

@@ -38,7 +38,7 @@ from .model import PLUGIN
 if TYPE_CHECKING:  # backends may import this module: the layout is a type here only
     from .backends import KDALayout
 
-__all__ = ["NULL_BLOCK_ID", "LayerTable", "use_recoverssm"]
+__all__ = ["NULL_BLOCK_ID", "LayerTable", "state_slots", "use_recoverssm"]
 
 #: The state slot of padded requests (``vllm/v1/attention/backends/utils.py: NULL_BLOCK_ID``).
 NULL_BLOCK_ID = 0
@@ -59,6 +59,24 @@ def use_recoverssm(config: warmreg.WarmConfig, layout: KDALayout | None) -> bool
             plugin=PLUGIN, fix="set serving.num_speculative_tokens > 0 or use_replayssm false",
         )  # fmt: skip
     return True
+
+
+def state_slots(config: warmreg.WarmConfig, layout: KDALayout) -> int:
+    """State slots a KDA request's speculative rows address, which is also the width of the KDA group's block-table
+    rows: ``1 + num_speculative_tokens``, or 1 under RecoverSSM (:func:`use_recoverssm`).
+
+    vLLM 0.34 gives the Mamba group ``num_speculative_blocks = 0 if use_replayssm else num_speculative_tokens``
+    (``model_executor/layers/mamba/abstract.py: MambaBase.get_kv_cache_spec``), so a row of its block table is
+    ``1 + num_speculative_blocks`` wide (``v1/kv_cache_interface.py: MambaSpec.max_num_blocks_per_req``, no token
+    alignment; in align mode ``v1/worker/mamba_utils.py`` precomputes ``[R, 1 + num_speculative_blocks]`` indices),
+    and the KDA builder keeps ``spec_state_slots = 1 if use_recoverssm else num_spec + 1`` columns, staging them into
+    a ``[max_num_seqs, 1]`` graph buffer under RecoverSSM (``models/kimi_k3/nvidia/kda_metadata.py:
+    KimiK3KDAMetadataBuilder.__init__``). Every state-index column a KDA kernel reads is therefore this wide apart,
+    or 1 apart (a gathered or staged copy).
+
+    :raises warmreg.ConfigError: as :func:`use_recoverssm`.
+    """
+    return 1 if use_recoverssm(config, layout) else 1 + layout.num_speculative_tokens
 
 
 @attrs.frozen
