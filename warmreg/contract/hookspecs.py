@@ -12,7 +12,8 @@ Specs only ever grow by new arguments.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from .config import WarmConfig
     from .registry import Registry
 
-__all__ = ["PROJECT", "hookimpl", "hookspec", "warmreg_model_types", "warmreg_register_kernels"]
+__all__ = ["PROJECT", "hookimpl", "hookspec", "warmreg_model_types", "warmreg_pack_functions", "warmreg_register_kernels"]
 
 PROJECT = "warmreg"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -52,4 +53,21 @@ def warmreg_model_types() -> list[str]:  # type: ignore[empty-body]
     from a known one whose deployment simply launches no kernel here.
 
     :returns: model types, e.g. ``["deepseek_v4"]``.
+    """
+
+
+@hookspec
+def warmreg_pack_functions(names: frozenset[str], engine: Mapping[str, Any] | None) -> Mapping[str, Any]:  # type: ignore[empty-body]
+    """The Triton functions among ``names`` that this plugin's engine defines (optional): a pack of an engine's
+    own kernels (:func:`warmreg.record_pack`) names functions no warmreg kernel class defines.
+
+    Called by pack install and verify, only for names the loaded kernel classes do not define. Return the
+    ``@triton.jit`` functions you vouch for, by full name (``module.qualname``), importing only your engine's
+    own modules, and only for a pack of your engine (``engine["name"]``); return nothing for any other name.
+    Each function is still checked against the pack (its source hash) before an entry is installed.
+
+    :param names: full names of Triton functions the pack's entries hold binaries for.
+    :param engine: the pack manifest's engine section (its ``name``, ``version`` and the builder's record), or
+        ``None`` for a pack of plugin kernels.
+    :returns: full name -> ``JITFunction``.
     """

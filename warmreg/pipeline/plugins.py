@@ -98,7 +98,7 @@ def load_plugins(
 
 
 #: The hooks a plugin may implement (``warmreg.contract.hookspecs``).
-HOOKS = ("warmreg_model_types", "warmreg_register_kernels")
+HOOKS = ("warmreg_model_types", "warmreg_pack_functions", "warmreg_register_kernels")
 
 
 def _register(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:

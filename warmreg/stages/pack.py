@@ -166,9 +166,9 @@ def _installed_jits(manifest: Manifest) -> Mapping[str, Any]:
     that a plugin provides or this process has imported (every entry is then refused, as it would be
     after loading them)."""
     packages = plugin_packages() | {name.split(".", 1)[0] for name in list(sys.modules)}
-    if not any(e.jit_name.split(".", 1)[0] in packages for e in manifest.entries):
+    if manifest.engine is None and not any(e.jit_name.split(".", 1)[0] in packages for e in manifest.entries):
         return {}
-    return loaded_jits()
+    return loaded_jits(names=frozenset(e.jit_name for e in manifest.entries), engine=manifest.engine)
 
 
 # -- installing ---------------------------------------------------------------------------------
@@ -346,15 +346,21 @@ def entry_from_result(result: KeyResult, kernel: Any) -> tuple[PackEntry, dict[s
     return entry, blobs
 
 
-def loaded_jits(plugins: Iterable[Any] = (), *, entry_points: bool = True) -> dict[str, Any]:
+def loaded_jits(
+    plugins: Iterable[Any] = (), *, entry_points: bool = True, names: frozenset[str] = frozenset(), engine: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The ``@triton.jit`` functions of every kernel class defined in this process, by Triton's full
     name, once the installed plugins (and ``plugins``) are loaded: what a pack may supply binaries
-    for. Nothing is imported on behalf of a pack; a plugin that fails to load is skipped.
+    for. Nothing is imported on behalf of a pack by the core; a plugin that fails to load is skipped.
+
+    :param names: the functions a pack names; those no kernel class defines are asked of the plugins'
+        ``warmreg_pack_functions`` (an engine's own kernels), with the pack's ``engine`` section. A plugin
+        whose hook raises is skipped with a logged warning (its entries are then refused).
     """
     from ..contract.kernel import TritonKernel  # torch with it: not for a pack refused before the plugins load
     from ..pipeline.plugins import load_plugins
 
-    load_plugins(plugins, entry_points=entry_points, on_plugin_error="skip")
+    loaded = load_plugins(plugins, entry_points=entry_points, on_plugin_error="skip")
     found: dict[str, Any] = {}
     todo: list[type[Any]] = [TritonKernel]
     while todo:
@@ -363,4 +369,23 @@ def loaded_jits(plugins: Iterable[Any] = (), *, entry_points: bool = True) -> di
         jit = cls.__dict__.get("jit")
         if _triton.is_jit(jit):
             found[_triton.full_name(jit)] = jit
+    if missing := names - set(found):
+        found.update(_engine_functions(loaded.manager, frozenset(missing), engine))
+    return found
+
+
+def _engine_functions(manager: Any, names: frozenset[str], engine: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What the plugins' ``warmreg_pack_functions`` supply among ``names``: jit functions under their own full
+    name only (a plugin cannot answer for another function)."""
+    found: dict[str, Any] = {}
+    for impl in manager.hook.warmreg_pack_functions.get_hookimpls():
+        kwargs = {"names": names, "engine": engine}
+        try:
+            answer = impl.function(**{a: kwargs[a] for a in impl.argnames}) or {}
+        except Exception as exc:  # a plugin's failure refuses only the entries it would have answered for
+            log.warning("warmreg plugin %s: warmreg_pack_functions raised %r; its functions are not installed", impl.plugin_name, exc)
+            continue
+        for name, jit in dict(answer).items():
+            if name in names and _triton.is_jit(jit) and _triton.full_name(jit) == name:
+                found.setdefault(name, jit)
     return found

@@ -156,6 +156,10 @@ class Manifest:
     #: the environment knobs of the build that enter Triton's cache key or numerics (``cache_knobs()``);
     #: empty in a pack of an older warmreg, which did not record them
     knobs: dict[str, str] = attrs.field(factory=dict, converter=lambda items: {str(k): str(v) for k, v in dict(items).items()})
+    #: a pack of an engine's own kernels (:func:`warmreg.record_pack`): the engine's ``name`` and ``version``, and
+    #: what else its builder records (the GPU profile, kernels held and not held); ``None`` for a pack of plugin
+    #: kernels, whose manifest then reads as before. Its entries' ``key`` is the engine's key, as text.
+    engine: dict[str, Any] | None = attrs.field(default=None, eq=False)
 
     def to_json(self) -> dict[str, Any]:
         body = attrs.asdict(self)
@@ -166,6 +170,8 @@ class Manifest:
             del body["tuning"]  # a pack without autotuned kernels reads as before
         if not self.knobs:
             del body["knobs"]
+        if self.engine is None:
+            del body["engine"]
         return {"body": body, "sha256": _sha256(_canonical(body))}
 
     @classmethod
@@ -304,7 +310,7 @@ class _Check:
 
     def manifest(self, body: dict[str, Any]) -> Manifest:
         scalars = {"format", "warmreg_version", "triton_version", "ptxas_version", "target", "python", "created", "model_type"}
-        b = self.fields(body, "body", scalars | {"entries", "complete"}, frozenset({"launchers", "tuning", "knobs"}))
+        b = self.fields(body, "body", scalars | {"entries", "complete"}, frozenset({"launchers", "tuning", "knobs", "engine"}))
         for name in ("warmreg_version", "triton_version", "target", "python", "model_type"):
             self.string(b[name], name)
         if b["ptxas_version"] is not None:
@@ -325,7 +331,17 @@ class _Check:
         return Manifest(**{
             **b, "format": self.integer(b["format"], "format", 1, FORMAT), "created": float(b["created"]), "entries": entries,
             "launchers": launchers, "tuning": tuning, "knobs": self.knobs(b.get("knobs", {})),
+            "engine": self.engine(b["engine"]) if "engine" in b else None,
         })  # fmt: skip
+
+    def engine(self, obj: Any) -> dict[str, Any]:
+        """The engine section: an object naming the engine and its version; the rest is the builder's record,
+        shown (escaped) and never acted on."""
+        if not isinstance(obj, dict):
+            raise self.fail("engine", f"must be an object (got {type(obj).__name__})")
+        for name in ("name", "version"):
+            self.string(obj.get(name), f"engine.{name}", pattern=_DOTTED if name == "name" else None, limit=64)
+        return obj
 
     def knobs(self, obj: Any) -> dict[str, str]:
         if not isinstance(obj, dict) or len(obj) > 64:
