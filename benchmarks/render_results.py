@@ -357,6 +357,9 @@ def fidelity_lines() -> list[str]:
     for path in sorted(RESULTS.glob("sweep_h200_triton-*_fidelity.json")):
         d = json.loads(path.read_text())
         out += [f"After the fidelity changes (`{path.name}`):", ""] + sweep_table(d)
+    for path in sorted(RESULTS.glob("sweep_*_triton-*_layers.json")):  # the GPU the device gave: H100 or H200
+        d = json.loads(path.read_text())
+        out += [f"After the layers redesign, on {d['machine']['gpu']} (`{path.name}`):", ""] + sweep_table(d)
     return out
 
 
