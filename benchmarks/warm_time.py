@@ -38,9 +38,9 @@ if {pool!r}:  # cache hits on the compile pool too, as before warmreg.pipeline.c
 if not {processes!r}:  # misses compiled on threads only, as before warmreg.stages.processes
     import warmreg.stages.processes; warmreg.stages.processes.ENABLED = False
 if {prefetch!r}:  # ... which loads the weights (seconds) while the prefetch finishes
-    from warmreg.api import warm as warmup
+    from warmreg.api.prefetch import wait_for_plugins
     from warmreg._triton import cache as _triton_cache
-    _triton_cache.wait_triton_key(); warmup._prefetched()
+    _triton_cache.wait_triton_key(); wait_for_plugins()
     from warmreg.stages import pack as _packs
     for _f in list(_packs._PREFETCHED.values()): _f.exception()  # the pack installed meanwhile
 t = time.perf_counter()
