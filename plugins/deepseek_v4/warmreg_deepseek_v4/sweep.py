@@ -11,8 +11,11 @@ metadata, cut along M above the logits budget); C128 adds its compressor's save.
 SWA-only layers when the model has them, else as a type of its own). With DSpark (``speculative_method``
 ``dspark``) a draft step follows each target step: its inputs (decode requests rejected some drafts, prefill chunks
 sampled a token or none), its non-causal SWA indices over ``Nq`` query tokens a request, and the SWA-only draft
-layers' Q/KV RMSNorm and inverse RoPE + quant on those tokens. A driver whose kernel the plan lacks (the combine
-under Pro's FlashInfer backend) is skipped.
+layers' Q/KV RMSNorm and inverse RoPE + quant on those tokens. On ROCm, ROCm's own index work joins in at the points
+vLLM's ROCm forward runs it (:mod:`~warmreg_deepseek_v4.sweep_rocm`): the builders' ragged compactions after the
+metadata, its combine per prefill chunk, aiter's prefill top-k slots and the C4 decode top-k stream per layer type,
+the localization of each indexer chunk's top-k. A driver whose kernel the plan lacks (the combine under Pro's
+FlashInfer backend) is skipped.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from .dspark_swa_indices import dspark_swa_indices_reference
 from .fp8_ds_mla import HEAD_DIM
 from .global_topk import global_topk_indices_reference
 from .indexer import compress_pool_reference, indexer_q_rope_mxfp4_reference
+from .indexer_chunk_metadata import indexer_prefill_chunk_metadata_reference
 from .pack_seq import pack_seq_reference
 from .short_context_topk import short_context_topk_reference
 from .sweep_inputs import (
@@ -46,17 +50,18 @@ from .sweep_inputs import (
     SAVE,
     STATE,
     SWA,
-    DSV4Engine,
     DSV4Step,
     chunks,
 )  # fmt: skip
+from .sweep_rocm import ROCM_DRIVES, DSV4RocmLaunches
 from .unpack_seq import unpack_seq_reference
 
 __all__ = ["DSV4Sweep"]
 
 
-class DSV4Sweep(DSV4Engine):
-    """DeepSeek-V4: per-step metadata, then its SWA-only, C4, C128 and MTP layer types (those the config has).
+class DSV4Sweep(DSV4RocmLaunches):
+    """DeepSeek-V4: per-step metadata, then its SWA-only, C4, C128 and MTP layer types (those the config has); on
+    ROCm also ROCm's index launches (:class:`~warmreg_deepseek_v4.sweep_rocm.DSV4RocmLaunches`).
 
     It is the ``warmreg.sweep`` entry point of both model types: a ``deepseek_v41`` plan builds its subclass
     :class:`~warmreg_deepseek_v4.sweep_v41.DSV41Sweep` (V4.1's engine state and layer types), so one entry point
@@ -64,7 +69,7 @@ class DSV4Sweep(DSV4Engine):
     """
 
     model_types: ClassVar[tuple[str, ...]] = ("deepseek_v4", "deepseek_v41")
-    drives: ClassVar[frozenset[str]] = Sweep.drives | {CSLOTS, GATHER, COMBINE, SAVE} | {
+    drives: ClassVar[frozenset[str]] = Sweep.drives | {CSLOTS, GATHER, COMBINE, SAVE} | ROCM_DRIVES | {
         DSV4_PREFIX + n
         for n in (
             "c128a_topk_metadata",
@@ -120,6 +125,7 @@ class DSV4Sweep(DSV4Engine):
         self.decode_swa(st)
         self.swa_prefill_metadata(st)
         self.uniform_decode(st)
+        self.rocm_metadata(st)
         for kind, ratio in self.layers:
             self.layer(st, kind, ratio)
         if self.draft is not None:
@@ -160,12 +166,13 @@ class DSV4Sweep(DSV4Engine):
         sw_args = (qsl, seqs, tok2req, valid, self.tables[SWA])
         sw_kw: dict[str, Any] = dict(num_tokens=T, window_size=self.window, index_width=d.index_width, block_size=SWA)
         self.draft_swa[1][T:] = 0  # the builder zeroes the lens past the decode tokens first
-        self.launch(
+        swa = self.launch(
             DSV4_PREFIX + "dspark_noncausal_swa_indices",
             f"draft: {reqs} requests x {nq} tokens, W={d.index_width}",
             lambda: self.k("dspark_noncausal_swa_indices")(*sw_args, **sw_kw, out=self.draft_swa),
             ref=lambda: dspark_swa_indices_reference(*sw_args, **sw_kw),
         )
+        self.rocm_swa_rows("draft non-causal", swa, T)
         seq_host = seqs.tolist()
         draft = Batch("draft", tuple(seq_host), (nq,) * reqs, (0,) * reqs, reqs)
         dst = self.step_tensors(draft)
@@ -190,6 +197,7 @@ class DSV4Sweep(DSV4Engine):
         if ratio == 4:
             self.indexer(st)
         self.sparse_prefill(st, kind, ratio)
+        self.rocm_attention(st, ratio)
         if self.has("inv_rope_fp8_quant"):
             o = self.randn(T, m.num_attention_heads // self.tp, m.head_dim, scale=3)
             inv_args = (o, st.positions, self.rope[ratio], m.o_groups // self.tp)
@@ -205,7 +213,6 @@ class DSV4Sweep(DSV4Engine):
                 "mtp layer",
                 lambda: self.k("mtp_shared_head_rmsnorm")(x, self.mtp_w[2], m.rms_norm_eps),
             )
-
 
     def save_states(self, st: DSV4Step, state: str) -> None:
         """A compressor's save of ``kv`` and ``score + ape`` (column views of its fp32 projection) into its states."""
@@ -242,8 +249,9 @@ class DSV4Sweep(DSV4Engine):
                     self._global_topk(st.topk[lo:hi], st.token_to_req[lo:], valid[lo:], what)
         if self.has("indexer_prefill_chunk_metadata"):
             for a, e, cuts in self.indexer_chunks(b):
-                for qs0, qs1 in cuts:
-                    self._chunk_metadata(st, a, e, qs0, qs1)
+                for qs0, qs1 in cuts:  # ROCm's aiter top-k localizes against the slice's K starts
+                    ks, t = self._chunk_metadata(st, a, e, qs0, qs1), sum(b.qlens[:a])
+                    self.rocm_localize(st, t + qs0, t + qs1, ks)
 
     def decode_lens(self, st: DSV4Step) -> tuple[list[int], torch.Tensor] | None:
         """The decode lengths (host and device) when they differ: the native decode's padded path, else None."""
@@ -354,30 +362,8 @@ class DSV4Sweep(DSV4Engine):
             ref=lambda: global_topk_indices_reference(*args, block_size=bs),
         )
 
-    def indexer_chunks(self, b: Batch) -> list[tuple[int, int, list[tuple[int, int]]]]:
-        """The indexer's prefill chunks ``(a, e, query slices)``: requests packed while their compressed K rows fit
-        the workspace and the logits (``tokens * rows * 4`` bytes) the budget."""
-        out = []
-        start, rows, toks = b.num_decodes, 0, 0
-        for r in range(b.num_decodes, len(b.qlens)):
-            k, q = b.seqs[r] // 4, b.qlens[r]
-            over = rows + k > self.lim.workspace_rows or (toks + q) * (rows + k) * 4 > self.lim.logits_bytes
-            if r > start and over:
-                out.append(self._cut(start, r, toks, rows))
-                start, rows, toks = r, 0, 0
-            rows, toks = rows + k, toks + q
-        if len(b.qlens) > start:
-            out.append(self._cut(start, len(b.qlens), toks, rows))
-        return out
-
-    def _cut(self, a: int, e: int, toks: int, rows: int) -> tuple[int, int, list[tuple[int, int]]]:
-        """A chunk's query slices: all of it, or (one request alone over the logits budget) cuts along M."""
-        if toks * rows * 4 <= self.lim.logits_bytes:
-            return a, e, [(0, toks)]
-        m = max(1, self.lim.logits_bytes // (4 * rows))
-        return a, e, [(s, min(s + m, toks)) for s in range(0, toks, m)]
-
-    def _chunk_metadata(self, st: DSV4Step, a: int, e: int, qs0: int, qs1: int) -> None:
+    def _chunk_metadata(self, st: DSV4Step, a: int, e: int, qs0: int, qs1: int) -> torch.Tensor | None:
+        """The metadata of one query slice of an indexer prefill chunk; returns its ``cu_seqlen_ks``."""
         qsl = st.qsl[a : e + 1] - st.qsl[a]  # rebased to the chunk: a fresh tensor
         compressed = [0] + [s // 4 for s in st.batch.seqs[a:e]]
         cu = torch.tensor(compressed, dtype=I64).cumsum(0).to(I32).to(self.dev)
@@ -386,17 +372,19 @@ class DSV4Sweep(DSV4Engine):
             num_compressed_rows=sum(compressed), query_slice_start=qs0, query_slice_stop=qs1, compress_ratio=4,
             dcp_interleave=interleave,
         )  # fmt: skip
-        self.launch(
+        out = self.launch(
             DSV4_PREFIX + "indexer_prefill_chunk_metadata",
             f"requests [{a}, {e}), query slice [{qs0}, {qs1})",
             lambda: self.k("indexer_prefill_chunk_metadata")(qsl, st.seq_lens[a:e], cu, **kw),
+            fallback=lambda: indexer_prefill_chunk_metadata_reference(qsl.cpu(), st.seq_lens[a:e].cpu(), cu.cpu(), **kw),
         )
+        return out[1].to(self.dev) if out is not None else None
 
     def sparse_prefill(self, st: DSV4Step, kind: str, ratio: int) -> None:
         """Sparse prefill of one layer type, chunk by chunk: gather the compressed entries (rows ``[0, N)``) and the
         SWA rows (from row ``N``) into a bf16 workspace of ``M`` rows per request, then combine the indices."""
         b = st.batch
-        if not b.num_prefills or st.gather_lens is None or not ({GATHER, COMBINE} & self.names):
+        if not b.num_prefills or st.gather_lens is None or not ({GATHER, COMBINE} | ROCM_DRIVES) & self.names:
             return
         nd, densest = b.num_decodes, min(self.ratios, default=0)  # the chunks fit the layer type with most rows
         rows = [(s // densest if densest else 0) + g for s, g in zip(b.seqs[nd:], st.gather_host)]
@@ -410,6 +398,7 @@ class DSV4Sweep(DSV4Engine):
                 self._gathers(st, where, ratio, a, e, (n, m), lens)
             if COMBINE in self.names:
                 self._combine(st, where, ratio, a, e, (n, m), lens)
+            self.rocm_combine(st, where, ratio, a, e, (n, m), lens)
 
     def _gathers(
         self, st: DSV4Step, where: str, ratio: int, a: int, e: int, nm: tuple[int, int], lens: torch.Tensor

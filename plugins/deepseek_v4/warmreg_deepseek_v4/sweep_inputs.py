@@ -7,8 +7,9 @@ at the allocator's page stride; fp32 compressor states; the metadata builders' p
 speculator's, and the V2 runner's forward-pass block tables. Once a step it launches the per-step metadata: the
 runner's block-table gather, the compressed slot mappings (the sparse-MLA builder's per ratio, and the C4 indexer's
 site), the C128A metadata, the decode SWA indices, the sparse-SWA prefill metadata
-and the uniform-decode flattening. A launch that misses or fails is recorded, and the metadata it should have
-produced is computed in PyTorch for the kernels downstream.
+and the uniform-decode flattening, and it plans the indexer's prefill chunks. A launch that misses or fails is
+recorded, and the metadata it should have produced is computed in PyTorch for the kernels downstream; so is metadata
+whose kernel the plan lacks where a planned kernel reads it (ROCm's compactions of the decode SWA and C128 rows).
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class DSV4Step(Step):
     gather_lens: torch.Tensor | None = None  # int32 [num_prefills]
     prefill_local: torch.Tensor | None = None  # C128A local indices of the prefill tokens, int32 [T - nd, W]
     topk: torch.Tensor | None = None  # the C4 indexer's local top-k, int32 [T, index_topk]
+    swa_decode: tuple[torch.Tensor, torch.Tensor] | None = None  # decode SWA slots [Td, window] and lens [Td]
+    c128_decode: tuple[torch.Tensor, torch.Tensor] | None = None  # C128A decode slots [Td, 1, W] and lens [Td]
 
 
 def chunks(rows: list[int], budget: int) -> list[tuple[int, int]]:
@@ -231,6 +234,29 @@ class DSV4Engine(Sweep[DSV4Step]):
         mtp = {self.mtp_kind: ", and the MTP layer"} if self.mtp_kind != "mtp" else {}
         return [f"{kind} (ratio {r}{mtp.get(kind, '')})" for kind, r in self.layers]
 
+    def indexer_chunks(self, b: Batch) -> list[tuple[int, int, list[tuple[int, int]]]]:
+        """The indexer's prefill chunks ``(a, e, query slices)``: requests packed while their compressed K rows fit
+        the workspace and the logits (``tokens * rows * 4`` bytes) the budget."""
+        out = []
+        start, rows, toks = b.num_decodes, 0, 0
+        for r in range(b.num_decodes, len(b.qlens)):
+            k, q = b.seqs[r] // 4, b.qlens[r]
+            over = rows + k > self.lim.workspace_rows or (toks + q) * (rows + k) * 4 > self.lim.logits_bytes
+            if r > start and over:
+                out.append(self._cut(start, r, toks, rows))
+                start, rows, toks = r, 0, 0
+            rows, toks = rows + k, toks + q
+        if len(b.qlens) > start:
+            out.append(self._cut(start, len(b.qlens), toks, rows))
+        return out
+
+    def _cut(self, a: int, e: int, toks: int, rows: int) -> tuple[int, int, list[tuple[int, int]]]:
+        """A chunk's query slices: all of it, or (one request alone over the logits budget) cuts along M."""
+        if toks * rows * 4 <= self.lim.logits_bytes:
+            return a, e, [(0, toks)]
+        m = max(1, self.lim.logits_bytes // (4 * rows))
+        return a, e, [(s, min(s + m, toks)) for s in range(0, toks, m)]
+
     def step_tensors(self, b: Batch) -> DSV4Step:
         """The step's tensors, and the prefills' sparse-SWA gather lens (what the builder keeps on the host)."""
         nd = b.num_decodes
@@ -306,7 +332,8 @@ class DSV4Engine(Sweep[DSV4Step]):
         )
 
     def c128a(self, st: DSV4Step) -> None:
-        """C128A top-k metadata (decode global slots and lens, prefill local indices) at the step's C128 width."""
+        """C128A top-k metadata (decode global slots and lens, prefill local indices) at the step's C128 width;
+        computed in PyTorch where the kernel is not planned (ROCm, whose C128 builder compacts the decode rows)."""
         if 128 not in self.ratios:
             return
         b = st.batch
@@ -314,35 +341,39 @@ class DSV4Engine(Sweep[DSV4Step]):
         args = (st.positions, st.token_to_req, self.ctables["c128"][: b.num_decodes], st.slots[KV])
         kw: dict[str, Any] = dict(num_decode_tokens=nd, max_compressed_tokens=width, block_size=self.page[128])
 
-        def torch_local() -> tuple[None, None, torch.Tensor]:
-            n = ((st.positions[nd:] + 1) // 128).clamp(max=width)
-            j = torch.arange(width, device=self.dev)[None, :]
-            return None, None, torch.where(j < n[:, None], j, -1).to(I32)
+        def torch_meta() -> tuple[torch.Tensor, ...]:
+            cpu = (a.cpu() for a in args)  # the reference indexes with host ranges
+            return tuple(t.to(self.dev) for t in c128_topk_metadata_reference(*cpu, **kw))
 
-        if not self.has("c128a_topk_metadata"):
-            st.prefill_local = torch_local()[2]
-            return
-        st.prefill_local = self.launch(
+        out = torch_meta() if not self.has("c128a_topk_metadata") else self.launch(
             DSV4_PREFIX + "c128a_topk_metadata",
             f"W={width}",
             lambda: self.k("c128a_topk_metadata")(*args, **kw, **self.c128_buf),
-            fallback=torch_local,
+            fallback=torch_meta,
             ref=lambda: c128_topk_metadata_reference(*args, **kw),
-        )[2]
+        )  # fmt: skip
+        st.c128_decode, st.prefill_local = (out[0], out[1]), out[2]
 
     def decode_swa(self, st: DSV4Step) -> None:
-        """The decode tokens' SWA-cache slots and lens (both sparse backends)."""
+        """The decode tokens' SWA-cache slots and lens (both sparse backends); computed in PyTorch where the kernel is
+        not planned (ROCm, whose SWA builder compacts them)."""
         b = st.batch
-        if not self.has("decode_swa_indices") or not b.decode_tokens or SWA not in st.slots:
+        if not b.decode_tokens or SWA not in st.slots:
             return
         args = (st.positions, st.token_to_req, st.slots[SWA] >= 0, self.tables[SWA], st.replay)
         kw: dict[str, Any] = dict(num_tokens=b.decode_tokens, window_size=self.window, index_width=self.window, block_size=SWA)
-        self.launch(
+
+        def torch_swa() -> tuple[torch.Tensor, torch.Tensor]:
+            rows, lens = decode_swa_indices_reference(*(a.cpu() for a in args), **kw)
+            return rows.to(self.dev), lens.to(self.dev)
+
+        st.swa_decode = torch_swa() if not self.has("decode_swa_indices") else self.launch(
             DSV4_PREFIX + "decode_swa_indices",
             "decode tokens",
             lambda: self.k("decode_swa_indices")(*args, **kw),
+            fallback=torch_swa,
             ref=lambda: decode_swa_indices_reference(*args, **kw),
-        )
+        )  # fmt: skip
 
     def swa_prefill_metadata(self, st: DSV4Step) -> None:
         """The prefills' sparse-SWA gather lens, which the gathers and the combines read."""
