@@ -360,6 +360,10 @@ def fidelity_lines() -> list[str]:
     for path in sorted(RESULTS.glob("sweep_*_triton-*_layers.json")):  # the GPU the device gave: H100 or H200
         d = json.loads(path.read_text())
         out += [f"After the layers redesign, on {d['machine']['gpu']} (`{path.name}`):", ""] + sweep_table(d)
+    for path in sorted(RESULTS.glob("sweep_*_triton-*_session.json")):
+        d = json.loads(path.read_text())
+        out += [f"With vLLM 0.34's kernels (issue 37: the DeepSeek-V4.1 and Kimi-K3 DSA examples), on {d['machine']['gpu']} "
+                f"(`{path.name}`):", ""] + sweep_table(d)
     return out
 
 
