@@ -16,6 +16,8 @@ import attrs
 
 import warmreg
 
+from ._v41_engram import EngramLayout, engram_layout
+
 __all__ = [
     "DSV4",
     "FP8_QUANT_METHODS",
@@ -254,6 +256,8 @@ class DSV4:
     num_hidden_layers: int = 0
     #: the checkpoint's linear layers are MXFP8 (:func:`mxfp8_checkpoint`)
     mxfp8_checkpoint: bool = False
+    #: V4.1: its engram layers (``engram_layer_ids`` and the fields their kernels read), None without them
+    engram: EngramLayout | None = None
 
     @classmethod
     def from_config(cls, config: warmreg.WarmConfig) -> DSV4:
@@ -328,6 +332,7 @@ class DSV4:
             index_source_layer_ids=_layer_ids(config, "index_source_layer_ids"),
             num_hidden_layers=layers,
             mxfp8_checkpoint=mxfp8_checkpoint(config),
+            engram=engram_layout(config, PLUGIN),
         )
 
     @property

@@ -93,6 +93,10 @@ class DSV4Sweep(DSV4RocmLaunches):
             "unpack_seq",
             # DeepSeek-V4.1 (sweep_v41.DSV41Sweep)
             "v41_combine_topk_swa_indices",
+            "v41_engram_gate",
+            "v41_engram_hash",
+            "v41_engram_lookup",
+            "v41_hc_collapse",
             "v41_hc_expand",
             "v41_indexer_k_store",
             "v41_q_kv_norm_quant",

@@ -2,7 +2,8 @@
 (``models/deepseek_v41/attention.py``, ``compressor.py``, ``nvidia/``).
 
 :class:`~warmreg_deepseek_v4.sweep.DSV4Sweep` serves both model types and builds this class for a ``deepseek_v41``
-plan. Once a step: the mHC expand of the embedding into ``hc_mult`` streams, the V2 runner's block-table gather of
+plan. Once a step: the mHC expand of the embedding into ``hc_mult`` streams, the engram layers' hash, lookups and
+gates (:mod:`._sweep_v41_engram`), the V2 runner's block-table gather of
 its KV-cache groups (the sliding-window cache's 32-token blocks, the compressed and indexer caches' 256), the
 compressor ring's slot mapping, the compressed slot mappings (V4.1's sparse-MLA builder for the ratio-2 kv sources,
 the indexer builder for the index sources at the indexer's kernel block), the decode SWA indices, the sparse-SWA
@@ -28,6 +29,7 @@ import warmreg
 from warmreg.ops import block_table_width
 from warmreg.testing.sweep import Batch, Limits, Sweep
 
+from ._sweep_v41_engram import drive_engram
 from ._v41 import index_ratios, indexer_block_size, ring_capacity
 from .compressed_slot_mapping import compressed_slot_mapping_reference
 from .fp8_ds_mla import HEAD_DIM
@@ -42,6 +44,7 @@ from .v41 import attention_kind, padded_heads, tensor_parallel_size
 from .v41_combine_indices import v41_combine_topk_swa_reference
 from .v41_global_topk import block_table_width as kernel_table_width
 from .v41_global_topk import kernel_block_size
+from .v41_hc_collapse import hc_collapse_reference
 from .v41_hc_expand import hc_expand_reference
 from .v41_indexer_k_store import row_bytes
 from .v41_ring_slots import ring_slot_mapping_reference
@@ -164,8 +167,9 @@ class DSV41Sweep(DSV4Sweep):
 
     # -- one step ----------------------------------------------------------------------------------------------------
     def run(self, st: DSV4Step) -> None:  # type: ignore[override]
-        """The per-step metadata, then one layer of each type."""
+        """The per-step metadata, one layer of each type, then the mHC head collapse."""
         self.hc_expand(st)
+        drive_engram(self, st)  # the n-gram hash, then each engram layer's lookup and gate
         self.gather_block_tables(st)
         self.ring_slots(st)
         self.compressed_slots41(st)
@@ -174,6 +178,7 @@ class DSV41Sweep(DSV4Sweep):
         self.uniform_decode(st)
         for t in self.types:
             self.layer41(st, t)
+        self.hc_collapse(st)
 
     def hc_expand(self, st: DSV4Step) -> None:
         """The embedding's expand into ``hc_mult`` residual streams (``nvidia/ops/mhc.py``)."""
@@ -183,6 +188,18 @@ class DSV41Sweep(DSV4Sweep):
         self.launch(
             DSV4_PREFIX + "v41_hc_expand", "embedding", lambda: self.k("v41_hc_expand")(x, n),
             ref=lambda: hc_expand_reference(x, n),
+        )  # fmt: skip
+
+    def hc_collapse(self, st: DSV4Step) -> None:
+        """The last layer's ``hc_mult`` streams collapsed with its FFN pre-mix (``hc_collapse_triton`` of
+        ``DeepseekV4Model.forward``): fresh contiguous bf16 streams, fp32 mixes of sigmoid's range."""
+        if not self.has("v41_hc_collapse"):
+            return
+        x, n = self.randn(st.batch.tokens, self.m.hc_mult, self.m.hidden_size), self.m.hc_mult
+        pre = torch.rand(st.batch.tokens, n, generator=self.gen, device=self.dev)
+        self.launch(
+            DSV4_PREFIX + "v41_hc_collapse", "last layer", lambda: self.k("v41_hc_collapse")(x, pre),
+            ref=lambda: hc_collapse_reference(x, pre),
         )  # fmt: skip
 
     def ring_slots(self, st: DSV4Step) -> None:

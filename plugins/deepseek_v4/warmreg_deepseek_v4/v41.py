@@ -37,8 +37,12 @@ from . import (
     uniform_decode,
     v41_combine_indices,
     v41_compress,
+    v41_engram_gate,
+    v41_engram_hash,
+    v41_engram_lookup,
     v41_flashinfer_indices,
     v41_global_topk,
+    v41_hc_collapse,
     v41_hc_expand,
     v41_indexer_k_store,
     v41_pad_q,
@@ -147,7 +151,8 @@ def fused_query_quant(model: DSV4, platform: warmreg.Platform) -> bool:
 #: uniform decode (V4's indexer builder, which V4.1's indexer backends subclass), the short-context top-k fill, the
 #: indexer Q quant and the inverse RoPE quant (V4's kernels, imported or re-exported by ``models/deepseek_v41``).
 #: V4.1's own index kernels follow: the global top-k (V4's op with V4.1's domains), the prefill combine, FlashInfer's
-#: mixed sparse indices and the indexer key store. :func:`register` adds the two whose V4 registration reads V4's
+#: mixed sparse indices and the indexer key store. With engram layers (``engram_layer_ids``): the n-gram hash, the
+#: table lookup and the gate. :func:`register` adds the two whose V4 registration reads V4's
 #: backend names: the shared Q/KV RMSNorm and the
 #: decode SWA indices.
 OP_MODULES: tuple[ModuleType, ...] = (
@@ -163,6 +168,7 @@ OP_MODULES: tuple[ModuleType, ...] = (
     v41_q_norm_quant,
     v41_pad_q,
     v41_hc_expand,
+    v41_hc_collapse,
     v41_compress,
     v41_ring_rows,
     v41_rope_insert,
@@ -170,6 +176,9 @@ OP_MODULES: tuple[ModuleType, ...] = (
     v41_combine_indices,
     v41_flashinfer_indices,
     v41_indexer_k_store,
+    v41_engram_hash,
+    v41_engram_lookup,
+    v41_engram_gate,
 )
 
 

@@ -36,7 +36,9 @@ from . import (
     num_accepted,
     packed_causal_conv1d,
     qkv_rmsnorm,
+    recoverssm_align,
     recoverssm_commit,
+    recoverssm_deferred,
     recoverssm_plan,
     recoverssm_verify,
     slot_mapping,
@@ -73,6 +75,8 @@ OP_MODULES: tuple[ModuleType, ...] = (
     recoverssm_verify,
     recoverssm_plan,
     recoverssm_commit,
+    recoverssm_deferred,
+    recoverssm_align,
     kv_balanced_plan,
     markov_noise,
     markov_step,
@@ -98,7 +102,8 @@ def warmreg_register_kernels(
     indexer kernels (fused prologue or key insert, query quant) with an FP8 or MXFP4 indexer cache; the model
     runner's accepted-count update; the MTP draft layer's input norms; and under the specialized decode the
     KV-balanced MLA plan, the DSpark drafter's Markov sampling and its draft attention's balanced tables; and
-    RecoverSSM's verify and commit (plan, conv-state compaction, SSM fold)."""
+    RecoverSSM's verify and commit (plan, conv-state compaction, SSM fold), deferred under the specialized decode
+    (defer step, flush plan); RecoverSSM's align-mode postprocess is an op no deployment plans."""
     m = KimiK3.from_config(config)
     for module in OP_MODULES:
         module.register(registry, m, config, platform)

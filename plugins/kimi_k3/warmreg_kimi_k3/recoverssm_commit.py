@@ -52,7 +52,9 @@ from .backends import RECURRENT_STATE_DTYPE, KDALayout, kda_layout
 from .causal_conv1d import conv_state_pool
 from .model import PLUGIN, KimiK3
 from .recoverssm import NULL_BLOCK_ID, LayerTable, use_recoverssm
+from .recoverssm_deferred import deferred_recoverssm
 from .recoverssm_verify import kda_gate_reference
+from .specialized import SM100_FAMILY
 
 __all__ = [
     "BLOCK_D",
@@ -357,7 +359,9 @@ def _meta_table(tensor: torch.Tensor) -> LayerTable:
 def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register both commit kernels on CUDA under RecoverSSM (:func:`warmreg_kimi_k3.recoverssm.use_recoverssm`):
     the conv compaction runs with either commit backend, the SSM fold is the Triton backend's, which serves every
-    CUDA target with vLLM's default float32 SSM state.
+    CUDA target with vLLM's default float32 SSM state, but for the SM100 family under the deferred RecoverSSM
+    (:func:`warmreg_kimi_k3.recoverssm_deferred.deferred_recoverssm`), whose every commit and flush folds with the CuTe
+    FP32 commit (``KDADeferredCommitContext._fold``: the records are always indexed there).
 
     :raises warmreg.ConfigError: for a malformed ``linear_attn_config``, an invalid ``serving.use_replayssm`` or a
         missing ``serving.max_num_seqs``.
@@ -367,4 +371,5 @@ def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, 
         return
     n = config.get("serving.max_num_seqs", int, plugin=PLUGIN)
     registry.add(RecoverSSMCompactConv(layout=layout, max_num_seqs=n), when=warmreg.is_cuda)
-    registry.add(RecoverSSMCommitState(layout=layout, max_num_seqs=n), when=warmreg.is_cuda)
+    fold = warmreg.is_cuda & ~SM100_FAMILY if deferred_recoverssm(config, layout) else warmreg.is_cuda
+    registry.add(RecoverSSMCommitState(layout=layout, max_num_seqs=n), when=fold)

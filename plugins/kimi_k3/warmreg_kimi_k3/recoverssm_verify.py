@@ -27,7 +27,15 @@ checkpoint's) on the ``spec_query_start_loc`` rows: q, k, v are ``[1, T, H, D]``
 the checkpoint the layer's fp32 SSM state pool, the records ``[max_num_seqs, H, S, V]`` fp32 and
 ``[max_num_seqs, H, S, 2K]`` in the activation dtype (``KDARecoverSSMRecords.allocate``).
 
-Key: the dtypes, ``K``, ``V``, their tiles, ``S``, whether there is a gate bound, warps and stages. Unlike vLLM's
+Under the specialized decode's deferred RecoverSSM (``warmreg_kimi_k3.recoverssm_deferred``) vLLM runs its second
+copy of this kernel (``models/kimi_k3/nvidia/specialized_decode/recoverssm/kernels.py``: ``kda_recoverssm_verify``,
+``_kda_recoverssm_verify_kernel`` with ``HAS_RECORD_INDICES``), called by ``recoverssm/state.py:
+deferred_recoverssm_verify`` with ``record_indices = record_rows[:B]``: the same math, with request ``b``'s records
+in row ``record_indices[b]`` of record tensors that are views one row into their allocation (``allocate_records``:
+row -1, a scratch row, takes the records of a request that owns no record slot).
+
+Key: the dtypes (the record indices' or None), ``K``, ``V``, their tiles, ``S``, whether there is a gate bound,
+warps and stages. Unlike vLLM's
 launch, no stride or size is specialized and no pointer on its alignment: one binary serves every step's views.
 """
 
@@ -47,11 +55,13 @@ from ._recoverssm_kernels import kda_gate
 from .backends import KDALayout, kda_layout
 from .model import PLUGIN, KimiK3
 from .recoverssm import NULL_BLOCK_ID, use_recoverssm
+from .recoverssm_deferred import deferred_recoverssm
+from .specialized import SM100_FAMILY
 
 __all__ = ["RecoverSSMVerify", "RecoverSSMVerifyKey", "kda_gate_reference", "recoverssm_verify_reference", "register"]
 
 _POINTERS = ["q_ptr", "k_ptr", "v_ptr", "g_ptr", "beta_ptr", "a_log_ptr", "dt_bias_ptr", "state_ptr", "corr_ptr",
-             "kg_ptr", "out_ptr", "qsl_ptr", "idx_ptr"]  # fmt: skip
+             "kg_ptr", "out_ptr", "qsl_ptr", "idx_ptr", "rec_ptr"]  # fmt: skip
 _INTS = ["lower_bound", "null_block_id", "s_q", "s_k", "s_v", "s_g", "s_beta", "s_state_b", "s_state_h", "s_state_v",
          "s_state_k", "s_corr_b", "s_corr_h", "s_corr_t", "s_corr_d", "s_kg_b", "s_kg_h", "s_kg_t", "s_kg_d", "s_out",
          "s_qsl", "s_idx"]  # fmt: skip
@@ -65,6 +75,7 @@ def _recoverssm_verify_kernel(
     corr_ptr, kg_ptr,  # the records [rows, H, S, V] fp32 and [rows, H, S, 2K]
     out_ptr,  # [1, T, H, V]: token stride s_out, heads contiguous
     qsl_ptr, idx_ptr,  # [B + 1] token offsets, [B] checkpoint slots
+    rec_ptr,  # [>= B] record rows (contiguous), read with RECORDS only
     lower_bound, null_block_id,
     s_q, s_k, s_v, s_g, s_beta,
     s_state_b, s_state_h, s_state_v, s_state_k,
@@ -77,8 +88,12 @@ def _recoverssm_verify_kernel(
     BV: tl.constexpr,  # value rows per program
     S: tl.constexpr,  # 1 + num_speculative_tokens: the window, unrolled
     BOUNDED: tl.constexpr,  # the gate has a lower bound (sigmoid gate) rather than softplus
+    RECORDS: tl.constexpr,  # request b's records are in row rec[b] (deferred RecoverSSM), else in row b
 ):  # fmt: skip
     i_v, b, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    row = b.to(tl.int64)
+    if RECORDS:
+        row = tl.load(rec_ptr + b).to(tl.int64)
     bos = tl.load(qsl_ptr + b * s_qsl).to(tl.int64)
     n = tl.load(qsl_ptr + (b + 1) * s_qsl).to(tl.int64) - bos
     slot = tl.load(idx_ptr + b * s_idx).to(tl.int64)
@@ -108,11 +123,11 @@ def _recoverssm_verify_kernel(
         u = (vt - tl.sum(decayed * kn[None, :], axis=1)) * tl.sigmoid(bt)
         state = tl.where(live, decayed + u[:, None] * kn[None, :], state)
         tl.store(out_ptr + tok * s_out + h * V + vs, tl.sum(state * qt[None, :], axis=1), mask=live & v_in)
-        tl.store(corr_ptr + b * s_corr_b + h * s_corr_h + t * s_corr_t + vs * s_corr_d, u, mask=live & v_in)
+        tl.store(corr_ptr + row * s_corr_b + h * s_corr_h + t * s_corr_t + vs * s_corr_d, u, mask=live & v_in)
         if i_v == 0:
-            row = kg_ptr + b * s_kg_b + h * s_kg_h + t * s_kg_t
-            tl.store(row + ks * s_kg_d, kt, mask=live & k_in)
-            tl.store(row + (K + ks) * s_kg_d, gt, mask=live & k_in)
+            rec = kg_ptr + row * s_kg_b + h * s_kg_h + t * s_kg_t
+            tl.store(rec + ks * s_kg_d, kt, mask=live & k_in)
+            tl.store(rec + (K + ks) * s_kg_d, gt, mask=live & k_in)
 
 
 @attrs.frozen(kw_only=True)
@@ -124,6 +139,7 @@ class RecoverSSMVerifyKey(warmreg.CompileKey):
     state_dtype: str  # the checkpoint pool
     key_gate_dtype: str  # the key/gate record (the activation dtype in vLLM)
     index_dtype: str  # query_start_loc and state_indices
+    record_index_dtype: str | None  # record_indices (deferred RecoverSSM), None: records in row b
     head_k: int
     head_v: int
     block_k: int
@@ -139,33 +155,40 @@ class RecoverSSMVerify(warmreg.TritonKernel[RecoverSSMVerifyKey]):
 
     :param layout: the KDA layout (heads, head dim, gate bound, speculative tokens, dtype; domains only).
     :param max_num_seqs: requests in a step (domains only).
+    :param deferred: the deployment runs the deferred RecoverSSM on the SM100 family (domains only: there every
+        verify writes indexed records).
     """
 
     name = "kimi_k3.recoverssm_verify"
     key_type = RecoverSSMVerifyKey
     jit = _recoverssm_verify_kernel
 
-    def __init__(self, *, layout: KDALayout, max_num_seqs: int) -> None:
-        self.layout, self.max_num_seqs = layout, max_num_seqs
+    def __init__(self, *, layout: KDALayout, max_num_seqs: int, deferred: bool = False) -> None:
+        self.layout, self.max_num_seqs, self.deferred = layout, max_num_seqs, deferred
 
     def dispatch(
         self, *, q: torch.Tensor, v: torch.Tensor, A_log: torch.Tensor, checkpoint_state: torch.Tensor,
         key_gate: torch.Tensor, state_indices: torch.Tensor, spec_query_len: int,
-        lower_bound: float | None,
+        lower_bound: float | None, record_indices: torch.Tensor | None = None,
     ) -> RecoverSSMVerifyKey:  # fmt: skip
         k, v_dim = q.shape[-1], v.shape[-1]
         return RecoverSSMVerifyKey(
             dtype=warmreg.dtype_name(q.dtype), param_dtype=warmreg.dtype_name(A_log.dtype),
             state_dtype=warmreg.dtype_name(checkpoint_state.dtype), key_gate_dtype=warmreg.dtype_name(key_gate.dtype),
             index_dtype=warmreg.dtype_name(state_indices.dtype),
+            record_index_dtype=None if record_indices is None else warmreg.dtype_name(record_indices.dtype),
             head_k=k, head_v=v_dim, block_k=warmreg.next_pow2(k), block_v=min(warmreg.next_pow2(v_dim), 32),
             window=spec_query_len, bounded=lower_bound is not None, num_warps=4, num_stages=2,
         )  # fmt: skip
 
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
         """One point: the layer's tensors as ``_recoverssm_verify`` passes them (q a head view of the conv output,
-        the fp32 checkpoint pool, the records of ``max_num_seqs`` rows); nothing in the key varies with the step."""
+        the fp32 checkpoint pool, the records of ``max_num_seqs`` rows); nothing in the key varies with the step.
+        Under the deferred RecoverSSM on the SM100 family the record indices are the builder's int32
+        ``recoverssm_record_rows[:B]`` (``recoverssm/state.py: install_builder``) on every step (a speculative step
+        always has a deferred commit there), else absent."""
         lay, n = self.layout, self.max_num_seqs
+        deferred = self.deferred and SM100_FAMILY(platform)
         h, d, s, dt = lay.num_heads, lay.head_dim, 1 + lay.num_speculative_tokens, getattr(torch, lay.dtype)
         return {
             "q": [warmreg.meta((n * s, 3 * h * d), dt)[:, : h * d].view(1, n * s, h, d)],
@@ -176,6 +199,7 @@ class RecoverSSMVerify(warmreg.TritonKernel[RecoverSSMVerifyKey]):
             "state_indices": [warmreg.meta((n, 1), torch.int32)[:, 0]],
             "spec_query_len": [s],
             "lower_bound": [lay.lower_bound],
+            "record_indices": [warmreg.meta((n,), torch.int32) if deferred else None],
         }
 
     def warmup_inputs(self, key: RecoverSSMVerifyKey) -> Mapping[str, Any]:
@@ -190,6 +214,7 @@ class RecoverSSMVerify(warmreg.TritonKernel[RecoverSSMVerifyKey]):
             "key_gate": warmreg.meta((1, 1, s, 2 * k), getattr(torch, key.key_gate_dtype)),
             "query_start_loc": warmreg.meta((2,), index), "state_indices": warmreg.meta((1,), index),
             "spec_query_len": s, "lower_bound": -5.0 if key.bounded else None,
+            "record_indices": None if key.record_index_dtype is None else warmreg.meta((1,), getattr(torch, key.record_index_dtype)),
         }  # fmt: skip
 
     @warmreg.kernel_launcher
@@ -198,6 +223,7 @@ class RecoverSSMVerify(warmreg.TritonKernel[RecoverSSMVerifyKey]):
         A_log: torch.Tensor, dt_bias: torch.Tensor, checkpoint_state: torch.Tensor, correction: torch.Tensor,
         key_gate: torch.Tensor, query_start_loc: torch.Tensor, state_indices: torch.Tensor, *,
         lower_bound: float | None, spec_query_len: int, out: torch.Tensor | None = None,
+        record_indices: torch.Tensor | None = None,
     ) -> warmreg.LaunchSpec[RecoverSSMVerifyKey]:  # fmt: skip
         """The verify's output ``[1, T, H, V]`` (``out``, or a fresh tensor of v's dtype); writes the records of
         each non-null request ``b`` into row ``b`` of ``correction`` and ``key_gate``. The checkpoint is not written.
@@ -212,19 +238,23 @@ class RecoverSSMVerify(warmreg.TritonKernel[RecoverSSMVerifyKey]):
         :param lower_bound: the gate's lower bound (< 0), or None for the softplus gate.
         :param spec_query_len: ``S = 1 + num_speculative_tokens``; ``T <= B * S``.
         :param out: a preallocated output: contiguous ``[1, T, H, V]`` of v's dtype.
+        :param record_indices: int ``[>= B]``, contiguous: request ``b``'s record row (-1 and other negative rows
+            address the rows before the record views, as vLLM's scratch row), or None (row ``b``).
         :raises warmreg.LaunchError: for shapes, layouts or devices vLLM's entry point refuses (it raises
             ``ValueError`` for the same), or an ``out`` that is not the output's shape, dtype and layout.
         """
         self._check(q, k, v, raw_g, raw_beta, A_log, dt_bias, checkpoint_state, correction, key_gate,
                     query_start_loc, state_indices, spec_query_len)  # fmt: skip
+        self._check_records(record_indices, state_indices)
         out = warmreg.output(self.name, "out", out, tuple(v.shape), v.dtype, v.device)
         key = self.dispatch(q=q, v=v, A_log=A_log, checkpoint_state=checkpoint_state, key_gate=key_gate,
                             state_indices=state_indices, spec_query_len=spec_query_len,
-                            lower_bound=lower_bound)  # fmt: skip
+                            lower_bound=lower_bound, record_indices=record_indices)  # fmt: skip
         c, kg, st = correction, key_gate, checkpoint_state
         kwargs = dict(
             q_ptr=q, k_ptr=k, v_ptr=v, g_ptr=raw_g, beta_ptr=raw_beta, a_log_ptr=A_log, dt_bias_ptr=dt_bias,
             state_ptr=st, corr_ptr=c, kg_ptr=kg, out_ptr=out, qsl_ptr=query_start_loc, idx_ptr=state_indices,
+            rec_ptr=state_indices if record_indices is None else record_indices,
             lower_bound=lower_bound or 0.0, null_block_id=NULL_BLOCK_ID,
             s_q=q.stride(1), s_k=k.stride(1), s_v=v.stride(1), s_g=raw_g.stride(1), s_beta=raw_beta.stride(1),
             s_state_b=st.stride(0), s_state_h=st.stride(1), s_state_v=st.stride(2), s_state_k=st.stride(3),
@@ -232,10 +262,27 @@ class RecoverSSMVerify(warmreg.TritonKernel[RecoverSSMVerifyKey]):
             s_kg_b=kg.stride(0), s_kg_h=kg.stride(1), s_kg_t=kg.stride(2), s_kg_d=kg.stride(3),
             s_out=out.stride(1), s_qsl=query_start_loc.stride(0), s_idx=state_indices.stride(0),
             K=key.head_k, V=key.head_v, BK=key.block_k, BV=key.block_v, S=key.window, BOUNDED=key.bounded,
+            RECORDS=key.record_index_dtype is not None,
         )  # fmt: skip
         tokens, batch, heads = q.shape[1], state_indices.shape[0], q.shape[2]
         grid = (triton.cdiv(key.head_v, key.block_v), batch, heads) if tokens and batch else None
         return warmreg.LaunchSpec(key, grid, kwargs, out)
+
+    def _check_records(self, rows: torch.Tensor | None, indices: torch.Tensor) -> None:
+        if rows is None:
+            return
+        if (
+            rows.ndim != 1
+            or rows.shape[0] < indices.shape[0]
+            or rows.dtype.is_floating_point
+            or rows.dtype == torch.bool
+        ):
+            raise warmreg.LaunchError(self.name, f"record_indices must be int [>= {indices.shape[0]}] "
+                                      f"(got {rows.dtype} {tuple(rows.shape)})")  # fmt: skip
+        if rows.stride(0) != 1 and rows.shape[0] > 1:
+            raise warmreg.LaunchError(self.name, f"record_indices must be contiguous (got stride {rows.stride(0)})")
+        if rows.device != indices.device:
+            raise warmreg.LaunchError(self.name, f"record_indices must be on {indices.device}")
 
     def _check(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw_g: torch.Tensor, raw_beta: torch.Tensor,
@@ -303,10 +350,11 @@ def recoverssm_verify_reference(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, raw_g: torch.Tensor, raw_beta: torch.Tensor,
     A_log: torch.Tensor, dt_bias: torch.Tensor, checkpoint_state: torch.Tensor, correction: torch.Tensor,
     key_gate: torch.Tensor, query_start_loc: torch.Tensor, state_indices: torch.Tensor, *,
-    lower_bound: float | None, spec_query_len: int,
+    lower_bound: float | None, spec_query_len: int, record_indices: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """PyTorch reference of :class:`RecoverSSMVerify`: returns the output (v's dtype) and writes the records into
-    ``correction`` and ``key_gate`` as the kernel does. Tokens of a null-block request read 0."""
+    ``correction`` and ``key_gate`` (row ``b``, or ``record_indices[b]``, negative rows before the views) as the
+    kernel does. Tokens of a null-block request read 0."""
     heads, kd = q.shape[2], q.shape[3]
     out = torch.zeros_like(v)
     bounds = query_start_loc.tolist()
@@ -315,6 +363,8 @@ def recoverssm_verify_reference(
         n = min(bounds[b + 1] - bounds[b], spec_query_len)
         if slot <= NULL_BLOCK_ID or n <= 0:
             continue
+        row = b if record_indices is None else int(record_indices[b])
+        corr, kg = _record_row(correction, row), _record_row(key_gate, row)
         for h in range(heads):
             state = checkpoint_state[slot, h].float().clone()
             a = torch.exp(A_log[h].float())
@@ -327,14 +377,23 @@ def recoverssm_verify_reference(
                 u = (vt - state @ kn) * torch.sigmoid(raw_beta[0, tok, h].float())
                 state = state + u[:, None] * kn[None, :]
                 out[0, tok, h] = (state @ qt).to(out.dtype)
-                correction[b, h, t] = u
-                key_gate[b, h, t] = torch.cat([k[0, tok, h], raw_g[0, tok, h]]).to(key_gate.dtype)
+                corr[h, t] = u
+                kg[h, t] = torch.cat([k[0, tok, h], raw_g[0, tok, h]]).to(key_gate.dtype)
     return out
+
+
+def _record_row(records: torch.Tensor, row: int) -> torch.Tensor:
+    """Row ``row`` of ``records`` as the kernel addresses it (a negative row lies before the view's first)."""
+    return records.as_strided(
+        records.shape[1:], records.stride()[1:], records.storage_offset() + row * records.stride(0)
+    )
 
 
 def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register the verify on CUDA under RecoverSSM (:func:`warmreg_kimi_k3.recoverssm.use_recoverssm`): the Triton
-    verify serves every CUDA target with vLLM's default float32 SSM state (the CuTe one needs a bfloat16 state).
+    verify serves every CUDA target with vLLM's default float32 SSM state (the CuTe one needs a bfloat16 state);
+    under the deferred RecoverSSM (:func:`warmreg_kimi_k3.recoverssm_deferred.deferred_recoverssm`) its SM100 keys
+    are the indexed-records ones.
 
     :raises warmreg.ConfigError: for a malformed ``linear_attn_config``, an invalid ``serving.use_replayssm`` or a
         missing ``serving.max_num_seqs``.
@@ -342,5 +401,6 @@ def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, 
     layout = kda_layout(m, config)
     if not use_recoverssm(config, layout) or layout is None:
         return
-    registry.add(RecoverSSMVerify(layout=layout, max_num_seqs=config.get("serving.max_num_seqs", int, plugin=PLUGIN)),
-                 when=warmreg.is_cuda)  # fmt: skip
+    n = config.get("serving.max_num_seqs", int, plugin=PLUGIN)
+    kernel = RecoverSSMVerify(layout=layout, max_num_seqs=n, deferred=deferred_recoverssm(config, layout))
+    registry.add(kernel, when=warmreg.is_cuda)
