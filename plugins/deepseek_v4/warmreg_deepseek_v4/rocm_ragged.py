@@ -85,7 +85,7 @@ def _ragged_count_kernel(
         live = row_ok[:, None] & (cols[None, :] < row_width)
         vals = tl.load(indices_ptr + base[:, None] + cols[None, :], mask=live, other=-1)
         keep = live & (cols[None, :] < row_len[:, None]) & (vals >= 0)
-        keep = keep & ((num_rows_limit < 0) | (vals < num_rows_limit))
+        keep = keep & tl.where(num_rows_limit < 0, vals == vals, vals < num_rows_limit)
         acc += tl.sum(keep.to(tl.int32), axis=1)
         start += BLOCK_W
     tl.store(counts_ptr + rows, acc, mask=row_ok)
@@ -113,7 +113,7 @@ def _ragged_compact_kernel(
         cols = start + tl.arange(0, BLOCK_W)
         live = cols < row_width
         vals = tl.load(indices_ptr + row * indices_stride + cols, mask=live, other=-1)
-        keep = live & (cols < row_len) & (vals >= 0) & ((num_rows_limit < 0) | (vals < num_rows_limit))
+        keep = live & (cols < row_len) & (vals >= 0) & tl.where(num_rows_limit < 0, vals == vals, vals < num_rows_limit)
         rank = tl.cumsum(keep.to(tl.int32), axis=0) - 1
         tl.store(dst + rank, vals, mask=keep)
         dst += tl.sum(keep.to(tl.int32), axis=0)

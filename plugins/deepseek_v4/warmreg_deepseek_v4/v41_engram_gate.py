@@ -85,7 +85,7 @@ def _engram_gate_kernel(
     d = tl.arange(0, BLOCK)
     live = d < D
     x = tl.load(hidden_ptr + t * hs_t + c * hs_c + d * hs_d, mask=live, other=0.0).to(tl.float32)
-    y = tl.load(kv_ptr + t * kv_t + (c * D + d) * kv_d, mask=has_kv & live, other=0.0).to(tl.float32)
+    y = tl.load(kv_ptr + t * kv_t + (c * D + d) * kv_d, mask=tl.where(has_kv, live, False), other=0.0).to(tl.float32)
     qw = tl.load(q_ptr + c * q_c + d * q_d, mask=live, other=0.0).to(tl.float32)
     kw = tl.load(k_ptr + c * k_c + d * k_d, mask=live, other=0.0).to(tl.float32)
     x_rms = tl.rsqrt(tl.sum(x * x, axis=0) / D + eps)
@@ -98,7 +98,7 @@ def _engram_gate_kernel(
     if HAS_MASK:
         keep = tl.load(mask_ptr + t * mask_t, mask=has_kv, other=0)
         gate = tl.where(keep, gate, 0.0)
-    v = tl.load(kv_ptr + t * kv_t + (C * D + d) * kv_d, mask=has_kv & live, other=0.0).to(tl.float32)
+    v = tl.load(kv_ptr + t * kv_t + (C * D + d) * kv_d, mask=tl.where(has_kv, live, False), other=0.0).to(tl.float32)
     tl.store(out_ptr + t * out_t + c * out_c + d * out_d, x + gate * v, mask=live)
 
 

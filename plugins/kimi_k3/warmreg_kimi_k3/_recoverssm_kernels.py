@@ -61,7 +61,7 @@ def compact_conv_state_kernel(
     source = pages + src * page + ds[:, None] * s_dim
     kept = tl.load(source + (c - 1 + hs[None, :]) * s_tok, mask=tile)
     if ALIGN:
-        at_edge = tile & (boundary > null_block_id)
+        at_edge = tl.where(boundary > null_block_id, tile, False)
         edge = tl.load(source + (recovery - 1 + hs[None, :]) * s_tok, mask=at_edge)
         tl.store(pages + boundary * page + ds[:, None] * s_dim + hs[None, :] * s_tok, edge, mask=at_edge)
     tl.store(pages + final * page + ds[:, None] * s_dim + hs[None, :] * s_tok, kept, mask=tile)
@@ -138,6 +138,6 @@ def commit_kda_state_kernel(
             fold_edge += tl.where(before, update * decay_edge[None, :], 0.0)
             decay_edge *= tl.where(before, dt, 1.0)
     if ALIGN:
-        edge_ok = tile & (boundary > null_block_id)
+        edge_ok = tl.where(boundary > null_block_id, tile, False)
         tl.store(pages + boundary * page + h * s_state_h + cells, s0 * decay_edge[None, :] + fold_edge, mask=edge_ok)
     tl.store(pages + final * page + h * s_state_h + cells, s0 * decay_all[None, :] + fold_all, mask=tile)

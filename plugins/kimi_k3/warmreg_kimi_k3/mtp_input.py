@@ -60,7 +60,7 @@ def _fused_mtp_input_kernel(
     inside = cols < HIDDEN
     if which == 0:
         keep = tl.load(positions_ptr + t) != 0
-        x = tl.load(embeds_ptr + t * embeds_stride + cols, mask=inside & keep, other=0.0)
+        x = tl.load(embeds_ptr + t * embeds_stride + cols, mask=tl.where(keep, inside, False), other=0.0)
         w = tl.load(enorm_w_ptr + cols, mask=inside, other=0.0)
     else:
         x = tl.load(hidden_ptr + t * hidden_stride + cols, mask=inside, other=0.0)

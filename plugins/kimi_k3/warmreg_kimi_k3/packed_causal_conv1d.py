@@ -81,7 +81,7 @@ def _tap(x_seq, s_base, pos, live, init, stride_x_token, STRIDE_STATE_TOKEN: tl.
     ``pos < 0`` the old state's column ``3 + pos`` (zeros without an initial state)."""
     in_x = (live & (pos >= 0))[:, None]
     from_x = tl.load(x_seq[None, :] + pos.to(tl.int64)[:, None] * stride_x_token, mask=in_x, other=0.0)
-    in_state = (live & (pos < 0))[:, None] & init
+    in_state = tl.where(init, (live & (pos < 0))[:, None], False)
     old = tl.load(s_base[None, :] + (3 + pos)[:, None] * STRIDE_STATE_TOKEN, mask=in_state, other=0.0)
     return tl.where(in_x, from_x.to(tl.float32), old.to(tl.float32))
 

@@ -102,7 +102,7 @@ def _recoverssm_verify_kernel(
     k_in, v_in = ks < K, vs < V
     if slot <= null_block_id:
         for t in tl.static_range(S):
-            tl.store(out_ptr + (bos + t) * s_out + h * V + vs, tl.zeros([BV], dtype=tl.float32), mask=(t < n) & v_in)
+            tl.store(out_ptr + (bos + t) * s_out + h * V + vs, tl.zeros([BV], dtype=tl.float32), mask=tl.where(t < n, v_in, False))
         return
     tile = v_in[:, None] & k_in[None, :]
     cell = state_ptr + slot * s_state_b + h * s_state_h + vs[:, None] * s_state_v + ks[None, :] * s_state_k
@@ -111,10 +111,10 @@ def _recoverssm_verify_kernel(
     for t in tl.static_range(S):
         live = t < n
         tok = bos + t
-        qt = tl.load(q_ptr + tok * s_q + h * K + ks, mask=live & k_in, other=0.0).to(tl.float32)
-        kt = tl.load(k_ptr + tok * s_k + h * K + ks, mask=live & k_in, other=0.0).to(tl.float32)
-        vt = tl.load(v_ptr + tok * s_v + h * V + vs, mask=live & v_in, other=0.0).to(tl.float32)
-        gt = tl.load(g_ptr + tok * s_g + h * K + ks, mask=live & k_in, other=0.0).to(tl.float32)
+        qt = tl.load(q_ptr + tok * s_q + h * K + ks, mask=tl.where(live, k_in, False), other=0.0).to(tl.float32)
+        kt = tl.load(k_ptr + tok * s_k + h * K + ks, mask=tl.where(live, k_in, False), other=0.0).to(tl.float32)
+        vt = tl.load(v_ptr + tok * s_v + h * V + vs, mask=tl.where(live, v_in, False), other=0.0).to(tl.float32)
+        gt = tl.load(g_ptr + tok * s_g + h * K + ks, mask=tl.where(live, k_in, False), other=0.0).to(tl.float32)
         bt = tl.load(beta_ptr + tok * s_beta + h, mask=live, other=0.0).to(tl.float32)
         qt *= tl.rsqrt(tl.sum(qt * qt) + 1e-6) * (K**-0.5)
         bias = tl.load(dt_bias_ptr + h * K + ks, mask=k_in, other=0.0).to(tl.float32)
@@ -122,12 +122,12 @@ def _recoverssm_verify_kernel(
         decayed = state * tl.exp(kda_gate(gt, bias, a, lower_bound, BOUNDED))[None, :]
         u = (vt - tl.sum(decayed * kn[None, :], axis=1)) * tl.sigmoid(bt)
         state = tl.where(live, decayed + u[:, None] * kn[None, :], state)
-        tl.store(out_ptr + tok * s_out + h * V + vs, tl.sum(state * qt[None, :], axis=1), mask=live & v_in)
-        tl.store(corr_ptr + row * s_corr_b + h * s_corr_h + t * s_corr_t + vs * s_corr_d, u, mask=live & v_in)
+        tl.store(out_ptr + tok * s_out + h * V + vs, tl.sum(state * qt[None, :], axis=1), mask=tl.where(live, v_in, False))
+        tl.store(corr_ptr + row * s_corr_b + h * s_corr_h + t * s_corr_t + vs * s_corr_d, u, mask=tl.where(live, v_in, False))
         if i_v == 0:
             rec = kg_ptr + row * s_kg_b + h * s_kg_h + t * s_kg_t
-            tl.store(rec + ks * s_kg_d, kt, mask=live & k_in)
-            tl.store(rec + (K + ks) * s_kg_d, gt, mask=live & k_in)
+            tl.store(rec + ks * s_kg_d, kt, mask=tl.where(live, k_in, False))
+            tl.store(rec + (K + ks) * s_kg_d, gt, mask=tl.where(live, k_in, False))
 
 
 @attrs.frozen(kw_only=True)
