@@ -117,7 +117,7 @@ for e in "${engines[@]}"; do
             f=$(family "$e")
             env $(engine_env "$e") "$py" -m pytest -q -p no:cacheprovider "tests/engines/test_$f.py" \
                 "tests/engines/test_${f}_integration.py" $([ "$e" != vllm-0.34 ] || echo tests/engines/test_vllm_coverage_source.py) \
-                $([ "$f" != vllm ] || echo tests/engines/test_vllm_registry_keys.py tests/engines/test_vllm_pack.py) || status=1
+                $([ "$f" != vllm ] || echo tests/engines/test_vllm_registry_keys.py tests/engines/test_vllm_pack.py tests/engines/test_vllm_kimi_k3_pack.py) || status=1
             # The differential kernel tests: test_vllm_kernels*.py against vLLM 0.33's kernels,
             # test_vllm034_kernels*.py against 0.34's (the kernels 0.34 added or changed).
             kernels=(tests/engines/test_"${e//[-.]/}"_kernels*.py)

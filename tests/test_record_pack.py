@@ -111,6 +111,41 @@ def test_pack_install_finds_the_engines_functions_through_the_hook(tmp_path: Pat
     assert hits == [True, True]
 
 
+#: the engine's plugin as an installed distribution publishes it (``warmreg`` entry-point group)
+INSTALLED_PLUGIN = EnginePlugin()
+
+
+def test_an_engines_integration_installs_its_pack_without_a_plan(
+    tmp_path: Path, triton_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``warmreg.install_engine_pack``: the engine's pack installed through the installed plugins' hook, a prefetch
+    of it waited for, a pack of another engine left alone, one for another target refused."""
+    import importlib.metadata
+
+    ep = importlib.metadata.EntryPoint(name="engine", value=f"{__name__}:INSTALLED_PLUGIN", group="warmreg")
+    monkeypatch.setattr(importlib.metadata, "entry_points", lambda group=None: [ep] if group == "warmreg" else [])
+    record(tmp_path / "p", [64, 128])
+    assert warmreg.install_engine_pack(tmp_path / "p", engine="other") is None  # not that engine's: nothing read
+    assert not any(triton_cache.iterdir())
+    report = warmreg.install_engine_pack(tmp_path / "p", engine="engine")
+    assert report is not None and (report.installed, report.present, report.refused) == (2, 0, ())
+    assert not report.prefetched
+    hits: list[bool] = []
+    forget()
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda *, cache_hit, **_: hits.append(cache_hit))
+    with warmreg.cross_target(Platform.parse(TARGET)):
+        engine_compile(64)
+        engine_compile(128)
+    assert hits == [True, True]  # the engine's own compile of each key finds its binary
+    # a prefetch of the pack (the engine's start-up, before it loads weights) is waited for, not repeated
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "second-cache"))
+    warmreg.prefetch(pack=tmp_path / "p")
+    again = warmreg.install_engine_pack(tmp_path / "p", engine="engine")
+    assert again is not None and again.prefetched and (again.installed, again.refused) == (2, ())
+    with pytest.raises(PackError, match="targets cuda:90, this warm targets cuda:100"):
+        warmreg.install_engine_pack(tmp_path / "p", engine="engine", target="cuda:100")
+
+
 def test_without_an_answer_from_a_plugin_the_entries_are_refused(tmp_path: Path) -> None:
     record(tmp_path / "p", [64])
     names = frozenset({NAME})

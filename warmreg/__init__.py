@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from .monitoring import JitMissError, Miss, Monitor, arm, disarm, monitor
     from .pipeline.planning import KernelPlan, Plan, plan
     from .runtime.launch import use_config
-    from .stages.record import record_pack
+    from .stages.record import install_engine_pack, record_pack
 
 # Imported on first use: these modules import torch (about 2 s on a small machine), which the CLI's
 # refusals, pack checks and config checks do not need.
@@ -61,7 +61,7 @@ _LAZY = {
     "Registry": "contract.registry",
     "enumerate_keys": "contract.space",
     "cross_target": "_triton.target",  # compile for a named target in a block (a pack built beside an engine)
-    "record_pack": "stages.record",  # a pack of compiles an engine's own warmup runs (its own kernels)
+    **dict.fromkeys(("install_engine_pack", "record_pack"), "stages.record"),  # packs of an engine's own kernels
     "prefetch": "api.prefetch",  # torch-free: an engine calls it before it imports torch
     **dict.fromkeys(("reset_state", "warm"), "api.warm"),
 }
@@ -115,6 +115,7 @@ __all__ = [
     "enumerate_keys",
     "has_feature",
     "hookimpl",
+    "install_engine_pack",
     "int_class",
     "int_class_rep",
     "is_aligned",

@@ -5,7 +5,8 @@ compile Triton starts in it (Triton's pre-compile hook: the function and its ser
 the label of the key being compiled, and writes what compiled as a pack in warmreg's format (the writer of
 :mod:`warmreg.stages.build`): entries per binary, every file with its sha256, the manifest's ``engine`` section as
 the builder gives it. ``warmreg pack install`` installs it like any pack, once a plugin's
-``warmreg_pack_functions`` supplies the engine's functions (:mod:`warmreg.contract.hookspecs`).
+``warmreg_pack_functions`` supplies the engine's functions (:mod:`warmreg.contract.hookspecs`), and an engine's
+integration installs it at start-up with :func:`install_engine_pack` (no warmreg plan holds the engine's kernels).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from ..support.outputs import check_output
 from ..support.version import __version__
 from ..values.platform import Platform, resolve_platform
 from .build import _cache_at, _publish_pack
+from .pack import InstallReport, _prefetched_install, inspect_pack, install
 from .pack_format import FORMAT, Manifest, PackEntry, PackError, PackFile, _sha256
 
-__all__ = ["PackRecording", "record_pack"]
+__all__ = ["PackRecording", "install_engine_pack", "record_pack"]
 
 #: what Triton's cache entry holds that a pack carries (``cache_files``: the metadata and the binary)
 _CARRIED = (".json", ".cubin", ".hsaco")
@@ -185,3 +187,25 @@ def record_pack(
         )  # fmt: skip
         (staged / "manifest.json").write_text(json.dumps(manifest.to_json(), indent=1))
         _publish_pack(staged, out, force=force)
+
+
+def install_engine_pack(
+    path: str | os.PathLike[str], *, engine: str, target: str | Platform | None = None
+) -> InstallReport | None:
+    """Install a pack of ``engine``'s own kernels (a :func:`record_pack` pack whose manifest's ``engine`` section
+    names it) into Triton's cache, without a warm: as ``warmreg pack install`` does, each entry's Triton function
+    from the installed plugins' ``warmreg_pack_functions``. A :func:`warmreg.prefetch` of the same pack into this
+    cache for this target is waited for, not repeated.
+
+    :param engine: the engine's name (``"vllm"``); a pack of any other engine, or of warmreg's own kernels, is left
+        alone (those go to :func:`warmreg.warm`'s ``pack``).
+    :param target: the platform this machine serves (default: the pack's target).
+    :returns: what the install did, or ``None`` for a pack that is not ``engine``'s.
+    :raises PackError: if the pack cannot be read or does not fit this machine (Triton, ptxas, knobs, target).
+    :raises CacheError: if Triton's cache directory cannot be written.
+    """
+    manifest = inspect_pack(Path(path))
+    if manifest.engine is None or manifest.engine.get("name") != engine:
+        return None
+    platform = resolve_platform(target) if target is not None else Platform.parse(manifest.target)
+    return _prefetched_install(path, platform) or install(Path(path), target=platform)

@@ -66,6 +66,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     engine = [a for a in engine if a != "--"]
     # The build never uses a GPU, and vLLM keeps Triton on only with no visible device (emulation.py, point 1)
     os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    # Nor does it serve: vLLM's loader runs the start-up plugin while parsing the arguments, and with WARMREG_WARM
+    # on it would import vLLM's GPU worker (and the model packages) under the CPU platform, before the emulation
+    os.environ.pop("WARMREG_WARM", None)
     from .vllm_pack import build_vllm_pack
 
     try:

@@ -9,7 +9,10 @@ whose need it meets (vLLM 0.33.0 and 0.34.0), undone on exit:
    gloo (``init_process_group`` and every ``new_group``), so ``get_tp_group().world_size`` is the deployment's;
    ``init_model_parallel_group`` is called without the shared-memory broadcaster, which waits for the other ranks.
 2. **CUDA tensors are meta tensors**: a torch function mode moves every ``device="cuda"`` factory call,
-   ``.cuda()`` and ``.to("cuda")`` to the meta device (layers, metadata builders and the KV cache name the device).
+   ``.cuda()`` and ``.to("cuda")`` to the meta device (layers, metadata builders and the KV cache name the device);
+   not under torch's ``FakeTensorMode``, whose CUDA tensors need no device and are what vLLM's key derivation falls
+   back to for a dispatch that asserts ``is_cuda`` (``model_executor/warmup/jit_warmup_triton_helper.py``,
+   ``_DecoratedTritonJitKernel.get_warmup_keys``; vLLM 0.34's ``scatter_states``, which Kimi-K3's KDA layers register).
 3. **Streams and events are inert**: ``torch.cuda.Stream`` and ``torch.cuda.Event`` (the DeepSeek-V4 model's
    auxiliary streams, ``models/deepseek_v4/nvidia/model.py``) need a driver.
 4. **Activation ops the layers bind at construction** (``model_executor/layers/activation.py``: ``self.op =
@@ -52,6 +55,8 @@ class _CudaIsMeta(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
+        if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+            return func(*args, **kwargs)  # a fake CUDA tensor allocates nothing and answers is_cuda as on the GPU
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "meta"
         if func is torch.Tensor.cuda:

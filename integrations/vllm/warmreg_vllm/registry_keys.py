@@ -100,10 +100,13 @@ class Registrations:
 
     :param kernels: one :class:`RegisteredKernel` per kernel object, sorted by name.
     :param seconds: wall seconds per phase (``config``, each of :data:`POINTS`, ``keys``).
+    :param registries: vLLM's ``JitWarmupRegistry`` of each point of :data:`POINTS` (not compared): inside
+        :func:`~warmreg_vllm.vllm_pack.deployment`, their ``warmup()`` is vLLM's own ``kernel_warmup`` step.
     """
 
     kernels: tuple[RegisteredKernel, ...] = attrs.field(converter=_tuple)
     seconds: dict[str, float] = attrs.field(eq=False)
+    registries: dict[str, Any] = attrs.field(eq=False, factory=dict, repr=False)
 
     def keys_per_kind(self) -> dict[str, int]:
         """Compile keys per kind (every kind of :data:`KINDS`, zero where none)."""
@@ -188,14 +191,15 @@ def _run_points(vllm_config: Any, profile: GpuProfile, seconds: dict[str, float]
 
     registries = {point: JitWarmupRegistry(vllm_config) for point in POINTS}
     meta = torch.device("meta")
-    # The executor's step before the worker loads the model (v1/executor/multiproc_executor.py): the block size the
-    # attention backends need
-    current_platform.update_block_size_for_backend(vllm_config)
     with _timed(seconds, "model"), registries["model"].activate():
         initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
     with _timed(seconds, "sampler"), registries["sampler"].activate():
         if vllm_config.speculative_config is not None:
             register_top_k_top_p_warmups()
+    # The executor's step once the worker's load_model returns (v1/executor/multiproc_executor.py,
+    # uniproc_executor.py): the block size every attention layer's backend supports and, for a hybrid model, the
+    # block and mamba page sizes aligned (Platform._align_hybrid_block_size); it reads the layers the model built
+    current_platform.update_block_size_for_backend(vllm_config)
     with _timed(seconds, "attention-backends"):
         kv_cache_config = _kv_cache_config(vllm_config, profile.total_memory // 2)
         with registries["attention-backends"].activate():
@@ -234,6 +238,12 @@ def registered_kernels(config: Any, profile: GpuProfile) -> Registrations:
       A draft model (MTP) is loaded by the runner outside the active registry, so it registers nothing there either.
     - ``sampler``: ``register_top_k_top_p_warmups`` (``v1/sample/ops/topk_topp_sampler.py``), which the runner's
       ``load_model`` calls on CUDA when the deployment speculates.
+
+    Then, as the executor does once ``load_model`` returns, ``Platform.update_block_size_for_backend``: the block
+    size the built layers' backends support and, for a hybrid model (Kimi-K3's MLA beside its KDA state), the
+    block and mamba page sizes aligned (``_align_hybrid_block_size``), which the engine core's KV-cache grouping
+    needs.
+
     - ``attention-backends``: ``init_attn_backend`` (``v1/worker/gpu/attn_utils.py``; its metadata builders
       register), called by the runner's ``initialize_kv_cache`` with the KV-cache config the engine core computes
       (``get_kv_cache_configs``, for half the profiled GPU's memory: the block count, which no key reads).
@@ -258,7 +268,7 @@ def registered_kernels(config: Any, profile: GpuProfile) -> Registrations:
             # Keys derived from Triton's own cache key need Triton's active driver: the profile's target stands in
             with _timed(seconds, "keys"), cross_target(Platform.parse(profile.triton_target.target)):
                 kernels = _collect(registries, vllm_config)
-    return Registrations(kernels=sorted(kernels), seconds=seconds)
+    return Registrations(kernels=sorted(kernels), seconds=seconds, registries=registries)
 
 
 def _key_text(key: Any) -> str:

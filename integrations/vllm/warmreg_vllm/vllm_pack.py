@@ -155,7 +155,7 @@ def deployment(config: Any, profile: GpuProfile) -> Iterator[tuple[Any, Registra
             registries = rk._run_points(vllm_config, profile, seconds)
             with rk._timed(seconds, "keys"), cross_target(Platform.parse(profile.triton_target.target)):
                 kernels = rk._collect(registries, vllm_config)
-            yield vllm_config, Registrations(kernels=sorted(kernels), seconds=seconds)
+            yield vllm_config, Registrations(kernels=sorted(kernels), seconds=seconds, registries=registries)
 
 
 def compile_keys(

@@ -1,7 +1,7 @@
 """``--worker-cls warmreg_vllm.worker.WarmregWorker``: vLLM's GPU worker that warms with warmreg.
 
 The per-deployment door (``ParallelConfig.worker_cls``, resolved in ``WorkerWrapperBase.init_worker``): the same
-prefetch, warm and monitor as the general plugin (:mod:`warmreg_vllm.plugin`), here whatever ``WARMREG_WARM`` says
+prefetch, pack of vLLM's kernels, warm and monitor as the general plugin (:mod:`warmreg_vllm.plugin`), here whatever ``WARMREG_WARM`` says
 (the flag is the opt-in); the other ``WARMREG_*`` settings apply. With both doors open a process still warms once.
 """
 
@@ -13,6 +13,8 @@ from typing import Any
 from vllm.v1.worker.gpu_worker import Worker
 
 from warmreg.api import startup
+
+from .plugin import install_pack
 
 __all__ = ["WarmregWorker"]
 
@@ -30,7 +32,7 @@ class WarmregWorker(Worker):  # type: ignore[misc]
 
     def compile_or_warm_up_model(self, *args: Any, **kwargs: Any) -> Any:
         settings = _settings()
-        startup.warm_once(self.vllm_config, settings, engine="vLLM")
+        startup.warm_once(self.vllm_config, install_pack(settings), engine="vLLM")
         result = super().compile_or_warm_up_model(*args, **kwargs)
         startup.arm_monitor(settings)
         return result
