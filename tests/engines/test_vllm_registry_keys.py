@@ -94,8 +94,9 @@ def test_unknown_missing_and_malformed_profiles_are_refused() -> None:
         GpuProfile.from_dict(data)
     with pytest.raises(ProfileError, match="must be JSON"):
         GpuProfile.from_json("{")
-    with pytest.raises(ProfileError, match="must be one of h200 \\(got 'h100'\\)"):
-        GpuProfile.named("h100")
+    with pytest.raises(ProfileError, match="must be one of h100, h200 \\(got 'b300'\\)"):
+        GpuProfile.named("b300")
+    assert GpuProfile.named("h100").capability == GpuProfile.named("h200").capability == (9, 0)
 
 
 # -- 2. vLLM behaving as on the profiled GPU ---------------------------------------------------------------------------
