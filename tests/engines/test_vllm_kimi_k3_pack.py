@@ -34,6 +34,9 @@ if importlib.util.find_spec("vllm") is None:
     pytest.skip("needs vLLM: run in build/engine-venvs/vllm or vllm-0.34", allow_module_level=True)
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from vllm_pack_check import CHECK  # noqa: E402
+
 #: vLLM's engine arguments of a small Kimi-K3 TP 8 deployment (the model folder is added): the ``kimi_k3`` case's
 #: FlashMLA, block size 64, no prefix caching and three ngram draft tokens, at a short context and small batch
 SMALL = [
@@ -109,28 +112,6 @@ def test_kimi_k3_registers_through_the_kv_cache_points_the_same_in_two_processes
     assert built["report"]["not_held"] == []
 
 
-CHECK = """
-    import json, sys, triton
-    from warmreg import Platform, cross_target
-    from warmreg_vllm.cli import _engine_args
-    from warmreg_vllm.profile import GpuProfile
-    from warmreg_vllm.vllm_pack import compile_keys, deployment
-
-    h200, seen = GpuProfile.named("h200"), {"compiled": [], "hits": 0}
-
-    def listener(*, src, metadata, metadata_group, times, cache_hit):
-        if cache_hit:
-            seen["hits"] += 1
-        else:
-            seen["compiled"].append(metadata_group and sorted(metadata_group)[0])
-
-    triton.knobs.compilation.listener = listener
-    with deployment(_engine_args(sys.argv[1:]), h200) as (vllm_config, found):
-        kernels = [k for k in found.kernels if k.kind == "triton"]
-        with cross_target(Platform.parse(h200.triton_target.target)):
-            failed = compile_keys(kernels, workers=2)
-    print(json.dumps({"keys": {k.name: len(k.keys) for k in kernels}, "failed": failed, **seen}))
-"""
 
 
 def test_after_pack_install_vllms_own_compile_of_every_kimi_k3_key_compiles_nothing(built: dict[str, Any]) -> None:
