@@ -10,6 +10,7 @@ affects every path alike; each figure is microseconds per call over batches of `
 - ``floor``: the compiled kernel's own launcher (``CompiledKernel.run``) called with prepared
   arguments: grid, stream and every argument computed once. Triton's launcher cannot go lower.
 - ``fast``: warmreg's guarded launch with the same kwargs: the C entry (``warmreg.runtime._cdispatch``).
+- ``fast_getters``: the same C entry reading each tensor through torch.Tensor's getters, not torch's C shim.
 - ``fast_python``: the same guards in the generated Python function (the path without a C compiler).
 - ``triton_prealloc``: ``kernel[grid](...)`` with preallocated outputs.
 - ``triton_same_alloc``: the same, allocating the two outputs with the op's own allocation calls.
@@ -26,9 +27,10 @@ Then the first launch after warm against the steady state: a fresh process's fir
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -39,6 +41,7 @@ from _driver_floor import build as build_driver_floor
 from _driver_floor import prepare as prepare_driver_floor
 
 import warmreg
+import warmreg.runtime.fast
 import warmreg.runtime.launch
 from warmreg.ops import FusedQKVRMSNorm, fused_qkv_rmsnorm_reference
 from warmreg.ops.qkv_rmsnorm import _fused_qkv_rmsnorm_kernel
@@ -56,6 +59,17 @@ def _host_us(fn: Callable[[], object], calls: int) -> float:
     elapsed = time.perf_counter() - t
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
+
+
+@contextlib.contextmanager
+def _getter_reads() -> Iterator[None]:
+    """Entries built meanwhile read tensors through torch.Tensor's getters (no dtype numbers for the shim)."""
+    saved = warmreg.runtime.fast._dtype_code
+    warmreg.runtime.fast._dtype_code = lambda dtype: -1  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        warmreg.runtime.fast._dtype_code = saved
 
 
 def _synced_ms(fn: Callable[[], object]) -> float:
@@ -130,6 +144,10 @@ def main() -> None:
 
     native = entry.launch
     python = entry.python
+    # the same C entry reading tensors through torch.Tensor's getters instead of torch's C shim
+    with _getter_reads():
+        getters = warmreg.runtime.fast.build(jit, kwargs, options, compiled, torch.cuda.current_device())
+    assert getters is not None and getters.native is not None
 
     def on_python(fn: Callable[[], object]) -> Callable[[], object]:
         def call() -> object:
@@ -145,6 +163,7 @@ def main() -> None:
         "driver": driver_floor.launch,
         "floor": floor,
         "fast": lambda: native(grid, kwargs),
+        "fast_getters": lambda: getters.native.launch(grid, kwargs),
         "fast_python": lambda: python(grid, kwargs),
         "triton_prealloc": triton_prealloc,
         "triton_same_alloc": triton_same_alloc,
@@ -165,6 +184,7 @@ def main() -> None:
         "op_out_over_triton_prealloc": median([o / t for o, t in zip(samples["op_out"], samples["triton_prealloc"])]),
         "fast_over_floor": median([f / fl for f, fl in zip(samples["fast"], samples["floor"])]),
         "fast_over_driver": median([f / d for f, d in zip(samples["fast"], samples["driver"])]),
+        "fast_getters_over_driver": median([f / d for f, d in zip(samples["fast_getters"], samples["driver"])]),
         "floor_over_driver": median([f / d for f, d in zip(samples["floor"], samples["driver"])]),
     }
     body = type(op).__call__.__wrapped__
@@ -181,6 +201,7 @@ def main() -> None:
         "warm": {"wall_s": warm_s, "summary": report.summary()},
         "kernel": f"{op.name} T=1 {key}",
         "native_built": entry.native is not None,
+        "tensor_abi": warmreg.runtime.fast._tensor_abi(),
         "calls_per_sample": args.calls,
         "samples_us": samples,
         "median_us": med,

@@ -71,8 +71,16 @@ def _entry(kwargs: dict[str, Any], compiled: Any = None, *, require_cuda: bool =
     return entry
 
 
+@pytest.mark.parametrize("reads", ["shim", "getters"])
 @pytest.mark.parametrize(("base_n", "base_loose"), [(32, 32), (17, 1), (2**31 + 16, 5)])
-def test_c_guards_accept_exactly_what_the_python_guards_accept(base_n: int, base_loose: int) -> None:
+def test_c_guards_accept_exactly_what_the_python_guards_accept(
+    base_n: int, base_loose: int, reads: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both ways the C entry reads a tensor: torch's C shim (where found) and torch.Tensor's getters."""
+    if reads == "getters":
+        monkeypatch.setattr(_triton_fast, "_dtype_code", lambda dtype: -1)
+    else:
+        assert _triton_fast._tensor_abi(), "torch's C shim (aoti_torch_get_*) was not found or disagreed"
     variants: dict[str, list[Any]] = {
         "x_ptr": [_tensor(torch.float32, 0), _tensor(torch.float32, 1), _tensor(torch.float32, 4), _tensor(torch.float16, 0)],
         "loose_ptr": [_tensor(torch.float32, 0), _tensor(torch.float32, 3), _tensor(torch.int32, 0)],
@@ -100,6 +108,33 @@ def test_c_guards_accept_exactly_what_the_python_guards_accept(base_n: int, base
         assert 0 < accepted
 
 
+def test_the_shim_reads_a_tensor_as_its_getters_do() -> None:
+    """``tensor_abi`` finds the at::Tensor inside a torch.Tensor by its ``_cdata`` word, without dereferencing
+    a guess, and keeps the getters where the samples are not plain tensors; the dtype numbers it reads are
+    torch's ScalarType (one per dtype)."""
+    assert _triton_fast._tensor_abi()
+    good = (torch.empty(3), torch.arange(8)[2:], torch.nn.Parameter(torch.ones(2, dtype=torch.float16)))
+    offset = cdispatch.tensor_abi(good)
+    assert offset in (16, 24)  # after PyObject_HEAD: at::Tensor, or MaybeOwned's flag then the tensor
+    codes = {
+        d: cdispatch.dtype_code(torch.empty(0, dtype=d))
+        for d in (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool, torch.uint8)
+    }
+    assert len(set(codes.values())) == len(codes) and min(codes.values()) >= 0
+    assert cdispatch.dtype_code(torch.zeros(2, 2, dtype=torch.bfloat16).t()) == codes[torch.bfloat16]
+    assert cdispatch.dtype_code(object()) == -1
+    with pytest.raises(TypeError, match="at least two"):
+        cdispatch.tensor_abi((torch.empty(1),))
+    try:
+        assert cdispatch.tensor_abi((torch.empty(1), 3)) == -1  # not a tensor: the getters stay
+        assert cdispatch.dtype_code(torch.empty(1)) == -1
+        with _triton.cross_target(H100):
+            base = _kwargs()
+            assert _entry(base).native.pack((3,), base) == _expected(base)  # built with codes, read by getters
+    finally:
+        assert cdispatch.tensor_abi(good) == offset
+
+
 def test_a_refused_launch_goes_to_the_python_path_then_triton() -> None:
     with _triton.cross_target(H100):
         base = _kwargs()
@@ -118,6 +153,8 @@ def test_call_shape_knobs_and_hooks_are_guarded() -> None:
         base = _kwargs()
         entry = _entry(base)
         assert entry.native.pack((1,), base) is not None
+        # kwargs walked in step with the arguments, by lookup once out of step: any order packs the same
+        assert entry.native.pack((1,), dict(reversed(base.items()))) == entry.native.pack((1,), base) == _expected(base)
         assert entry.native.pack((1,), {k: v for k, v in base.items() if k != "flag"}) is None
         assert entry.native.pack((1,), {**base, "extra": 1}) is None
         saved = triton.knobs.runtime.debug
@@ -204,8 +241,8 @@ class _Counting:
 @pytest.mark.gpu
 def test_gpu_ops_launch_through_the_c_path() -> None:
     import warmreg
-    from warmreg.runtime.launch import FAST_TABLES, remember_fast_launch
     from warmreg.ops import FusedQKVRMSNorm, fused_qkv_rmsnorm_reference
+    from warmreg.runtime.launch import FAST_TABLES, remember_fast_launch
 
     op = FusedQKVRMSNorm(q_size=96, kv_size=64, proj_width=160)
     dev = torch.device("cuda")

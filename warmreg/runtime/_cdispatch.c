@@ -78,6 +78,7 @@ static void cuda_error(wr_result code) {
 
 /* ---- torch.Tensor's C getters, looked up once ------------------------------------------------ */
 static PyTypeObject *tensor_type, *parameter_type;
+static PyObject *calls_name; /* "calls", interned once */
 static getter get_dtype, get_is_cuda;
 static void *get_dtype_closure, *get_is_cuda_closure;
 static PyCFunction data_ptr_fn;
@@ -138,6 +139,122 @@ static int find_torch(void) {
   return 0;
 }
 
+/* ---- torch's C shim: a tensor read without a Python call ------------------------------------
+ * torch exports a C ABI over at::Tensor (the AOTI shim, torch/csrc/inductor/aoti_torch/c/shim.h:
+ * aoti_torch_get_dtype / _get_device_type / _get_data_ptr, each taking an at::Tensor*). A torch.Tensor
+ * object holds its at::Tensor at a fixed offset, which tensor_abi() finds without dereferencing
+ * anything: the word there equals the tensor's own `_cdata` (its TensorImpl address) for every sample,
+ * and the shim then agrees with the getters on each sample's dtype, device and data pointer. Where
+ * the shim or that word is not found (another torch build), entries keep torch's getters. */
+typedef int32_t (*aoti_ptr_t)(void *, void **);
+typedef int32_t (*aoti_i32_t)(void *, int32_t *);
+typedef int32_t (*aoti_code_t)(void);
+static struct {
+  Py_ssize_t offset; /* of the at::Tensor in a torch.Tensor object; -1: not in use */
+  aoti_ptr_t data_ptr;
+  aoti_i32_t dtype, device_type;
+  int32_t cuda, cpu;
+} abi = {-1, NULL, NULL, NULL, 0, 0};
+
+static int abi_symbols(void) {
+  void *lib = dlopen("libtorch_cpu.so", RTLD_NOW | RTLD_NOLOAD);
+  if (lib == NULL)
+    return 0;
+  aoti_code_t cuda = (aoti_code_t)dlsym(lib, "aoti_torch_device_type_cuda");
+  aoti_code_t cpu = (aoti_code_t)dlsym(lib, "aoti_torch_device_type_cpu");
+  abi.data_ptr = (aoti_ptr_t)dlsym(lib, "aoti_torch_get_data_ptr");
+  abi.dtype = (aoti_i32_t)dlsym(lib, "aoti_torch_get_dtype");
+  abi.device_type = (aoti_i32_t)dlsym(lib, "aoti_torch_get_device_type");
+  if (!cuda || !cpu || !abi.data_ptr || !abi.dtype || !abi.device_type)
+    return 0;
+  abi.cuda = cuda();
+  abi.cpu = cpu();
+  return 1;
+}
+
+/* 1: the shim reads `t` at `offset` exactly as torch's getters do; 0: it does not; -1: error set */
+static int abi_agrees(PyObject *t, Py_ssize_t offset, PyObject *first_dtype, int32_t first_code) {
+  PyTypeObject *type = Py_TYPE(t);
+  if ((type != tensor_type && type != parameter_type) || offset + (Py_ssize_t)sizeof(void *) > type->tp_basicsize)
+    return 0;
+  PyObject *cdata = PyObject_GetAttrString(t, "_cdata");
+  if (cdata == NULL)
+    return -1;
+  unsigned long long impl = PyLong_AsUnsignedLongLongMask(cdata);
+  Py_DECREF(cdata);
+  uintptr_t word;
+  memcpy(&word, (char *)t + offset, sizeof word);
+  if (PyErr_Occurred() || (unsigned long long)word != impl)
+    return PyErr_Occurred() ? -1 : 0;
+  void *h = (char *)t + offset, *p = NULL;
+  int32_t code, dev;
+  if (abi.dtype(h, &code) != 0 || abi.device_type(h, &dev) != 0 || abi.data_ptr(h, &p) != 0)
+    return 0;
+  PyObject *dtype = get_dtype(t, get_dtype_closure), *is_cuda = get_is_cuda(t, get_is_cuda_closure);
+  PyObject *ptr = data_ptr_fn(t, NULL);
+  int same = 0;
+  if (dtype && is_cuda && ptr) {
+    unsigned long long want = PyLong_AsUnsignedLongLongMask(ptr);
+    same = (unsigned long long)(uintptr_t)p == want && (is_cuda == Py_True) == (dev == abi.cuda) &&
+           (is_cuda == Py_True || dev == abi.cpu) && ((dtype == first_dtype) == (code == first_code));
+  }
+  Py_XDECREF(dtype);
+  Py_XDECREF(is_cuda);
+  Py_XDECREF(ptr);
+  return PyErr_Occurred() ? -1 : same;
+}
+
+static PyObject *tensor_abi(PyObject *module, PyObject *samples) {
+  if (!PyTuple_Check(samples) || PyTuple_GET_SIZE(samples) < 2) {
+    PyErr_SetString(PyExc_TypeError, "tensor_abi(samples): a tuple of at least two torch.Tensor");
+    return NULL;
+  }
+  if (tensor_type == NULL && find_torch() < 0)
+    return NULL;
+  abi.offset = -1;
+  if (!abi_symbols())
+    return PyLong_FromSsize_t(-1);
+  /* after PyObject_HEAD: at::Tensor (torch 2.12+), or c10::MaybeOwned<at::Tensor> (a flag, then the tensor) */
+  const Py_ssize_t candidates[] = {(Py_ssize_t)sizeof(PyObject), (Py_ssize_t)sizeof(PyObject) + 8};
+  for (size_t c = 0; c < sizeof candidates / sizeof candidates[0]; c++) {
+    PyObject *first = PyTuple_GET_ITEM(samples, 0);
+    int32_t first_code;
+    if (Py_TYPE(first) != tensor_type && Py_TYPE(first) != parameter_type)
+      break;
+    PyObject *first_dtype = get_dtype(first, get_dtype_closure);
+    if (first_dtype == NULL)
+      return NULL;
+    Py_DECREF(first_dtype); /* torch keeps one object per dtype */
+    uintptr_t word;
+    memcpy(&word, (char *)first + candidates[c], sizeof word);
+    PyObject *cdata = PyObject_GetAttrString(first, "_cdata");
+    if (cdata == NULL)
+      return NULL;
+    int match = (unsigned long long)word == PyLong_AsUnsignedLongLongMask(cdata);
+    Py_DECREF(cdata);
+    if (!match || abi.dtype((char *)first + candidates[c], &first_code) != 0)
+      continue;
+    int all = 1;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(samples) && all == 1; i++)
+      all = abi_agrees(PyTuple_GET_ITEM(samples, i), candidates[c], first_dtype, first_code);
+    if (all < 0)
+      return NULL;
+    if (all) {
+      abi.offset = candidates[c];
+      break;
+    }
+  }
+  return PyLong_FromSsize_t(abi.offset);
+}
+
+static PyObject *dtype_code(PyObject *module, PyObject *t) {
+  int32_t code;
+  if (abi.offset < 0 || (Py_TYPE(t) != tensor_type && Py_TYPE(t) != parameter_type) ||
+      abi.dtype((char *)t + abi.offset, &code) != 0)
+    return PyLong_FromLong(-1);
+  return PyLong_FromLong(code);
+}
+
 /* ---- one entry ------------------------------------------------------------------------------- */
 enum { K_PTR = 0, K_INT = 1, K_F32 = 2, K_BOOL = 3, K_CONST = 4, K_NONE = 5 };
 enum { A_ALIGNED = 0, A_UNALIGNED = 1, A_ANY = 2 };
@@ -152,6 +269,7 @@ typedef struct {
   PyObject *obj;   /* PTR: the dtype; CONST: the value; INT with F_EQ: the value; absent: the default */
   PyObject *cls;   /* CONST: the value's class */
   PyObject *dflt;  /* absent: the default value */
+  int32_t code;    /* PTR: torch's ScalarType number of the dtype (-1: compare through the getter) */
 } arg_spec;
 
 typedef struct {
@@ -164,7 +282,7 @@ typedef struct {
   PyObject_HEAD
   wr_function function;
   unsigned int block_x, shared;
-  int num_ctas, pdl, cooperative, device, require_cuda, nparams;
+  int num_ctas, pdl, cooperative, device, require_cuda, nparams, npresent;
   Py_ssize_t nkw;
   Py_ssize_t nargs, nchecks;
   arg_spec *args;
@@ -260,6 +378,20 @@ static int ptr_guard(const Entry *self, const arg_spec *a, PyObject *v, uint64_t
   PyTypeObject *type = Py_TYPE(v);
   if (type != tensor_type && type != parameter_type)
     return 0;
+  unsigned long long p;
+  if (abi.offset >= 0 && a->code >= 0) {
+    /* the same three reads through torch's C shim (see tensor_abi): no Python call, no int object */
+    void *h = (char *)v + abi.offset, *data = NULL;
+    int32_t code, dev;
+    if (abi.dtype(h, &code) != 0 || code != a->code)
+      return 0;
+    if (self->require_cuda && (abi.device_type(h, &dev) != 0 || dev != abi.cuda))
+      return 0;
+    if (abi.data_ptr(h, &data) != 0)
+      return 0; /* the getter path raises the error: let the fallback reach it */
+    p = (unsigned long long)(uintptr_t)data;
+    goto aligned;
+  }
   PyObject *dtype = get_dtype(v, get_dtype_closure);
   if (dtype == NULL)
     return -1;
@@ -277,10 +409,11 @@ static int ptr_guard(const Entry *self, const arg_spec *a, PyObject *v, uint64_t
   PyObject *ptr = data_ptr_fn(v, NULL);
   if (ptr == NULL)
     return -1;
-  unsigned long long p = PyLong_AsUnsignedLongLong(ptr);
+  p = PyLong_AsUnsignedLongLong(ptr);
   Py_DECREF(ptr);
   if (p == (unsigned long long)-1 && PyErr_Occurred())
     return -1;
+aligned:
   if (a->mode == A_ALIGNED && (p & 15))
     return 0;
   if (a->mode == A_UNALIGNED && !(p & 15))
@@ -294,17 +427,29 @@ static int check_and_pack(Entry *self, PyObject *kw, uint64_t *storage, int *npa
   if (!PyDict_CheckExact(kw) || PyDict_GET_SIZE(kw) != self->nkw)
     return 0;
   int n = 0;
+  /* kwargs are built in the same order at every call of an op: walk them in step with the arguments
+   * (a key is the argument's interned name, so a pointer compare), and look up by hash from the first
+   * argument out of step. With exactly nkw keys of which every present argument is one, the absent
+   * arguments cannot be among them: they are looked up only where the entry saw other keys too. */
+  Py_ssize_t pos = 0;
+  int in_step = 1;
   for (Py_ssize_t i = 0; i < self->nargs; i++) {
     const arg_spec *a = &self->args[i];
-    PyObject *v = PyDict_GetItemWithError(kw, a->name);
-    if (v == NULL && PyErr_Occurred())
-      return -1;
+    PyObject *v = NULL, *key, *value;
     if (a->absent) {
-      if (v != NULL)
-        return 0;
+      if (self->nkw != self->npresent) {
+        v = PyDict_GetItemWithError(kw, a->name);
+        if (v != NULL || PyErr_Occurred())
+          return v != NULL ? 0 : -1;
+      }
       v = a->dflt;
-    } else if (v == NULL) {
-      return 0;
+    } else if (in_step && PyDict_Next(kw, &pos, &key, &value) && key == a->name) {
+      v = value;
+    } else {
+      in_step = 0;
+      v = PyDict_GetItemWithError(kw, a->name);
+      if (v == NULL)
+        return PyErr_Occurred() ? -1 : 0;
     }
     int ok = 1;
     switch (a->kind) {
@@ -360,7 +505,7 @@ static int check_and_pack(Entry *self, PyObject *kw, uint64_t *storage, int *npa
     if (ok != 1)
       return ok;
     if (c->empty_calls) {
-      PyObject *calls = PyObject_GetAttrString(c->value, "calls");
+      PyObject *calls = PyObject_GetAttr(c->value, calls_name);
       if (calls == NULL)
         return -1;
       int busy = PyObject_IsTrue(calls);
@@ -517,9 +662,12 @@ static int parse_args(Entry *self, PyObject *specs) {
   for (Py_ssize_t i = 0; i < self->nargs; i++) {
     arg_spec *a = &self->args[i];
     PyObject *name, *obj, *cls, *dflt;
-    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(specs, i), "UpiiiOOO", &name, &a->absent, &a->kind, &a->mode,
-                          &a->flags, &obj, &cls, &dflt))
+    int code = -1;
+    if (!PyArg_ParseTuple(PyTuple_GET_ITEM(specs, i), "UpiiiOOO|i", &name, &a->absent, &a->kind, &a->mode,
+                          &a->flags, &obj, &cls, &dflt, &code))
       return -1;
+    a->code = code;
+    self->npresent += !a->absent;
     Py_INCREF(name);
     PyUnicode_InternInPlace(&name);
     a->name = name;
@@ -640,11 +788,22 @@ static PyTypeObject EntryType = {
     .tp_new = entry_new,
 };
 
+static PyMethodDef module_methods[] = {
+    {"tensor_abi", tensor_abi, METH_O,
+     "tensor_abi(samples) -> int: read tensors through torch's C shim from now on, where it agrees with torch's "
+     "getters on every sample; the at::Tensor offset in use, or -1 (the getters stay)."},
+    {"dtype_code", dtype_code, METH_O,
+     "dtype_code(tensor) -> int: torch's ScalarType number of the tensor's dtype as the shim reads it (-1: not in use)."},
+    {NULL, NULL, 0, NULL}};
+
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_cdispatch",
-                                    "warmreg's C launch path (see warmreg.runtime.fast).", -1, NULL};
+                                    "warmreg's C launch path (see warmreg.runtime.fast).", -1, module_methods};
 
 PyMODINIT_FUNC PyInit__cdispatch(void) {
   if (PyType_Ready(&EntryType) < 0)
+    return NULL;
+  calls_name = PyUnicode_InternFromString("calls");
+  if (calls_name == NULL)
     return NULL;
   PyObject *m = PyModule_Create(&module);
   if (m == NULL)

@@ -246,7 +246,7 @@ def _native_launch(
     specs = []
     for name, absent, value, (kind, mode, flags, obj) in guards:
         cls = type(obj) if kind == _CONST else None
-        specs.append((name, absent, kind, mode, flags, obj, cls, value))
+        specs.append((name, absent, kind, mode, flags, obj, cls, value, _dtype_code(obj) if kind == _PTR else -1))
     num_warps, num_ctas, shared = compiled.packed_metadata
     md = compiled.metadata
     return _cdispatch.Entry(
@@ -255,6 +255,37 @@ def _native_launch(
         args=tuple(specs), checks=tuple(env_checks), get_device=device_of, get_stream=stream_of,
         fallback=fallback, keep=compiled, require_cuda=require_cuda,
     )  # fmt: skip
+
+
+#: Whether the C entries read a tensor's dtype, device and data pointer through torch's C shim (the AOTI ABI,
+#: no Python call per read) rather than torch.Tensor's getters: where ``_cdispatch.tensor_abi`` finds that the shim
+#: agrees with the getters on sample tensors, unless ``WARMREG_TENSOR_ABI=0`` (read at import; for comparisons).
+TENSOR_ABI: bool = os.environ.get("WARMREG_TENSOR_ABI", "1") != "0"
+
+
+@functools.cache
+def _tensor_abi() -> bool:
+    """Turn the C entries' shim reads on, once per process (``False``: the getters stay)."""
+    import torch
+
+    if not TENSOR_ABI or _cdispatch is None:
+        return False
+    base = torch.arange(40, dtype=torch.int64)
+    samples = (
+        torch.empty(3, dtype=torch.float32), base[5:], torch.zeros(2, 3, dtype=torch.bfloat16).t(),
+        torch.nn.Parameter(torch.ones(4, dtype=torch.float16)), torch.empty(0, dtype=torch.int8), base.view(torch.float64),
+    )  # fmt: skip
+    return bool(_cdispatch.tensor_abi(samples) >= 0)
+
+
+@functools.cache
+def _dtype_code(dtype: Any) -> int:
+    """torch's ScalarType number of ``dtype`` as the C entries compare it (-1: they compare the dtype object)."""
+    import torch
+
+    if not isinstance(dtype, torch.dtype) or not _tensor_abi():
+        return -1
+    return int(_cdispatch.dtype_code(torch.empty(0, dtype=dtype)))
 
 
 @functools.lru_cache(maxsize=1024)
