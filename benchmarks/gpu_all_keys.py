@@ -5,9 +5,11 @@ for every kernel and every key launch the kernel's own launch code with real dev
 exactly like its ``warmup_inputs(key)`` (same shape, strides and storage offset, so the same
 alignment), zero-filled so every index stays in bounds; an autotuned kernel's keys each as their candidate
 (``warmreg.use_config``). Records, per kernel: launches, misses,
-failures, the first launch's time, the median steady-state launch time, and how many launches went
+failures, the first launch's time, the median steady-state launch time, how many launches went
 through Triton's ``JITFunction.run`` instead of warmup's guarded fast path (0 when every warmed key
-is served by its fast launch).
+is served by its fast launch), and what each key's first launch did that a steady launch does not
+(``first_launch_work``: compiles, module loads, calls of ``JITFunction.run`` and of the compiled kernel's
+own launcher; all 0 where warm left nothing to the first launch).
 
     python benchmarks/gpu_all_keys.py examples/deepseek_v4_flash.json [more configs] [--pack CONFIG=PACK]
 """
@@ -64,6 +66,40 @@ def _counting_run(self: Any, *args: Any, **kwargs: Any) -> Any:
     return _REAL_RUN(self, *args, **kwargs)
 
 
+class _Work:
+    """Counts, while active, what a launch after warm must not do: compile (``JITFunction._do_compile``), load a
+    module (the driver's ``load_binary``), or go through Triton's Python launch path (``JITFunction.run``, and the
+    compiled kernel's own launcher, ``CompiledKernel.run``, which warmreg's C launch does not call)."""
+
+    def __init__(self) -> None:
+        from triton.runtime.driver import driver
+
+        self.counts = {"compiles": 0, "module_loads": 0, "triton_run": 0, "triton_launcher": 0}
+        utils, launcher = driver.active.utils, driver.active.launcher_cls
+        self._patches = [
+            (JITFunction, "_do_compile", "compiles"), (JITFunction, "run", "triton_run"),
+            (utils, "load_binary", "module_loads"), (launcher, "__call__", "triton_launcher"),
+        ]  # fmt: skip
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> dict[str, int]:
+        for owner, name, counter in self._patches:
+            real = getattr(owner, name)
+            self._saved.append((owner, name, owner.__dict__.get(name, real) if isinstance(owner, type) else real))
+
+            def counted(*a: Any, _real: Any = real, _c: str = counter, **k: Any) -> Any:
+                self.counts[_c] += 1
+                return _real(*a, **k)
+
+            setattr(owner, name, counted)
+        return self.counts
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, real in reversed(self._saved):
+            setattr(owner, name, real)
+        self._saved.clear()
+
+
 def _launch(launcher: Any, inputs: dict[str, Any], index: int | None) -> Any:
     """One launch; an autotune candidate key is launched as that candidate (every candidate is warmed)."""
     if index is None:
@@ -94,7 +130,10 @@ def run_config(config: str, pack: str | None) -> dict[str, Any]:
                 inputs = {k: materialize(v, device) for k, v in kp.kernel.warmup_inputs(key).items()}
                 index = getattr(key, "config", None) if kp.kernel.tune_configs else None
                 launch = functools.partial(_launch, launcher, inputs, index)
-                row["first_ms"].append(_timed(launch))
+                with _Work() as work:
+                    row["first_ms"].append(_timed(launch))
+                for name, count in work.items():
+                    row["first_" + name] = row.get("first_" + name, 0) + count
                 row["steady_ms"].append(median([_timed(launch) for _ in range(20)]))
                 row["launched"] += 1
             except Exception as exc:  # reported per key; the sweep goes on
@@ -128,14 +167,15 @@ def main() -> None:
     args = ap.parse_args()
     packs = dict(p.split("=", 1) for p in args.pack)
     results = [run_config(c, packs.get(c)) for c in args.configs]
-    path = write(f"gpu_all_keys_{args.tag}", {"configs": results})
     for r in results:
         launched = sum(k["launched"] for k in r["kernels"].values())
         failures = sum(len(k["failures"]) for k in r["kernels"].values())
         slow = sum(k["triton_run_calls"] for k in r["kernels"].values())
+        first = {c: sum(k.get("first_" + c, 0) for k in r["kernels"].values()) for c in ("compiles", "module_loads", "triton_run", "triton_launcher")}
+        r["first_launch_work"] = first
         print(f"{r['config']}: {r['warm_summary']}; {launched} keys launched, {failures} launch failures, "
-              f"{len(r['misses'])} misses, {slow} launches through JITFunction.run")  # fmt: skip
-    print("->", path)
+              f"{len(r['misses'])} misses, {slow} launches through JITFunction.run; first launches did {first}")  # fmt: skip
+    print("->", write(f"gpu_all_keys_{args.tag}", {"configs": results}))
 
 
 if __name__ == "__main__":

@@ -14,12 +14,16 @@ raw rounds in its own results file:
   each after ``warmreg.prefetch()`` as an engine calls it (at start-up, done while the weights
   load; with the pack: ``prefetch(pack=...)``, which installs it meanwhile, and for comparison the
   install left to the warm; cold also without it), and a second warm in the same process;
+- ``benchmarks/gpu_all_keys.py`` on the Flash example from its pack: every key's first launch, with what it did
+  that a steady launch does not (``first_launch_compiles``, ``first_launch_module_loads``, ``first_launch_triton_calls``);
+- ``benchmarks/autotune_warm.py`` on the Kimi-K3 full example (every chunk-prefill candidate a key): cold, its
+  slowest key compiled alone (``kimi_full_critical_path_s``) and, with ``--kimi-pack``, from its pack;
 - ``benchmarks/sweep.py`` over every example, the monitor in ``error`` mode: the misses.
 
 The entry holds the medians the issue names (microseconds, seconds) and the file each came from.
 ``benchmarks/render_results.py`` renders the README's summary table from it.
 
-    python benchmarks/summary.py --pack flash-cuda90.tar.gz [--only launch,first,warm,sweep]
+    python benchmarks/summary.py --pack flash-cuda90.tar.gz [--kimi-pack kimi-full-cuda90.tar.gz] [--only launch,first,keys,warm,autotune,sweep]
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pack", required=True, help="a pack of examples/deepseek_v4_flash.json for this GPU and release")
-    ap.add_argument("--only", default="launch,first,warm,sweep", help="comma-separated: launch, first, warm, sweep")
+    ap.add_argument("--kimi-pack", default=None, help="a pack of examples/kimi_k3_full.json for this GPU and release (autotune step)")
+    ap.add_argument("--only", default="launch,first,keys,warm,autotune,sweep", help="comma-separated: launch, first, keys, warm, autotune, sweep")
     ap.add_argument("--step-timeout", type=float, default=300.0)
     ap.add_argument("--warm-rounds", type=int, default=5, help="processes for each headline warm time (cold, warm cache, pack): the median")
     args = ap.parse_args()
@@ -106,7 +111,19 @@ def main() -> None:
                 first_over_steady_by_variant={k: v["median_first_over_steady"] for k, v in fl["variants"].items()},
                 first_over_steady_same_work=fl["variants"]["plan_each"]["median_first_over_steady"],
             )  # fmt: skip
+            entry["first_over_steady_walk_each"] = fl["variants"].get("walk_each", {}).get("median_first_over_steady")
             files["first"] = f"{stem}.json"
+        if "keys" in only:
+            stem = f"gpu_all_keys_{tag}"
+            cmd = [py, "benchmarks/gpu_all_keys.py", CONFIGS[0], "--pack", f"{CONFIGS[0]}={args.pack}", "--tag", tag]
+            keys = _step(cmd, stem, env, args.step_timeout)["configs"][0]
+            work = keys["first_launch_work"]
+            entry.update(
+                first_launch_keys=sum(k["launched"] for k in keys["kernels"].values()),
+                first_launch_compiles=work["compiles"], first_launch_module_loads=work["module_loads"],
+                first_launch_triton_calls=work["triton_run"] + work["triton_launcher"],
+            )  # fmt: skip
+            files["keys"] = f"{stem}.json"
         if "warm" in only:
             stem = f"warm_time_{tag}"
             cmd = [py, "benchmarks/warm_time.py", CONFIGS[0], "--quick", "--rounds", str(args.warm_rounds), "--pack", args.pack, "--tag", tag]
@@ -122,6 +139,13 @@ def main() -> None:
                 warm_keys=v["cold_processes"]["keys"], warm_cpus=entry["machine"]["cpus"],
             )  # fmt: skip
             files["warm"] = f"{stem}.json"
+        if "autotune" in only:
+            stem = f"autotune_warm_{tag}"
+            cmd = [py, "benchmarks/autotune_warm.py", "examples/kimi_k3_full.json", "--tag", tag]
+            at = _step(cmd + (["--pack", args.kimi_pack] if args.kimi_pack else []), stem, env, args.step_timeout)
+            entry.update(kimi_full_cold_s=at["kimi_full_cold_s"], kimi_full_critical_path_s=at["kimi_full_critical_path_s"],
+                         kimi_full_pack_s=at.get("kimi_full_pack_s"), kimi_full_slowest_key=at["slowest_key"])  # fmt: skip
+            files["autotune"] = f"{stem}.json"
         if "sweep" in only:
             stem = f"sweep_{tag}"
             sweep = _step([py, "benchmarks/sweep.py", *CONFIGS, "--tag", tag], stem, env, args.step_timeout)
@@ -136,7 +160,9 @@ def main() -> None:
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], SUMMARY.name).write_text(json.dumps(summary, indent=1, default=str))
     keys = ("launch_driver_us", "launch_floor_us", "launch_fast_us", "launch_triton_prealloc_us", "launch_op_us", "launch_triton_same_alloc_us",
-            "first_over_steady", "warm_pack_s", "warm_cache_s", "warm_cold_s", "warm_again_s", "sweep_misses")  # fmt: skip
+            "first_over_steady", "first_over_steady_walk_each", "first_launch_compiles", "first_launch_module_loads", "first_launch_triton_calls",
+            "warm_pack_s", "warm_cache_s", "warm_cold_s", "warm_again_s", "kimi_full_cold_s", "kimi_full_critical_path_s", "kimi_full_pack_s",
+            "sweep_misses")  # fmt: skip
     print(json.dumps({k: entry.get(k) for k in keys}, indent=1), "->", SUMMARY)
 
 
