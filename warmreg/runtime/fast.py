@@ -52,7 +52,7 @@ try:
 except ImportError:  # built without a C compiler: the Python fast path serves alone
     _cdispatch = None
 
-__all__ = ["NATIVE", "FastLaunch", "build", "native_refusal"]
+__all__ = ["NATIVE", "TENSOR_ABI", "FastLaunch", "build", "native_refusal"]
 
 #: Launch through the C path where it was built and a kernel allows it. ``WARMREG_NATIVE_LAUNCH=0``
 #: in the environment (read at import) keeps the Python fast path (for comparisons and debugging).
