@@ -11,9 +11,10 @@
  * It is written against CPython's C API and the CUDA driver's stable ABI only: no CUDA headers are
  * needed to build it (the few driver types are declared here, checked against Triton's cuda.h by
  * tests/test_cdispatch.py), and libcuda.so.1 is opened on the first launch, as Triton's launchers
- * do. Tensors are read through torch.Tensor's own C getters (dtype, is_cuda, data_ptr), looked up
- * once, for arguments whose type is exactly torch.Tensor or torch.nn.Parameter; anything else takes
- * the fallback.
+ * do. Tensors are read through torch's C shim (see tensor_abi) where it is found and agrees with
+ * torch.Tensor's own C getters (dtype, is_cuda, data_ptr), else through those getters, looked up once,
+ * for arguments whose type is exactly torch.Tensor or torch.nn.Parameter; anything else takes the
+ * fallback.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -22,7 +22,8 @@ takes Triton's ordinary path: the fast path can be slower than needed, never wro
 
 Below that Python function sits the C launch path (``warmreg/runtime/_cdispatch.c``, built at install; see
 :data:`NATIVE`): the same guards, read as a table by one C call that reads each tensor through
-torch's own C getters, packs the kernel's parameters on the stack and calls ``cuLaunchKernelEx``
+torch's C shim (the AOTI ABI's ``aoti_torch_get_*``, no Python call; torch.Tensor's C getters where the shim is
+not found, see :data:`TENSOR_ABI`), packs the kernel's parameters on the stack and calls ``cuLaunchKernelEx``
 itself, without Triton's launcher (its per-call Python wrapper, argument parsing, context query and
 a driver call per pointer to validate it, which the guard's ``is_cuda`` check replaces). Both are
 generated from one list of guards (:func:`_guard`); a launch the C guards refuse goes to the Python
