@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-__all__ = ["SERVING_FIELDS"]
+__all__ = ["FLAGS", "SERVING_FIELDS"]
 
 
 def _int_in(low: int, high: int) -> Callable[[Any], str | None]:
@@ -63,10 +63,16 @@ SERVING_FIELDS: Mapping[str, tuple[Callable[[Any], str | None], str]] = MappingP
         "decode_context_parallel_size": (_int_in(1, 1024), "decode context-parallel ranks (1 = off)"),
         "cp_kv_cache_interleave_size": (_int_in(1, 2**16), "tokens dealt to one DCP rank at a time"),
         "prefill_context_parallel_size": (_int_in(1, 1024), "prefill context-parallel ranks (1 = off)"),
-        "decode_backend": (_string, "decode kernels in vLLM's names, e.g. auto or latency_specialized (Kimi-K3)"),
+        "decode_backend": (_string, "decode kernels in vLLM's names, e.g. auto or latency_specialized (Kimi-K3, DeepSeek-V4.1)"),
         "draft_sample_method": (_string, "how the drafter samples in vLLM's names: greedy or probabilistic"),
         "dspark_markov_rank": (_int_in(1, 2**16), "the DSpark draft checkpoint's markov_rank"),
         "draft_num_attention_heads": (_int_in(1, 2**16), "the draft model's attention heads over all ranks"),
         "use_replayssm": (_flag, "RecoverSSM: KDA states replayed from checkpoints after speculative verification"),
+        "monokernel": (_flag, "vLLM's --monokernel: persistent mono decode layers and their decode helpers (ROCm)"),
+        "swa_bounded_replay": (_flag, "DeepSeek-V4.1's sliding-window KV out of prefix caching, replayed"),
+        "dspark_fused_markov": (_flag, "DeepSeek-V4.1 DSpark drafts sampled by the fused Markov kernels"),
     }
 )
+
+#: The settings that are switches (true or false): an engine reads them as flags, never as names or counts.
+FLAGS: frozenset[str] = frozenset(name for name, (check, _) in SERVING_FIELDS.items() if check is _flag)

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .reading import DSV4_ARCH, EngineRead, Reading, dotted, model_dict
+from .settings import FLAGS
 
 __all__ = ["VLLM_DSV4_BACKENDS", "VLLM_PATHS", "read_vllm"]
 
@@ -33,6 +34,8 @@ VLLM_PATHS: Mapping[str, str] = {
     "cp_kv_cache_interleave_size": "parallel_config.cp_kv_cache_interleave_size",
     "prefill_context_parallel_size": "parallel_config.prefill_context_parallel_size",
     "use_replayssm": "cache_config.use_replayssm",
+    "swa_bounded_replay": "cache_config.swa_bounded_replay",
+    "monokernel": "kernel_config.monokernel",
     "decode_backend": "additional_config.decode_backend",
     "draft_sample_method": "speculative_config.draft_sample_method",
 }
@@ -79,7 +82,7 @@ def _value(r: Reading, name: str, path: str, raw: Any) -> Any:
         return r.name(raw, path, "FLASHMLA_SPARSE_DSV4", expected="an AttentionBackendEnum member or its name")
     if name in _VLLM_INTS:
         return r.count(raw, path)
-    if name == "use_replayssm":
+    if name in FLAGS:
         return r.flag(raw, path)
     return r.name(raw, path, "auto" if name.endswith("dtype") else None)
 
