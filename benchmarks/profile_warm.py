@@ -36,6 +36,8 @@ import triton.runtime.jit as rj
 from triton.backends.nvidia import compiler as nvc, driver as nvd
 import warmreg
 import warmreg.pipeline.bind as wb
+import warmreg.api.warm as ww
+from warmreg.api import session as _session
 from warmreg.api.prefetch import wait_for_plugins
 from warmreg import _triton
 from warmreg.stages import pack_install as _pack_install
@@ -99,7 +101,7 @@ patch(wpl, "compile_tasks", "warmreg compile step")
 patch(wc, "_load", "warmreg load (key)")
 patch(wpl, "prepare_fast_launches", "warmreg fast launches")
 patch(rehearsal.Rehearse, "after_load", "warmreg rehearsal")
-patch(ww, "_report", "warmreg report")
+patch(_session, "finish", "warmreg report")
 
 t0 = time.perf_counter()
 r = warmreg.warm(CONFIG, target=TARGET, workers=WORKERS, on_error="continue", progress=False, pack=PACK)
