@@ -207,7 +207,7 @@ def uniform_decode(S, rng, gen, T):
     seqs = torch.tensor([S.mml] + [rng.randint(1, S.mml) for _ in range(R - 1)], dtype=I32)
     # reads seq_lens 4R and the R table rows once 4 R EW; writes decode_seq_lens + decode_lens 8T, expanded 4 T EW
     nbytes = 4 * R + 4 * R * EW + 8 * T + 4 * T * EW
-    return Case(md.PrepareUniformDecode(cache_block_size=S.block), md.prepare_uniform_decode_reference,
+    return Case(md.PrepareUniformDecode(table_width=EW, max_decode_len=S.spec), md.prepare_uniform_decode_reference,
                 (seqs, _pages(gen, (S.max_seqs, EW))), dict(max_decode_len=D), nbytes, dict(T=T, requests=R, D=D, EW=EW))  # fmt: skip
 
 
@@ -289,9 +289,9 @@ KERNELS = {
     "deepseek_v4.decode_swa_indices": (decode_swa, "decode", None, True),
     "deepseek_v4.combine_topk_swa_indices": (combine, "tokens", (1024, "the eager reference loops over every token with host syncs (~1 s/call at T=8192)"), LOOP),
     "deepseek_v4.sparse_swa_prefill_metadata": (swa_prefill, "prefills", None, True),
-    "deepseek_v4.indexer_prefill_chunk_metadata": (indexer_chunk, "tokens", None, LOOP),
-    "deepseek_v4.prepare_uniform_decode": (uniform_decode, "decode", None, True),
-    "deepseek_v4.compressed_slot_mapping": (compressed_slots, "tokens", None, LOOP),
+    "warmreg.ops.indexer_prefill_chunk_metadata": (indexer_chunk, "tokens", None, LOOP),
+    "warmreg.ops.prepare_uniform_decode": (uniform_decode, "decode", None, True),
+    "warmreg.ops.compressed_slot_mapping": (compressed_slots, "tokens", None, LOOP),
     "warmreg.ops.block_table_slot_mapping": (block_table_slots, "tokens", None, LOOP),
     "deepseek_v4.pack_seq": (pack_q, "decode", None, LOOP),
     "deepseek_v4.unpack_seq": (unpack_topk, "decode", None, LOOP),

@@ -125,7 +125,7 @@ def test_piped_output_keeps_every_name_and_number_whole(tmp_path: Path) -> None:
                           text=True, timeout=300, env={**os.environ, "COLUMNS": "40"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
-    assert "deepseek_v4.indexer_prefill_chunk_metadata\t28\tdeepseek_v4" in lines and "75 keys over 21 kernels" in lines
+    assert "warmreg.ops.indexer_prefill_chunk_metadata\t28\tdeepseek_v4" in lines and "75 keys over 21 kernels" in lines
     assert "…" not in done.stdout
 
 
@@ -206,6 +206,6 @@ def test_pack_install_names_each_refused_entry_whole() -> None:
     """A key name longer than a line is printed whole (it was cut at 120 characters, mid-word)."""
     from warmreg.cli.pack import _refusal_lines
 
-    what = "deepseek_v4.indexer_prefill_chunk_metadata " + ", ".join(f"field_{i}=value_{i}" for i in range(12))
+    what = "warmreg.ops.indexer_prefill_chunk_metadata " + ", ".join(f"field_{i}=value_{i}" for i in range(12))
     (line,) = _refusal_lines([(what, "source hash differs")])
     assert what in line and line.endswith("source hash differs") and len(what) > 120

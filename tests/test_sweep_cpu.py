@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,49 @@ def test_sweep_drives_deepseek_v41_on_sm100() -> None:
     assert all(o["platform_only"] for o in run["keys_outside_plan"]), run["keys_outside_plan"]
 
 
+def test_sweep_drives_deepseek_v41_dspark_fused_markov(tmp_path: Path) -> None:
+    """DeepSeek-V4.1 as a DSpark deployment with vLLM's fused Markov sampler (``dspark_fused_markov``, probabilistic
+    drafts; the vocabulary and Markov rank of DeepSeek-V4's DSpark example): after each target step every request
+    drafts through the sample and select kernels, each checked against its reference, and every planned kernel
+    launches; before them the draft's inputs and non-causal SWA rows (DeepSeek-V4's DSpark kernels, V4.1's 32-token
+    pages), checked against their references. One draft token keeps the target steps the example's (three tokens).
+    About 30 CPU seconds."""
+    sweep = _sweep_module()
+    data = json.loads((ROOT / "examples" / "deepseek_v41.json").read_text())
+    data["model"]["text_config"].update(vocab_size=129280, dspark_markov_rank=256)
+    data["serving"].update(speculative_method="dspark", num_speculative_tokens=1, draft_sample_method="probabilistic",
+                           dspark_fused_markov=True)  # fmt: skip
+    config = tmp_path / "deepseek_v41_dspark.json"
+    config.write_text(json.dumps(data))
+    run = sweep.run_config(str(config), steps=3, seed=36, device="cpu", max_tokens=3, max_seq_len=16, max_seqs=2)
+    assert run["step_failures"] == [] and run["not_launched"] == []
+    planned = {kp.name for kp in warmreg.plan(str(config), target=sweep.CPU_TARGET).kernels}
+    assert set(run["kernels"]) == planned >= {"deepseek_v4.v41_markov_sample", "deepseek_v4.v41_markov_select"}
+    for name, k in run["kernels"].items():
+        assert k["launches"] >= 1 and k["failures"] == 0 and k["misses"] == 0 and k["monitor_agrees"], (name, k)
+        assert all(c.endswith("matches the PyTorch reference") for c in k["checks"]), k["checks"]
+    assert run["kernels"]["deepseek_v4.v41_markov_select"]["checks"]
+    for name in ("deepseek_v4.prepare_dspark_inputs", "deepseek_v4.dspark_noncausal_swa_indices"):
+        assert run["kernels"][name]["checks"], name
+    assert all(o["platform_only"] for o in run["keys_outside_plan"]), run["keys_outside_plan"]
+
+
+def test_sweep_drives_the_deepseek_v4_upcast_on_sm100() -> None:
+    """DeepSeek-V4-Flash on cuda:100: the C4 indexer's BF16 logits upcast is planned there and driven, checked against
+    its reference, with every planned kernel launched and none failing. About 25 CPU seconds."""
+    sweep = _sweep_module()
+    config = str(ROOT / "examples" / "deepseek_v4_flash.json")
+    run = sweep.run_config(
+        config, steps=3, seed=36, device="cpu", max_tokens=3, max_seq_len=16, max_seqs=2, target="cuda:100"
+    )
+    assert run["step_failures"] == [] and run["not_launched"] == []
+    assert set(run["kernels"]) == {kp.name for kp in warmreg.plan(config, target="cuda:100").kernels}
+    upcast = run["kernels"]["deepseek_v4.indexer_upcast_logits"]
+    assert upcast["launches"] >= 1 and upcast["failures"] == upcast["misses"] == 0 and upcast["monitor_agrees"]
+    assert upcast["checks"] and all(c.endswith("matches the PyTorch reference") for c in upcast["checks"])
+    assert all(k["failures"] == 0 and k["misses"] == 0 for k in run["kernels"].values())
+
+
 def _without_kda(drivers: dict[str, type[kit.Sweep[Any]]]) -> dict[str, type[kit.Sweep[Any]]]:
     """The installed drivers, Kimi-K3's made to drive everything but the KDA decode step."""
     kimi = drivers["kimi_k3"]
@@ -157,3 +201,54 @@ def test_sweep_drives_the_rocm_mxfp4_indexer() -> None:
     assert pool["checks"] and all(c.endswith("matches the PyTorch reference") for c in pool["checks"])
     assert not {"deepseek_v4.indexer_q_rope_quant", "deepseek_v4.indexer_kv_compress_insert"} & set(run["kernels"])
     assert all(k["failures"] == 0 and k["misses"] == 0 for k in run["kernels"].values())
+
+
+def test_sweep_drives_kimi_k3_on_rocm() -> None:
+    """Kimi-K3 on gfx942 (Triton KDA prefill and decode): every plan kernel launches, the ROCm KDA builder's device
+    chunk metadata and the plain decodes' packed decode step among them, checked against their references."""
+    sweep = _sweep_module()
+    config = str(ROOT / "examples" / "kimi_k3.json")
+    run = sweep.run_config(
+        config, steps=3, seed=36, device="cpu", max_tokens=3, max_seq_len=16, max_seqs=2, target="rocm:gfx942"
+    )
+    assert run["step_failures"] == []
+    assert set(run["kernels"]) == {kp.name for kp in warmreg.plan(config, target="rocm:gfx942").kernels}
+    assert all(k["launches"] >= 1 and k["failures"] == 0 and k["misses"] == 0 for k in run["kernels"].values())
+    for name in ("kimi_k3.rocm_chunk_metadata", "kimi_k3.kda_packed_decode"):
+        checks = run["kernels"][name]["checks"]
+        assert checks and all(c.endswith("matches the PyTorch reference") for c in checks), name
+
+
+def test_sweep_drives_kimi_k3_with_dcp(tmp_path: Path) -> None:
+    """Kimi-K3 with decode context parallelism 2: every plan kernel launches, the MLA decode's DCP correction among
+    them, checked against its reference."""
+    sweep = _sweep_module()
+    data = json.loads((ROOT / "examples" / "kimi_k3.json").read_text())
+    data["serving"]["decode_context_parallel_size"] = 2
+    config = tmp_path / "kimi_k3_dcp2.json"
+    config.write_text(json.dumps(data))
+    run = sweep.run_config(str(config), steps=3, seed=36, device="cpu", max_tokens=3, max_seq_len=16, max_seqs=2)
+    assert run["step_failures"] == []
+    assert set(run["kernels"]) == {kp.name for kp in warmreg.plan(str(config), target=sweep.CPU_TARGET).kernels}
+    assert all(k["launches"] >= 1 and k["failures"] == 0 and k["misses"] == 0 for k in run["kernels"].values())
+    checks = run["kernels"]["kimi_k3.dcp_correct_attn_out"]["checks"]
+    assert checks and all(c.endswith("matches the PyTorch reference") for c in checks)
+
+
+def test_sweep_drives_kimi_k3_with_dcp_all_to_all(tmp_path: Path) -> None:
+    """Kimi-K3 with decode context parallelism 2 over the all-to-all backend without the direct workspace: every plan
+    kernel launches, the MLA decode's pack and combine among them (not the all-gather correction), checked against
+    their references."""
+    sweep = _sweep_module()
+    data = json.loads((ROOT / "examples" / "kimi_k3.json").read_text())
+    data["serving"].update(decode_context_parallel_size=2, dcp_comm_backend="a2a", direct_dcp_a2a=False)
+    config = tmp_path / "kimi_k3_dcp2_a2a.json"
+    config.write_text(json.dumps(data))
+    run = sweep.run_config(str(config), steps=3, seed=36, device="cpu", max_tokens=3, max_seq_len=16, max_seqs=2)
+    assert run["step_failures"] == []
+    assert set(run["kernels"]) == {kp.name for kp in warmreg.plan(str(config), target=sweep.CPU_TARGET).kernels}
+    assert all(k["launches"] >= 1 and k["failures"] == 0 and k["misses"] == 0 for k in run["kernels"].values())
+    assert "kimi_k3.dcp_correct_attn_out" not in run["kernels"]
+    for name in ("kimi_k3.dcp_a2a_pack_send", "kimi_k3.dcp_a2a_unpack_combine"):
+        checks = run["kernels"][name]["checks"]
+        assert checks and all(c.endswith("matches the PyTorch reference") for c in checks), (name, checks)

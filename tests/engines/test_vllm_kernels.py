@@ -44,20 +44,23 @@ vllm_input_batch = engine("vllm.v1.worker.gpu.input_batch")
 vllm_qk_norm = engine("vllm.models.common.ops.fused_qk_rmsnorm")
 
 from warmreg_deepseek_v4.combine_indices import CombineTopkSwaIndices  # noqa: E402
-from warmreg_deepseek_v4.compressed_slot_mapping import CompressedSlotMapping  # noqa: E402
 from warmreg_deepseek_v4.dspark_inputs import DraftInputs, DSparkInputs  # noqa: E402
 from warmreg_deepseek_v4.dspark_swa_indices import DSparkSwaIndices  # noqa: E402
 from warmreg_deepseek_v4.flashinfer_indices import FlashInferMixedSparseIndices  # noqa: E402
 from warmreg_deepseek_v4.global_topk import GlobalTopkIndices  # noqa: E402
-from warmreg_deepseek_v4.indexer_chunk_metadata import IndexerPrefillChunkMetadata  # noqa: E402
 from warmreg_deepseek_v4.pack_seq import PackSeq  # noqa: E402
 from warmreg_deepseek_v4.sparse_mla import C128ATopkMetadata  # noqa: E402
 from warmreg_deepseek_v4.swa_indices import DecodeSwaIndices  # noqa: E402
 from warmreg_deepseek_v4.swa_prefill_metadata import SparseSWAPrefillMetadata  # noqa: E402
-from warmreg_deepseek_v4.uniform_decode import PrepareUniformDecode  # noqa: E402
 from warmreg_deepseek_v4.unpack_seq import UnpackSeq  # noqa: E402
 
-from warmreg.ops import BlockTableSlotMapping, FusedQKVRMSNorm  # noqa: E402
+from warmreg.ops import (  # noqa: E402
+    BlockTableSlotMapping,
+    CompressedSlotMapping,
+    FusedQKVRMSNorm,
+    IndexerPrefillChunkMetadata,
+    PrepareUniformDecode,
+)
 
 WINDOW = 128  # sliding_window (Flash and Pro)
 SWA_PAGE = 64  # DeepseekV4SWACache.block_size

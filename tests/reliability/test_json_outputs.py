@@ -62,4 +62,4 @@ def test_every_verb_speaks_one_vocabulary(tmp_path: Path, capsys: pytest.Capture
     assert run_cli(capsys, "build", str(KIMI), "--target", "cuda:90", "-o", str(pack), "--no-launchers", timeout=120).code == 0
     inspected = _doc(capsys, "pack", "inspect", str(pack))
     assert inspected["schema"] == "warmreg.pack/1" and inspected["model_type"] == "kimi_k3" and "body" not in inspected
-    assert inspected["target"] == "cuda:90" and len(inspected["entries"]) == 18 and inspected["sha256"]  # type: ignore[arg-type]
+    assert inspected["target"] == "cuda:90" and len(inspected["entries"]) == 19 and inspected["sha256"]  # type: ignore[arg-type]

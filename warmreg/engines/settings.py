@@ -62,6 +62,8 @@ SERVING_FIELDS: Mapping[str, tuple[Callable[[Any], str | None], str]] = MappingP
         "kda_decode_backend": (_string, "KDA (linear attention) decode kernels in vLLM's names, e.g. auto or triton"),
         "decode_context_parallel_size": (_int_in(1, 1024), "decode context-parallel ranks (1 = off)"),
         "cp_kv_cache_interleave_size": (_int_in(1, 2**16), "tokens dealt to one DCP rank at a time"),
+        "dcp_comm_backend": (_string, "how DCP ranks combine MLA decode outputs in vLLM's names: ag_rs or a2a"),
+        "direct_dcp_a2a": (_flag, "DCP a2a through the direct symmetric-memory workspace (VLLM_USE_DIRECT_DCP_A2A)"),
         "prefill_context_parallel_size": (_int_in(1, 1024), "prefill context-parallel ranks (1 = off)"),
         "decode_backend": (_string, "decode kernels in vLLM's names, e.g. auto or latency_specialized (Kimi-K3, DeepSeek-V4.1)"),
         "draft_sample_method": (_string, "how the drafter samples in vLLM's names: greedy or probabilistic"),
@@ -71,6 +73,11 @@ SERVING_FIELDS: Mapping[str, tuple[Callable[[Any], str | None], str]] = MappingP
         "monokernel": (_flag, "vLLM's --monokernel: persistent mono decode layers and their decode helpers (ROCm)"),
         "swa_bounded_replay": (_flag, "DeepSeek-V4.1's sliding-window KV out of prefix caching, replayed"),
         "dspark_fused_markov": (_flag, "DeepSeek-V4.1 DSpark drafts sampled by the fused Markov kernels"),
+        "moe_backend": (_string, "MoE expert kernels in vLLM's names, e.g. auto or aiter_mega_moe (DeepSeek-V4, ROCm)"),
+        "enable_expert_parallel": (_flag, "MoE experts sharded over the expert-parallel ranks (vLLM's --enable-expert-parallel)"),
+        "data_parallel_size": (_int_in(1, 1024), "data-parallel ranks (attention replicas; with expert parallelism, MoE ranks)"),
+        "all2all_backend": (_string, "expert-parallel all-to-all in vLLM's names, e.g. allgather_reducescatter or mori"),
+        "aiter_fusion_shared_experts": (_flag, "ROCm aiter's fused shared expert (VLLM_ROCM_USE_AITER_FUSION_SHARED_EXPERTS)"),
     }
 )
 

@@ -32,12 +32,17 @@ VLLM_PATHS: Mapping[str, str] = {
     "kda_decode_backend": "additional_config.kda_decode_backend",
     "decode_context_parallel_size": "parallel_config.decode_context_parallel_size",
     "cp_kv_cache_interleave_size": "parallel_config.cp_kv_cache_interleave_size",
+    "dcp_comm_backend": "parallel_config.dcp_comm_backend",
     "prefill_context_parallel_size": "parallel_config.prefill_context_parallel_size",
     "use_replayssm": "cache_config.use_replayssm",
     "swa_bounded_replay": "cache_config.swa_bounded_replay",
     "monokernel": "kernel_config.monokernel",
     "decode_backend": "additional_config.decode_backend",
     "draft_sample_method": "speculative_config.draft_sample_method",
+    "moe_backend": "kernel_config.moe_backend",
+    "enable_expert_parallel": "parallel_config.enable_expert_parallel",
+    "data_parallel_size": "parallel_config.data_parallel_size",
+    "all2all_backend": "parallel_config.all2all_backend",
 }
 
 
@@ -63,7 +68,7 @@ _VLLM_DSV4_FLASHMLA_CACHE = {"auto": "fp8_ds_mla", "fp8": "fp8_ds_mla", "fp8_e4m
 #: backend an ``AttentionBackendEnum`` member, read as its name).
 _VLLM_INTS = frozenset(
     {"max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size", "tensor_parallel_size", "num_speculative_tokens",
-     "decode_context_parallel_size", "cp_kv_cache_interleave_size", "prefill_context_parallel_size"}
+     "decode_context_parallel_size", "cp_kv_cache_interleave_size", "prefill_context_parallel_size", "data_parallel_size"}
 )  # fmt: skip
 
 

@@ -42,7 +42,7 @@ def test_the_example_reads_as_a_dspark_draft() -> None:
 
 
 @pytest.mark.parametrize(
-    ("target", "total"), [("cuda:90", 80), ("cuda:100", 78), ("rocm:gfx942", 86), ("rocm:gfx950", 86), ("xpu:pvc", 68)]
+    ("target", "total"), [("cuda:90", 80), ("cuda:100", 79), ("rocm:gfx942", 111), ("rocm:gfx950", 121), ("xpu:pvc", 80)]
 )
 def test_plan_on_each_target(target: str, total: int) -> None:
     """The DSpark kernels on every target; no MTP norms (the MTP layers do not draft); the target step's 1 + 5
@@ -51,7 +51,10 @@ def test_plan_on_each_target(target: str, total: int) -> None:
     assert {n: got[n] for n in SPARK} == SPARK and not MTP & set(got)
     assert sum(got.values()) == total
     as_mtp = _keys(example_config(DSPARK, speculative_method="mtp", num_speculative_tokens=5), target)
-    assert {n: v for n, v in got.items() if n not in SPARK} == {n: v for n, v in as_mtp.items() if n not in MTP}
+    # XPU's sparse MLA attention also runs the draft's non-causal rows: one width more than under MTP
+    widened = {"deepseek_v4.xpu_sparse_mla"} & set(got)
+    assert all(got[n] == as_mtp[n] + 1 for n in widened)
+    assert {n: v for n, v in got.items() if n not in set(SPARK) | widened} == {n: v for n, v in as_mtp.items() if n not in MTP | widened}
 
 
 def test_flashinfer_plans_the_draft_rows() -> None:

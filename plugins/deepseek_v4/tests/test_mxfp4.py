@@ -374,16 +374,18 @@ def _full_plan(target: str, value: str) -> dict[str, int]:
 
 
 def test_flash_example_plans() -> None:
-    """Flash with MXFP4 indexer keys: on cuda:100 the MXFP4 Q and K insert replace the FP8 ones (73 keys either
+    """Flash with MXFP4 indexer keys: on cuda:100 the MXFP4 Q and K insert replace the FP8 ones (74 keys either
     way); on gfx950 with aiter ("auto" is MXFP4 there) compress_pool's 2 keys replace the FP8 Q, K insert, pack,
-    unpack and the aiter prefill's top-k localize (81 -> 78); cuda:90 refuses it."""
+    unpack, the aiter prefill's top-k localize and the FP8 indexer's Triton logits and K gather (120 -> 105); cuda:90
+    refuses it."""
     fp8, fp4 = _full_plan("cuda:100", "fp8"), _full_plan("cuda:100", "mxfp4")
     assert set(fp8) - set(fp4) == {Q8} and set(fp4) - set(fp8) == {Q4}
-    assert sum(fp8.values()) == sum(fp4.values()) == 73 and fp4[Q4] == fp4[KV] == 1
+    assert sum(fp8.values()) == sum(fp4.values()) == 74 and fp4[Q4] == fp4[KV] == 1
     rocm_fp8, rocm_auto = _full_plan("rocm:gfx950+aiter", "fp8"), _full_plan("rocm:gfx950+aiter", "auto")
     assert rocm_auto == _full_plan("rocm:gfx950+aiter", "mxfp4")
-    assert set(rocm_fp8) - set(rocm_auto) == {Q8, KV, *PACK, "deepseek_v4.rocm_localize_topk"} and set(rocm_auto) - set(rocm_fp8) == {"deepseek_v4.compress_pool"}
-    assert (sum(rocm_fp8.values()), sum(rocm_auto.values()), rocm_auto["deepseek_v4.compress_pool"]) == (81, 78, 2)
+    fp8_only = {Q8, KV, *PACK, "deepseek_v4.rocm_localize_topk", "deepseek_v4.rocm_indexer_logits", "deepseek_v4.rocm_indexer_k_gather"}
+    assert set(rocm_fp8) - set(rocm_auto) == fp8_only and set(rocm_auto) - set(rocm_fp8) == {"deepseek_v4.compress_pool"}
+    assert (sum(rocm_fp8.values()), sum(rocm_auto.values()), rocm_auto["deepseek_v4.compress_pool"]) == (120, 105, 2)
     with pytest.raises(warmreg.ConfigError, match=r"serving\.indexer_kv_dtype' is 'mxfp4'.*cuda:90"):
         _full_plan("cuda:90", "mxfp4")
 

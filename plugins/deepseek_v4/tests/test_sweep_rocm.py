@@ -25,14 +25,14 @@ from warmreg.testing.sweep import KINDS, Limits, driver_for, make_batch
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
 
-def _sweep(config: dict[str, Any], target: str) -> tuple[warmreg.Plan, dict[str, Any]]:
+def _sweep(config: dict[str, Any], target: str, seed: int = 36) -> tuple[warmreg.Plan, dict[str, Any]]:
     """Three steps of the driver on ``target``'s plan, under the monitor in ``error`` mode (as the CPU sweep)."""
     plan = warmreg.plan(config, target=target)
     driver = driver_for(plan)
     assert driver is DSV4Sweep
     spec = driver.speculative_tokens(plan.config)
     lim = Limits.of(plan.config, cuda=False, spec=spec, max_tokens=3, max_seq_len=16, max_seqs=2)
-    sweep, rng = driver(plan, torch.device("cpu"), lim, 36), random.Random(36)
+    sweep, rng = driver(plan, torch.device("cpu"), lim, seed), random.Random(seed)
     mon = warmreg.arm("error")
     try:
         for i, kind in enumerate(KINDS):
@@ -77,18 +77,33 @@ def test_aiter_sparse_mla_prefill_drives_the_prefill_top_k_slots() -> None:
 @pytest.mark.parametrize("target", ["rocm:gfx950+aiter", "rocm:gfx942"])
 def test_fp8_indexer_drives_the_localization_on_gfx950_with_aiter(target: str) -> None:
     """The FP8 indexer (``serving.indexer_kv_dtype`` ``fp8``): on gfx950 with aiter each indexer prefill chunk's top-k
-    is localized (and must come back request-local); gfx942 has no aiter top-k, so nothing is localized."""
-    plan, run = _sweep(_flash(indexer_kv_dtype="fp8"), target)
+    is localized (and must come back request-local); gfx942 has no aiter top-k, so nothing is localized. Seed 30 draws
+    prefills of 4+ tokens (seed 36's are shorter): each indexer chunk gathers compressed K rows (``seq_len // 4``)."""
+    plan, run = _sweep(_flash(indexer_kv_dtype="fp8"), target, seed=30)
     rocm = _assert_rocm_ops_driven(plan, run)
     assert ("deepseek_v4.rocm_localize_topk" in rocm) == target.startswith("rocm:gfx950")
     assert "deepseek_v4.rocm_combine_topk_swa_indices" in rocm and "deepseek_v4.compress_pool" not in run["kernels"]
 
 
 def test_the_driver_drives_every_rocm_op_the_plugin_registers() -> None:
-    """Each ``rocm_*`` kernel any ROCm target plans for the examples is one the driver declares (and launches)."""
+    """Each ``rocm_*`` kernel any ROCm target plans for the examples is one the driver declares (and launches):
+    gfx942's and gfx950's, and gfx1250's single-pass decode (every other arch plans a subset of these)."""
     planned = set()
     for example in ("deepseek_v4_flash", "deepseek_v4_pro"):
         config = _flash(indexer_kv_dtype="fp8") if example == "deepseek_v4_flash" else str(EXAMPLES / f"{example}.json")
-        for target in ("rocm:gfx942", "rocm:gfx950+aiter", "rocm:gfx950+aiter+aiter_sparse_mla"):
+        for target in ("rocm:gfx942", "rocm:gfx950+aiter", "rocm:gfx950+aiter+aiter_sparse_mla", "rocm:gfx1250"):
             planned |= {kp.name for kp in warmreg.plan(config, target=target).kernels if ".rocm_" in kp.name}
     assert planned == ROCM_DRIVES and ROCM_DRIVES <= DSV4Sweep.drives
+
+
+@pytest.mark.parametrize("target", ["rocm:gfx1250", "rocm:gfx1201"])
+def test_single_pass_decode_off_gfx942_and_gfx950(target: str) -> None:
+    """gfx1250 and RDNA: each layer type's decode is the single-pass kernel (no split-KV partial, no reduce), checked
+    against its reference; the standalone inverse RoPE then rotates every row, decode rows included (vLLM does not
+    fold it into decode there)."""
+    plan, run = _sweep(_flash(), target)
+    rocm = _assert_rocm_ops_driven(plan, run)
+    assert "deepseek_v4.rocm_sparse_attn_decode_ragged" in rocm
+    assert not {"deepseek_v4.rocm_sparse_attn_decode_partial", "deepseek_v4.rocm_sparse_attn_reduce"} & rocm
+    # decode steps reach SWA-only, C4 and C128 layers: one launch a layer type with decode tokens
+    assert run["kernels"]["deepseek_v4.rocm_sparse_attn_decode_ragged"]["launches"] >= 3

@@ -106,9 +106,13 @@ def test_v41_plans_one_contiguous_key(target: str) -> None:
     assert_warmup_inputs_reproduce(plan.kernel, plan.keys)
 
 
-def test_nothing_is_planned_for_v4_or_off_cuda() -> None:
+def test_nothing_is_planned_for_v4_and_rocm_plans_it_too() -> None:
+    """V4 has no head collapse; V4.1's ROCm model calls ``hc_collapse_triton`` every step as the CUDA one does
+    (``v41_rocm_shared`` registers it there, on the ROCm attention backend)."""
     assert NAME not in {k.name for k in warmreg.plan(example_config("deepseek_v4_flash"), target="cuda:90").kernels}
-    assert NAME not in {k.name for k in warmreg.plan(example_config("deepseek_v41"), target="rocm:gfx942").kernels}
+    rocm = warmreg.plan(example_config("deepseek_v41"), target="rocm:gfx942", serving={"attention_backend": "ROCM_FLASHMLA_SPARSE_DSV41"})
+    cuda = warmreg.plan(example_config("deepseek_v41"), target="cuda:90")
+    assert rocm.kernel(NAME).keys == cuda.kernel(NAME).keys
 
 
 @pytest.mark.parametrize("target", ["cuda:90", "cuda:100"])

@@ -39,7 +39,8 @@ def test_v41_is_served_and_read_from_text_config() -> None:
     m = DSV4.from_config(warmreg.WarmConfig.load(EXAMPLES / "deepseek_v41.json"))
     assert m.v41 and (m.hidden_size, m.q_lora_rank, m.hc_mult, m.num_hidden_layers) == (5120, 1280, 4, 43)
     assert m.ratios[:3] == (0, 0, 2) and len(m.ratios) == 44 and m.ratios[-1] == 0  # the MTP layer past the list
-    assert m.v41_compressed_ratios == (2,) and not (m.has_c4 or m.has_c128)
+    assert m.ratios[19:21] == (2, 1) and m.ratios[42] == 1  # ratio 2 up to layer 19, 1 from the candidate source 20
+    assert m.v41_compressed_ratios == (1, 2) and not (m.has_c4 or m.has_c128)
     assert m.kv_source_layer_ids == (2, 8, 14, 20, 24, 28, 32, 36) and m.mxfp8_checkpoint and m.fp8_checkpoint
     assert (m.vision_n_layers, m.image_tokens) == (0, 0)
 

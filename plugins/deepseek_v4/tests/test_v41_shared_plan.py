@@ -9,18 +9,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from warmreg_deepseek_v4 import (
-    compressed_slot_mapping,
-    indexer_chunk_metadata,
-    indexer_q,
-    inv_rope_quant,
-    short_context_topk,
-    uniform_decode,
-)
+from warmreg_deepseek_v4 import indexer_q, inv_rope_quant, short_context_topk
 from warmreg_deepseek_v4._v41 import index_ratios, indexer_block_size
 from warmreg_deepseek_v4.model import DSV4
 
 import warmreg
+from warmreg.ops import CompressedSlotMapping, IndexerPrefillChunkMetadata, PrepareUniformDecode
 from warmreg.testing import config_loader
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
@@ -29,8 +23,7 @@ FILL, IQ, INV, CSLOTS, CHUNK, UNIFORM = (
     k.name
     for k in (
         short_context_topk.ShortContextTopk, indexer_q.IndexerQRopeQuant, inv_rope_quant.InvRopeFP8Quant,
-        compressed_slot_mapping.CompressedSlotMapping, indexer_chunk_metadata.IndexerPrefillChunkMetadata,
-        uniform_decode.PrepareUniformDecode,
+        CompressedSlotMapping, IndexerPrefillChunkMetadata, PrepareUniformDecode,
     )
 )  # fmt: skip
 SHARED = {FILL, IQ, INV, CSLOTS, CHUNK, UNIFORM}
@@ -49,7 +42,7 @@ def _keys(config: Any, target: str) -> dict[str, list[Any]]:
 
 def test_index_ratios_are_the_index_sources_compressed_ratios() -> None:
     m = DSV4.from_config(warmreg.WarmConfig.load(_v41()))
-    assert index_ratios(m) == (2,)
+    assert index_ratios(m) == (1, 2)  # 2, 8 and 14 at ratio 2; 20, 24, 28, 32 and 36 at ratio 1
     ratios = [0, 0, 1] + [2] * 40
     m1 = DSV4.from_config(warmreg.WarmConfig.load(_v41({"compress_ratios": ratios, "index_source_layer_ids": [2]})))
     assert index_ratios(m1) == (1,)
@@ -66,14 +59,14 @@ def test_the_example_plans_v41s_keys(target: str) -> None:
     keys = _keys(_v41(), target)
     assert SHARED - {INV} <= set(keys)
     fill = keys[FILL]
-    assert [(k.topk, k.compress_ratio, k.block_topk, k.num_warps) for k in fill] == [(512, 2, 512, 8)]
+    assert [(k.topk, k.compress_ratio, k.block_topk, k.num_warps) for k in fill] == [(512, 1, 512, 8), (512, 2, 512, 8)]
     (q,) = keys[IQ]
     assert (q.dtype, q.weights_dtype, q.head_dim, q.rope_dim, q.fp8_dtype, q.explicit_fma) == (
         "bfloat16", "bfloat16", 128, 64, "float8_e4m3fn", False,
     )  # fmt: skip
-    (slots,) = keys[CSLOTS]  # both sites (sparse-MLA and indexer, no DCP) give one key at ratio 2
+    (slots,) = keys[CSLOTS]  # both sites (sparse-MLA and indexer, no DCP) give one key at ratio 2 (none at ratio 1)
     assert (slots.compress_ratio, str(slots.block_size), str(slots.dcp_world_size)) == (2, "div16", "one")
-    assert {k.compress_ratio for k in keys[CHUNK]} == {2} and len(keys[CHUNK]) == 28
+    assert {k.compress_ratio for k in keys[CHUNK]} == {1, 2} and len(keys[CHUNK]) == 2 * 28  # 28 a ratio
     assert {str(k.max_decode_len) for k in keys[UNIFORM]} == {"one", "other"}  # MTP 1: decode lengths 1 and 2
 
 
@@ -96,7 +89,8 @@ def test_nothing_is_planned_without_an_indexer_or_off_cuda() -> None:
     assert CSLOTS in no_index  # the ratio-2 kv sources still map their compressed slots
     swa_only = _keys(_v41({"compress_ratios": [0] * 43}), "cuda:90")
     assert not SHARED - {INV} & set(swa_only)
-    assert not SHARED & set(_keys(_v41(), "rocm:gfx942"))  # V4.1's ROCm model is a separate code path
+    rocm = _v41(attention_backend="ROCM_FLASHMLA_SPARSE_DSV41")
+    assert not SHARED & set(_keys(rocm, "rocm:gfx942"))  # V4.1's ROCm model is a separate code path
     assert IQ not in _keys(_v41(indexer_kv_dtype="mxfp4"), "cuda:100")
     assert IQ not in _keys(_v41(), "cuda:90+cutedsl")  # CuTeDSL's Q kernel replaces it
     assert UNIFORM not in _keys(_v41(), "cuda:100+deepgemm")  # the native varlen decode

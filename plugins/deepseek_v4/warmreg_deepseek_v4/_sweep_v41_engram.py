@@ -1,8 +1,10 @@
 """The DeepSeek-V4.1 sweep's engram launches (vLLM 0.34 ``nvidia/model.py: DeepseekV4Model.forward`` and
-``common/engram.py``), called once a step by :class:`~warmreg_deepseek_v4.sweep_v41.DSV41Sweep`: the n-gram hash of
-the flattened step, then for each engram layer the lookup of tensor-parallel rank 0's heads from its hash columns
-(a strided view, as vLLM passes ``gathered_hashes[:, layer]``) into its bf16 staging rows, and the gate of the
-``hc_mult`` streams by the ``wkv`` output (random: the GEMM is not a Triton kernel).
+``common/engram.py``), called once a step by :class:`~warmreg_deepseek_v4.sweep_v41.DSV41Sweep`: the V2 runner's
+gather of each request's look-back ids (``DeepseekV41ModelState._fill_lookback``, from a stand-in token history,
+the batch's requests in reversed state rows), the n-gram hash of the flattened step, then for each engram layer the
+lookup of tensor-parallel rank 0's heads from its hash columns (a strided view, as vLLM passes
+``gathered_hashes[:, layer]``) into its bf16 staging rows, and the gate of the ``hc_mult`` streams by the ``wkv``
+output (random: the GEMM is not a Triton kernel).
 
 The tables are small stand-ins (prime head ranges near 1,000 rows instead of the checkpoint's millions): the keys do
 not depend on the table's size, and every lookup row is owned or a zero row as in the engine.
@@ -18,6 +20,7 @@ from .sweep_inputs import BF16, DSV4_PREFIX, I32, I64, U8, DSV4Step
 from .v41_engram_gate import engram_gate_reference
 from .v41_engram_hash import engram_hash_reference
 from .v41_engram_lookup import engram_lookup_reference
+from .v41_lookback import gather_lookback_reference
 
 if TYPE_CHECKING:
     from .sweep_v41 import DSV41Sweep
@@ -25,7 +28,9 @@ if TYPE_CHECKING:
 __all__ = ["ENGRAM_DRIVES", "drive_engram"]
 
 #: The kernels :func:`drive_engram` launches.
-ENGRAM_DRIVES = frozenset(DSV4_PREFIX + n for n in ("v41_engram_hash", "v41_engram_lookup", "v41_engram_gate"))
+ENGRAM_DRIVES = frozenset(
+    DSV4_PREFIX + n for n in ("v41_gather_lookback", "v41_engram_hash", "v41_engram_lookup", "v41_engram_gate")
+)
 _VOCAB = 1024  # the stand-in compressed vocab and token ids
 
 
@@ -56,7 +61,7 @@ def drive_engram(sweep: DSV41Sweep, st: DSV4Step) -> None:
     )  # fmt: skip
     ids = torch.randint(0, _VOCAB, (t,), generator=gen, dtype=I32).to(dev)
     dead = torch.rand(t, generator=gen).lt(0.05).to(dev)  # image-span tokens
-    lookback = torch.randint(-1, _VOCAB, (sweep.lim.max_seqs, n - 1), generator=gen, dtype=I32).to(dev)
+    lookback = _lookback(sweep, st, n - 1)
     lb_dead = torch.zeros_like(lookback, dtype=torch.bool)
     args = (ids, st.positions, st.qsl, dead, lookback, lb_dead)
     name = DSV4_PREFIX + "v41_engram_hash"
@@ -69,6 +74,23 @@ def drive_engram(sweep: DSV41Sweep, st: DSV4Step) -> None:
     heads = layout.local_heads(sweep.tp)
     for layer in range(layers):
         _lookup_and_gate(sweep, hashes[:, layer], flat[layer], heads, ~dead, f"engram layer {layout.layer_ids[layer]}")
+
+
+def _lookback(sweep: DSV41Sweep, st: DSV4Step, depth: int) -> torch.Tensor:
+    """The runner's look-back buffer (int32 ``[max_seqs, depth]``): gathered by the op where planned, from a
+    history of each request's ids up to its sequence length, else random ids and -1."""
+    dev, gen, reqs = sweep.dev, sweep.gen, len(st.batch.qlens)
+    rows = sweep.lim.max_seqs
+    if not sweep.has("v41_gather_lookback"):
+        return torch.randint(-1, _VOCAB, (rows, depth), generator=gen, dtype=I32).to(dev)
+    history = torch.randint(0, _VOCAB, (rows, max(st.batch.seqs, default=1)), generator=gen, dtype=I32).to(dev)
+    idx = torch.arange(reqs - 1, -1, -1, dtype=I64, device=dev)
+    buf = torch.full((rows, depth), 7777, dtype=I32, device=dev)  # rows a larger batch wrote before
+    args = (buf, idx, st.qsl, st.positions, history)
+    return sweep.launch(
+        DSV4_PREFIX + "v41_gather_lookback", f"{depth} ids back", lambda: sweep.k("v41_gather_lookback")(*args),
+        fallback=lambda: gather_lookback_reference(*args), ref=lambda: gather_lookback_reference(*args),
+    )  # fmt: skip
 
 
 def _lookup_and_gate(

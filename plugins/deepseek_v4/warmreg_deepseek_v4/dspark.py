@@ -10,6 +10,14 @@ lists; a real ``DeepseekV4Config`` lists 43 + 1 MTP entries, the legacy list of 
 ``1 + N`` without it), ``N = num_speculative_tokens``, which defaults to ``dspark_block_size``. Its attention
 metadata is built non-causal: every query token of a request sees the ``window`` context tokens before the block
 and the whole block, in rows ``round_up(window + N, 64)`` wide (``compressor_utils.get_dspark_swa_index_width``).
+
+DeepSeek-V4.1 (vLLM 0.34 ``models/deepseek_v41/nvidia/dspark.py`` and ``amd/dspark.py``: ``DSparkDeepseekV4Model``)
+drafts the same way through the same speculator (``v1/worker/gpu/spec_decode/dspark/speculator.py``) and SWA builder
+(``v1/attention/backends/mla/sparse_swa.py``). Its draft reads the target's ``hf_config``, which
+``DeepseekV41Config`` flattens from ``text_config``: warmreg reads those fields as ``text.<field>``
+(:attr:`warmreg.WarmConfig.text`). Its draft layer count is ``n_mtp_layers or num_nextn_predict_layers or 3``, and its
+SWA cache pages hold 32 tokens (``DeepseekV4SWACache(block_size=32)`` in V4.1's ``DeepseekV4Attention.__init__``)
+where V4's hold 64.
 """
 
 from __future__ import annotations
@@ -20,11 +28,12 @@ import triton
 import warmreg
 
 from ._serving import serving_int
-from .model import DSV4, PLUGIN
+from .model import DSV4, PLUGIN, SWA_PAGE_SIZE, V41_MODEL_TYPE
 
 __all__ = [
     "DSPARK",
     "SPECULATIVE_METHODS",
+    "V41_SWA_PAGE_SIZE",
     "DSparkDraft",
     "dspark_swa_index_width",
     "mtp_drafts",
@@ -43,6 +52,14 @@ SPECULATIVE_METHODS = (
 )  # fmt: skip
 #: ``get_dspark_swa_index_width`` pads non-causal rows to a multiple of this.
 SWA_INDEX_ALIGNMENT = 64
+#: DeepSeek-V4.1's SWA cache page (``DeepseekV4SWACache(block_size=32)``, ``models/deepseek_v41/attention.py``).
+V41_SWA_PAGE_SIZE = 32
+
+
+def _field(config: warmreg.WarmConfig, name: str) -> str:
+    """The config path of a draft field: ``model.<name>`` for DeepSeek-V4, ``text.<name>`` for V4.1 (its draft's
+    ``hf_config`` is the flattened ``text_config``)."""
+    return f"text.{name}" if config.model_type == V41_MODEL_TYPE else f"model.{name}"
 
 
 def speculative_method(config: warmreg.WarmConfig) -> str | None:
@@ -64,7 +81,7 @@ def mtp_drafts(config: warmreg.WarmConfig) -> bool:
 
 def num_speculative_tokens(config: warmreg.WarmConfig) -> int:
     """Draft tokens per step: ``serving.num_speculative_tokens``; unset with DSpark, the model's
-    ``dspark_block_size`` (vLLM's default for a DSpark draft); else 0.
+    ``dspark_block_size`` (vLLM's default for a DSpark draft; V4.1: the text model's); else 0.
 
     :raises warmreg.ConfigError: for DSpark with neither set, or an unknown method.
     """
@@ -73,7 +90,7 @@ def num_speculative_tokens(config: warmreg.WarmConfig) -> int:
     if config.serving.get("num_speculative_tokens") is not None:
         return serving_int(config, "num_speculative_tokens")
     return config.get(
-        "model.dspark_block_size", int, plugin=PLUGIN, check=_positive,
+        _field(config, "dspark_block_size"), int, plugin=PLUGIN, check=_positive,
         fix="set serving.num_speculative_tokens or the model's dspark_block_size",
     )  # fmt: skip
 
@@ -103,6 +120,8 @@ class DSparkDraft:
     #: the sliding window and the non-causal row width ``round_up(window + N, 64)``
     window: int
     index_width: int
+    #: tokens a page of the SWA cache group the draft's inputs and rows address: 64 (V4), 32 (V4.1)
+    swa_block_size: int = SWA_PAGE_SIZE
 
     @classmethod
     def from_config(cls, config: warmreg.WarmConfig, model: DSV4) -> DSparkDraft | None:
@@ -118,12 +137,20 @@ class DSparkDraft:
             raise warmreg.ConfigError(
                 "serving.num_speculative_tokens", f"must be >= 1 with DSpark (got {n})", plugin=PLUGIN
             )
-        drafts = config.get("model.n_mtp_layers", int, plugin=PLUGIN, default=3, check=_positive)
-        anchor = config.get("model.sample_from_anchor", bool, plugin=PLUGIN, default=True)
-        if config.model.get("mask_token_id") is not None:  # get_parallel_drafting_token_id's order
-            noise = config.get("model.mask_token_id", int, plugin=PLUGIN)
+        fields = config.text if model.v41 else config.model
+        if model.v41:  # DSparkDeepseekV4Model: n_mtp_layers or num_nextn_predict_layers or 3
+            drafts = fields.get("n_mtp_layers") or fields.get("num_nextn_predict_layers") or 3
+            if isinstance(drafts, bool) or not isinstance(drafts, int) or drafts < 1:
+                raise warmreg.ConfigError(
+                    "text.n_mtp_layers", f"must be a positive int (got {drafts!r})", plugin=PLUGIN
+                )
         else:
-            noise = config.get("model.dspark_noise_token_id", int, plugin=PLUGIN)
+            drafts = config.get("model.n_mtp_layers", int, plugin=PLUGIN, default=3, check=_positive)
+        anchor = config.get(_field(config, "sample_from_anchor"), bool, plugin=PLUGIN, default=True)
+        if fields.get("mask_token_id") is not None:  # get_parallel_drafting_token_id's order
+            noise = config.get(_field(config, "mask_token_id"), int, plugin=PLUGIN)
+        else:
+            noise = config.get(_field(config, "dspark_noise_token_id"), int, plugin=PLUGIN)
         return cls(
             num_tokens=n,
             num_query_per_req=n if anchor else 1 + n,
@@ -136,4 +163,5 @@ class DSparkDraft:
             ratios=(1,) * drafts,
             window=model.sliding_window,
             index_width=dspark_swa_index_width(model.sliding_window, n),
+            swa_block_size=V41_SWA_PAGE_SIZE if model.v41 else SWA_PAGE_SIZE,
         )

@@ -50,7 +50,7 @@ from warmreg.ops import block_table_width
 
 from ._serving import dcp_world_size, max_model_len, serving_int
 from .dspark import DSparkDraft
-from .model import DSV4, SWA_PAGE_SIZE
+from .model import DSV4
 
 __all__ = [
     "PAD_SLOT_ID",
@@ -306,11 +306,11 @@ class DSparkInputs(warmreg.TritonKernel[PrepareDSparkInputsKey]):
         # one longest target query per BLOCK_SIZE: 1, the budget, and each q with q + Nq a power of two
         top = warmreg.next_pow2(tokens + nq)
         queries = sorted({1, tokens} | {p - nq for p in warmreg.powers_of_two(1, top) if 1 <= p - nq <= tokens})
-        # the SWA group's persistent table (the speculator shares the target's block tables)
-        width = block_table_width(mml, SWA_PAGE_SIZE, dcp)
+        # the SWA group's persistent table (the speculator shares the target's block tables; V4.1's pages are 32)
+        width = block_table_width(mml, d.swa_block_size, dcp)
         return {
             "max_query_len": queries, "block_table": [warmreg.meta((1, width), torch.int32)],
-            "parallel_drafting_token_id": [d.noise_token_id], "block_size": [SWA_PAGE_SIZE],
+            "parallel_drafting_token_id": [d.noise_token_id], "block_size": [d.swa_block_size],
             "num_query_per_req": [nq], "num_speculative_steps": [d.num_tokens],
             "max_num_reqs": [serving_int(config, "max_num_seqs")], "max_num_tokens": [tokens], "max_model_len": [mml],
             "cp_rank": range(dcp), "cp_size": [dcp], "cp_interleave": [interleave],
@@ -553,7 +553,8 @@ def prepare_dspark_inputs_reference(
 
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register the draft-input preparation with DSpark on (every platform: the V2 model runner's speculator is
-    platform-independent Triton), one draft KV-cache group (the SWA-only draft layers' 64-token pages).
+    platform-independent Triton), one draft KV-cache group (the SWA-only draft layers' pages:
+    :attr:`.dspark.DSparkDraft.swa_block_size`, 64 tokens for DeepSeek-V4, 32 for V4.1, on CUDA and ROCm alike).
 
     :raises warmreg.ConfigError: for an unknown ``speculative_method``, DSpark fields that do not fit, or DCP
         with C4 layers (the DeepSeek-V4 indexer does not support it).

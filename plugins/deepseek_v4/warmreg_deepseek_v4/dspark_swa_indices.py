@@ -100,15 +100,16 @@ class DSparkSwaIndicesKey(warmreg.CompileKey):
 class DSparkSwaIndices(warmreg.TritonKernel[DSparkSwaIndicesKey]):
     """Non-causal SWA slots and lens of a DSpark draft step's decode tokens (see the module docstring).
 
-    :param window: the sliding window (domains only); :param index_width: the deployment's DSpark row width.
+    :param window: the sliding window (domains only); :param index_width: the deployment's DSpark row width;
+    :param block_size: the SWA page size (domains only): 64 for DeepSeek-V4, 32 for V4.1.
     """
 
     name = "deepseek_v4.dspark_noncausal_swa_indices"
     key_type = DSparkSwaIndicesKey
     jit = _dspark_swa_indices_kernel
 
-    def __init__(self, *, window: int = 128, index_width: int = 192) -> None:
-        self.window, self.index_width = window, index_width
+    def __init__(self, *, window: int = 128, index_width: int = 192, block_size: int = SWA_PAGE_SIZE) -> None:
+        self.window, self.index_width, self.block_size = window, index_width, block_size
 
     def dispatch(self, *, window_size: int, index_width: int, block_size: int) -> DSparkSwaIndicesKey:
         return DSparkSwaIndicesKey(
@@ -120,7 +121,7 @@ class DSparkSwaIndices(warmreg.TritonKernel[DSparkSwaIndicesKey]):
         )
 
     def domains(self, config: warmreg.WarmConfig, platform: warmreg.Platform) -> Mapping[str, Iterable[Any]]:
-        return {"window_size": [self.window], "index_width": [self.index_width], "block_size": [SWA_PAGE_SIZE]}
+        return {"window_size": [self.window], "index_width": [self.index_width], "block_size": [self.block_size]}
 
     def warmup_inputs(self, key: DSparkSwaIndicesKey) -> Mapping[str, Any]:
         i32 = torch.int32
@@ -248,10 +249,13 @@ def dspark_swa_indices_reference(
 
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register the non-causal draft SWA indices with DSpark on: every platform, as the SWA metadata builder it
-    runs in (CUDA's, and the ROCm and XPU backends', which build on it).
+    runs in (CUDA's, and the ROCm and XPU backends', which build on it; DeepSeek-V4.1's ROCm builder,
+    ``models/deepseek_v41/amd/rocm.py: DeepseekV41ROCMAiterSparseSWAMetadataBuilder.build``, falls back to it for
+    every batch its one-launch ``--monokernel`` build does not take: more than 32 rows, a prefill, or no monokernel).
 
     :raises warmreg.ConfigError: for an unknown ``speculative_method`` or DSpark fields that do not fit.
     """
     draft = DSparkDraft.from_config(config, model)
     if draft is not None:
-        registry.add(DSparkSwaIndices(window=draft.window, index_width=draft.index_width))
+        kernel = DSparkSwaIndices(window=draft.window, index_width=draft.index_width, block_size=draft.swa_block_size)
+        registry.add(kernel)

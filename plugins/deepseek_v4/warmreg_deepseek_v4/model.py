@@ -219,6 +219,10 @@ def _v41_vision(config: warmreg.WarmConfig) -> tuple[int, int]:
     return values[0], values[1]
 
 
+def _nonneg(value: int) -> str | None:
+    return None if value >= 0 else f"must be >= 0 (got {value})"
+
+
 @attrs.frozen(kw_only=True)
 class DSV4:
     """The DeepSeek-V4 values kernels read, validated once per config."""
@@ -258,6 +262,12 @@ class DSV4:
     mxfp8_checkpoint: bool = False
     #: V4.1: its engram layers (``engram_layer_ids`` and the fields their kernels read), None without them
     engram: EngramLayout | None = None
+    #: V4.1 two-level candidate filtering: the index layer that publishes each row's top candidate blocks
+    #: (``candidate_source_layer_id``, -1: none), how many (``candidate_topk_blocks``, 0: none) and their size in
+    #: compressed positions (``candidate_block_size``); vLLM's ``getattr`` defaults
+    candidate_source_layer_id: int = -1
+    candidate_topk_blocks: int = 0
+    candidate_block_size: int = 0
 
     @classmethod
     def from_config(cls, config: warmreg.WarmConfig) -> DSV4:
@@ -333,7 +343,13 @@ class DSV4:
             num_hidden_layers=layers,
             mxfp8_checkpoint=mxfp8_checkpoint(config),
             engram=engram_layout(config, PLUGIN),
-        )
+            candidate_source_layer_id=config.get(
+                "text.candidate_source_layer_id", int, plugin=PLUGIN, default=-1,
+                check=lambda v: None if v >= -1 else f"must be a layer id or -1 (got {v})",
+            ),
+            candidate_topk_blocks=config.get("text.candidate_topk_blocks", int, plugin=PLUGIN, default=0, check=_nonneg),
+            candidate_block_size=config.get("text.candidate_block_size", int, plugin=PLUGIN, default=0, check=_nonneg),
+        )  # fmt: skip
 
     @property
     def v41_compressed_ratios(self) -> tuple[int, ...]:

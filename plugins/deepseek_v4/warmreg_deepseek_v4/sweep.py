@@ -25,8 +25,12 @@ from typing import Any, ClassVar
 import torch
 
 import warmreg
+from warmreg.ops import indexer_prefill_chunk_metadata_reference
 from warmreg.testing.sweep import Batch, Sweep
 
+from . import _sweep_v41_markov, _sweep_v41_replay
+from ._sweep_v41_rocm import ROCM41_DRIVES
+from ._sweep_v41_upcast import drive_upcast
 from .combine_indices import combine_topk_swa_indices_reference
 from .dspark import DSparkDraft, num_speculative_tokens
 from .dspark_inputs import prepare_dspark_inputs_reference
@@ -34,11 +38,11 @@ from .dspark_swa_indices import dspark_swa_indices_reference
 from .fp8_ds_mla import HEAD_DIM
 from .global_topk import global_topk_indices_reference
 from .indexer import compress_pool_reference, indexer_q_rope_mxfp4_reference
-from .indexer_chunk_metadata import indexer_prefill_chunk_metadata_reference
 from .pack_seq import pack_seq_reference
 from .short_context_topk import short_context_topk_reference
 from .sweep_inputs import (
     BF16,
+    CHUNK_META,
     COMBINE,
     CSLOTS,
     DSV4_PREFIX,
@@ -50,6 +54,7 @@ from .sweep_inputs import (
     SAVE,
     STATE,
     SWA,
+    UNIFORM,
     DSV4Step,
     chunks,
 )  # fmt: skip
@@ -69,7 +74,7 @@ class DSV4Sweep(DSV4RocmLaunches):
     """
 
     model_types: ClassVar[tuple[str, ...]] = ("deepseek_v4", "deepseek_v41")
-    drives: ClassVar[frozenset[str]] = Sweep.drives | {CSLOTS, GATHER, COMBINE, SAVE} | ROCM_DRIVES | {
+    drives: ClassVar[frozenset[str]] = Sweep.drives | {CSLOTS, CHUNK_META, UNIFORM, GATHER, COMBINE, SAVE} | ROCM_DRIVES | ROCM41_DRIVES | _sweep_v41_markov.MARKOV_DRIVES | _sweep_v41_replay.REPLAY_DRIVES | {
         DSV4_PREFIX + n
         for n in (
             "c128a_topk_metadata",
@@ -80,15 +85,14 @@ class DSV4Sweep(DSV4RocmLaunches):
             "gather_block_tables",
             "global_topk_indices",
             "indexer_kv_compress_insert",
-            "indexer_prefill_chunk_metadata",
             "indexer_q_rope_mxfp4",
             "indexer_q_rope_quant",
+            "indexer_upcast_logits",
             "inv_rope_fp8_quant",
             "mtp_input_rmsnorm",
             "mtp_shared_head_rmsnorm",
             "pack_seq",
             "prepare_dspark_inputs",
-            "prepare_uniform_decode",
             "sparse_swa_prefill_metadata",
             "unpack_seq",
             # DeepSeek-V4.1 (sweep_v41.DSV41Sweep)
@@ -96,9 +100,11 @@ class DSV4Sweep(DSV4RocmLaunches):
             "v41_engram_gate",
             "v41_engram_hash",
             "v41_engram_lookup",
+            "v41_gather_lookback",
             "v41_hc_collapse",
             "v41_hc_expand",
             "v41_indexer_k_store",
+            "v41_pad_replayed_slots",
             "v41_q_kv_norm_quant",
             "v41_ring_slot_mapping",
             "v41_rope_insert",
@@ -136,9 +142,24 @@ class DSV4Sweep(DSV4RocmLaunches):
             self.dspark_draft(st, self.draft)
 
     def dspark_draft(self, st: DSV4Step, d: DSparkDraft) -> None:
-        """The DSpark draft step after the target step: its inputs (one launch for the SWA group), its non-causal
-        SWA metadata, then the draft layers on ``Nq`` query tokens a request. Decode requests rejected some of their
-        drafts; a prefill chunk sampled a token (its last chunk) or none (chunked prefill)."""
+        """The DSpark draft step after the target step: its inputs and non-causal SWA metadata
+        (:meth:`dspark_metadata`), then the draft layers on ``Nq`` query tokens a request."""
+        reqs, seq_host = self.dspark_metadata(st, d, SWA)
+        nq = d.num_query_per_req
+        draft = Batch("draft", tuple(seq_host), (nq,) * reqs, (0,) * reqs, reqs)
+        dst = self.step_tensors(draft)
+        m = self.m
+        for ratio in sorted(set(d.ratios)):  # the SWA-only draft layers run as an SWA-only layer on the draft tokens
+            if ratio == 1:
+                self.layer(dst, "dspark draft", 1)
+            else:
+                self.qkv_norm(dst, "dspark draft", m.q_lora_rank, m.head_dim, m.q_lora_rank + m.head_dim, m.rms_norm_eps)
+
+    def dspark_metadata(self, st: DSV4Step, d: DSparkDraft, swa: int) -> tuple[int, list[int]]:
+        """A DSpark draft step's inputs (one launch for the SWA group of ``swa``-token pages: 64 for V4, 32 for V4.1)
+        and its non-causal SWA rows; returns the request count and the draft batch's sequence lengths. Decode
+        requests rejected some of their drafts; a prefill chunk sampled a token (its last chunk) or none (chunked
+        prefill)."""
         b, rng = st.batch, self.rng
         reqs = len(b.qlens)
         nrej = [rng.randint(0, q - 1) if i < b.num_decodes else 0 for i, q in enumerate(b.qlens)]
@@ -147,10 +168,10 @@ class DSV4Sweep(DSV4RocmLaunches):
         args = (
             st.positions, st.qsl, states, self.req_states[0], self.req_states[1],
             torch.tensor(sampled, dtype=I32, device=self.dev), torch.tensor(nrej, dtype=I32, device=self.dev),
-            self.req_states[2], self.req_states[3], self.tables[SWA],
+            self.req_states[2], self.req_states[3], self.tables[swa],
         )  # fmt: skip
         kw: dict[str, Any] = dict(
-            num_reqs=reqs, block_size=SWA, parallel_drafting_token_id=d.noise_token_id,
+            num_reqs=reqs, block_size=swa, parallel_drafting_token_id=d.noise_token_id,
             num_query_per_req=d.num_query_per_req, num_speculative_steps=d.num_tokens, max_num_reqs=self.draft_reqs,
             max_num_tokens=self.draft_tokens, max_model_len=self.lim.max_model_len,
             sample_from_anchor=d.sample_from_anchor,
@@ -167,25 +188,17 @@ class DSV4Sweep(DSV4RocmLaunches):
         qsl, seqs = out.query_start_loc[: reqs + 1], out.seq_lens[:reqs]
         tok2req = torch.arange(reqs, dtype=I32, device=self.dev).repeat_interleave(nq)
         valid = out.query_slot_mapping[:T] >= 0
-        sw_args = (qsl, seqs, tok2req, valid, self.tables[SWA])
-        sw_kw: dict[str, Any] = dict(num_tokens=T, window_size=self.window, index_width=d.index_width, block_size=SWA)
+        sw_args = (qsl, seqs, tok2req, valid, self.tables[swa])
+        sw_kw: dict[str, Any] = dict(num_tokens=T, window_size=self.window, index_width=d.index_width, block_size=swa)
         self.draft_swa[1][T:] = 0  # the builder zeroes the lens past the decode tokens first
-        swa = self.launch(
+        rows = self.launch(
             DSV4_PREFIX + "dspark_noncausal_swa_indices",
             f"draft: {reqs} requests x {nq} tokens, W={d.index_width}",
             lambda: self.k("dspark_noncausal_swa_indices")(*sw_args, **sw_kw, out=self.draft_swa),
             ref=lambda: dspark_swa_indices_reference(*sw_args, **sw_kw),
         )
-        self.rocm_swa_rows("draft non-causal", swa, T)
-        seq_host = seqs.tolist()
-        draft = Batch("draft", tuple(seq_host), (nq,) * reqs, (0,) * reqs, reqs)
-        dst = self.step_tensors(draft)
-        m = self.m
-        for ratio in sorted(set(d.ratios)):  # the SWA-only draft layers run as an SWA-only layer on the draft tokens
-            if ratio == 1:
-                self.layer(dst, "dspark draft", 1)
-            else:
-                self.qkv_norm(dst, "dspark draft", m.q_lora_rank, m.head_dim, m.q_lora_rank + m.head_dim, m.rms_norm_eps)
+        self.rocm_swa_rows("draft non-causal", rows, T)
+        return reqs, seqs.tolist()
 
     def layer(self, st: DSV4Step, kind: str, ratio: int) -> None:
         """One layer of a type: Q/KV norm, compressor and indexer, sparse prefill, inverse RoPE; for the type of the
@@ -229,7 +242,7 @@ class DSV4Sweep(DSV4RocmLaunches):
         self.launch(SAVE, f"{state} compressor (head {head})", lambda: self.kernel(SAVE)(*args))
 
     def indexer(self, st: DSV4Step) -> None:
-        """The C4 indexer: its compressor (save, compress + insert), Q RoPE + quant, top-k, prefill metadata."""
+        """The C4 indexer: compressor (save, compress + insert), Q RoPE + quant, logits upcast, top-k, prefill metadata."""
         b, T = st.batch, st.batch.tokens
         self.save_states(st, "index")
         self._index_insert(st)
@@ -243,6 +256,8 @@ class DSV4Sweep(DSV4RocmLaunches):
             )
             if q is not None:
                 self.pack_q(st, q[0])
+            self.rocm_indexer_logits(st, q)
+        drive_upcast(self, st, 4, "c4 indexer")  # sm_10x: the C4 indexer's BF16 logits, upcast for its top-k
         st.topk = self.local_topk(st)
         self.unpack_topk(st)
         if self.has("global_topk_indices") and KV in st.slots:
@@ -251,8 +266,9 @@ class DSV4Sweep(DSV4RocmLaunches):
             for lo, hi, what in spans:
                 if hi > lo:
                     self._global_topk(st.topk[lo:hi], st.token_to_req[lo:], valid[lo:], what)
-        if self.has("indexer_prefill_chunk_metadata"):
+        if CHUNK_META in self.names:
             for a, e, cuts in self.indexer_chunks(b):
+                self.rocm_indexer_gather(st, a, e)
                 for qs0, qs1 in cuts:  # ROCm's aiter top-k localizes against the slice's K starts
                     ks, t = self._chunk_metadata(st, a, e, qs0, qs1), sum(b.qlens[:a])
                     self.rocm_localize(st, t + qs0, t + qs1, ks)
@@ -377,9 +393,9 @@ class DSV4Sweep(DSV4RocmLaunches):
             dcp_interleave=interleave,
         )  # fmt: skip
         out = self.launch(
-            DSV4_PREFIX + "indexer_prefill_chunk_metadata",
+            CHUNK_META,
             f"requests [{a}, {e}), query slice [{qs0}, {qs1})",
-            lambda: self.k("indexer_prefill_chunk_metadata")(qsl, st.seq_lens[a:e], cu, **kw),
+            lambda: self.kernel(CHUNK_META)(qsl, st.seq_lens[a:e], cu, **kw),
             fallback=lambda: indexer_prefill_chunk_metadata_reference(qsl.cpu(), st.seq_lens[a:e].cpu(), cu.cpu(), **kw),
         )
         return out[1].to(self.dev) if out is not None else None

@@ -20,10 +20,9 @@ from typing import Any
 import torch
 
 import warmreg
-from warmreg.ops import block_table_width
+from warmreg.ops import block_table_width, compressed_slot_mapping_reference
 from warmreg.testing.sweep import Batch, Limits, Step, Sweep
 
-from .compressed_slot_mapping import compressed_slot_mapping_reference
 from .dspark import DSparkDraft
 from .dspark_inputs import DraftInputs
 from .fp8_ds_mla import FP8_MAX, NOPE_DIM, ROPE_DIM, SCALE_BYTES, TOKEN_BYTES, page_bytes
@@ -44,15 +43,17 @@ from .swa_indices import decode_swa_indices_reference
 from .swa_prefill_metadata import sparse_swa_prefill_metadata_reference
 
 __all__ = [
-    "BF16", "COMBINE", "CSLOTS", "DSV4_PREFIX", "F32", "GATHER", "I32", "I64", "KV", "SAVE", "STATE", "SWA", "U8",
+    "BF16", "CHUNK_META", "COMBINE", "CSLOTS", "DSV4_PREFIX", "F32", "GATHER", "I32", "I64", "KV", "SAVE", "STATE",
+    "SWA", "U8", "UNIFORM",
     "DSV4Engine", "DSV4Step", "chunks", "fp8_ds_mla_cache", "rope_cache",
 ]  # fmt: skip
 
 I32, I64, BF16, F32, U8 = torch.int32, torch.int64, torch.bfloat16, torch.float32, torch.uint8
 DSV4_PREFIX = "deepseek_v4."
-CSLOTS, GATHER, COMBINE, SAVE = (
-    DSV4_PREFIX + n
-    for n in ("compressed_slot_mapping", "dequant_gather_k_cache", "combine_topk_swa_indices", "save_partial_states")
+GATHER, COMBINE, SAVE = (DSV4_PREFIX + n for n in ("dequant_gather_k_cache", "combine_topk_swa_indices", "save_partial_states"))
+#: The shared MLA index-metadata ops (``warmreg.ops``) the DeepSeek-V4 plugin plans.
+CSLOTS, CHUNK_META, UNIFORM = (
+    "warmreg.ops." + n for n in ("compressed_slot_mapping", "indexer_prefill_chunk_metadata", "prepare_uniform_decode")
 )
 #: KV-cache groups by block size: the SWA cache (64-token pages), the compressed and indexer caches (256 raw
 #: tokens a block: their uncompressed slots) and the compressor states of C4 and C128 layers.
@@ -397,12 +398,12 @@ class DSV4Engine(Sweep[DSV4Step]):
     def uniform_decode(self, st: DSV4Step) -> None:
         """The C4 indexer's uniform-decode flattening (only when every decode request has D tokens)."""
         b, d = st.batch, st.batch.uniform_decode_len
-        if not self.has("prepare_uniform_decode") or not d or not b.num_decodes:
+        if UNIFORM not in self.names or not d or not b.num_decodes:
             return
         seq_lens, table = st.seq_lens[: b.num_decodes], self.ctables["indexer"]
         self.launch(
-            DSV4_PREFIX + "prepare_uniform_decode",
+            UNIFORM,
             f"D={d}",
-            lambda: self.k("prepare_uniform_decode")(seq_lens, table, max_decode_len=d, **self.uniform_buf),
+            lambda: self.kernel(UNIFORM)(seq_lens, table, max_decode_len=d, **self.uniform_buf),
         )
 

@@ -2,19 +2,20 @@
 (``models/deepseek_v41/attention.py``, ``compressor.py``, ``nvidia/``).
 
 :class:`~warmreg_deepseek_v4.sweep.DSV4Sweep` serves both model types and builds this class for a ``deepseek_v41``
-plan. Once a step: the mHC expand of the embedding into ``hc_mult`` streams, the engram layers' hash, lookups and
-gates (:mod:`._sweep_v41_engram`), the V2 runner's block-table gather of
-its KV-cache groups (the sliding-window cache's 32-token blocks, the compressed and indexer caches' 256), the
-compressor ring's slot mapping, the compressed slot mappings (V4.1's sparse-MLA builder for the ratio-2 kv sources,
-the indexer builder for the index sources at the indexer's kernel block), the decode SWA indices, the sparse-SWA
-prefill metadata and the indexer's uniform-decode flattening. Then ONE launch per layer TYPE: V4.1's layers differ by
-ratio (0, 1, 2) and by whether they own a compressor (``kv_source_layer_ids``) and an indexer
+plan. Once a step: the mHC expand of the embedding into ``hc_mult`` streams, the engram layers' look-back gather,
+hash, lookups and gates (:mod:`._sweep_v41_engram`), the V2 runner's block-table gather of its KV-cache groups
+(the sliding-window cache's 32-token blocks, the compressed and indexer caches' 256) and its SWA bounded-replay
+padding of their slots (:mod:`._sweep_v41_runner`), the compressor ring's slot mapping, the compressed slot mappings
+(V4.1's sparse-MLA builder for the ratio-2 kv sources, the indexer builder for the index sources at the indexer's
+kernel block), the decode SWA indices, the sparse-SWA prefill metadata and the indexer's uniform-decode flattening.
+Then ONE launch per layer TYPE: V4.1's layers differ by ratio (0, 1, 2) and by whether they own a compressor (``kv_source_layer_ids``) and an indexer
 (``index_source_layer_ids``); a consumer layer reuses its source's caches and top-k. Each type: its Q/KV norm (the
 shared RMSNorm, or the fused norm + MXFP8 query quant on SM100), a kv source's compressor (save + pool + RMSNorm into
 the latent, then the RoPE + record insert into the compressed cache), an index source's indexer (the key store of a
 source that owns its keys; on a short-context step the fill of every candidate as its top-k, else random causal
 local indices; its Q RoPE + FP8 quant on every step, as the V4 driver runs it, so that the CPU test's short contexts
-launch it too; the prefill-chunk metadata), a compressed type's global top-k of the decode tokens (over the kernel
+launch it too; on sm_10x the upcast of its BF16 logits, :mod:`._sweep_v41_upcast`, likewise; the prefill-chunk
+metadata), a compressed type's global top-k of the decode tokens (over the kernel
 block table at the deployment's full width: its stride is a key field), FlashMLA's prefill combine of the top-k and
 SWA rows (the prefills as one chunk), and the inverse RoPE of the live heads of the padded attention output.
 """
@@ -26,12 +27,17 @@ from typing import Any, ClassVar
 import torch
 
 import warmreg
-from warmreg.ops import block_table_width
+from warmreg.ops import block_table_width, compressed_slot_mapping_reference
 from warmreg.testing.sweep import Batch, Limits, Sweep
 
 from ._sweep_v41_engram import drive_engram
+from ._sweep_v41_markov import drive_markov
+from ._sweep_v41_replay import drive_replay_gather
+from ._sweep_v41_rocm import drive_rocm41
+from ._sweep_v41_runner import drive_replay_pad
+from ._sweep_v41_upcast import UPCAST, drive_upcast
 from ._v41 import index_ratios, indexer_block_size, ring_capacity
-from .compressed_slot_mapping import compressed_slot_mapping_reference
+from .dspark import DSparkDraft
 from .fp8_ds_mla import HEAD_DIM
 from .gather_block_tables import block_table_pointers
 from .global_topk import global_topk_indices_reference
@@ -39,7 +45,7 @@ from .model import DSV4
 from .short_context_topk import short_context_topk_reference
 from .swa_indices import decode_swa_indices_reference
 from .sweep import DSV4Sweep
-from .sweep_inputs import BF16, CSLOTS, DSV4_PREFIX, F32, I32, I64, KV, U8, DSV4Step, rope_cache
+from .sweep_inputs import BF16, CHUNK_META, CSLOTS, DSV4_PREFIX, F32, I32, I64, KV, U8, DSV4Step, rope_cache
 from .v41 import attention_kind, padded_heads, tensor_parallel_size
 from .v41_combine_indices import v41_combine_topk_swa_reference
 from .v41_global_topk import block_table_width as kernel_table_width
@@ -71,7 +77,8 @@ class DSV41Sweep(DSV4Sweep):
             False,
             None,
         )
-        self.kind = attention_kind(self.cfg, m, self.plan.platform)
+        # the CUDA attention class; V4.1's ROCm model has one (DeepseekV41ROCMAiterMLAAttention, unpadded heads)
+        self.kind = attention_kind(self.cfg, m, self.plan.platform) if self.plan.platform.is_cuda else "rocm"
         self.index_ratios, self.ratios = index_ratios(m), list(m.v41_compressed_ratios)
         types = {
             (m.ratios[i], i in m.kv_source_layer_ids and i < m.num_hidden_layers and m.ratios[i] > 0,
@@ -88,6 +95,9 @@ class DSV41Sweep(DSV4Sweep):
         self._buffers()
         self._caches()
         self._runner_tables41()
+        self.draft = DSparkDraft.from_config(self.cfg, m) if self.has("prepare_dspark_inputs") else None
+        if self.draft is not None:  # a DSpark draft: the speculator's buffers (V4's, over 32-token SWA pages)
+            self._draft_buffers(self.draft)
 
     @staticmethod
     def _type_name(t: tuple[int, bool, bool]) -> str:
@@ -118,8 +128,9 @@ class DSV41Sweep(DSV4Sweep):
         self.ring_table = torch.randint(1, pages, shape, generator=self.gen, device=dev, dtype=I32)
         self.ring = self.randn(pages, self.capacity, 2 * HEAD_DIM, dtype=F32)  # kv and score rows
         self.page = {r: KV // r for r in self.ratios}
-        (key,) = self.plan.kernel(DSV4_PREFIX + "v41_rope_insert").keys if self.has("v41_rope_insert") else (None,)
-        self.record = getattr(key, "record", "fp8_ds_mla")
+        keys = self.plan.kernel(DSV4_PREFIX + "v41_rope_insert").keys if self.has("v41_rope_insert") else ()
+        # one record a deployment, a key a compressed ratio
+        self.record = getattr(keys[0], "record", "fp8_ds_mla") if keys else "fp8_ds_mla"
         self.ccache = {}
         for r in self.ratios:
             if self.record in _RECORD_BYTES:
@@ -167,18 +178,26 @@ class DSV41Sweep(DSV4Sweep):
 
     # -- one step ----------------------------------------------------------------------------------------------------
     def run(self, st: DSV4Step) -> None:  # type: ignore[override]
-        """The per-step metadata, one layer of each type, then the mHC head collapse."""
+        """The per-step metadata, one layer of each type, then the mHC head collapse; with a DSpark draft its inputs
+        and non-causal SWA rows (:meth:`~.sweep.DSV4Sweep.dspark_metadata`; the draft's layers are not driven) and,
+        with the fused Markov sampler, its sampling (:mod:`._sweep_v41_markov`)."""
         self.hc_expand(st)
-        drive_engram(self, st)  # the n-gram hash, then each engram layer's lookup and gate
+        drive_engram(self, st)  # the look-back, the n-gram hash, then each engram layer's lookup and gate
         self.gather_block_tables(st)
+        drive_replay_pad(self, st, SWA41)  # the SWA bounded replay's padding of the cacheable groups' slots
+        drive_replay_gather(self, st, SWA41)  # the decoder replay layers' kept rows of the batch
         self.ring_slots(st)
         self.compressed_slots41(st)
         self.decode_swa41(st)
+        drive_rocm41(self, st)  # ROCm: the SWA decode metadata and each ratio's decode top-k stream
         self.swa_prefill_metadata(st)
         self.uniform_decode(st)
         for t in self.types:
             self.layer41(st, t)
         self.hc_collapse(st)
+        if self.draft is not None:  # a DSpark draft's inputs and non-causal SWA rows (V4's kernels, V4.1's values)
+            self.dspark_metadata(st, self.draft, SWA41)
+        drive_markov(self, st)  # a DSpark draft's fused Markov sampling, every speculative step
 
     def hc_expand(self, st: DSV4Step) -> None:
         """The embedding's expand into ``hc_mult`` residual streams (``nvidia/ops/mhc.py``)."""
@@ -218,6 +237,8 @@ class DSV41Sweep(DSV4Sweep):
     def compressed_slots41(self, st: DSV4Step) -> None:
         """The sparse-MLA builder's slots of the ratio-2 caches (states of 256-token blocks) and the indexer builder's
         (of its kernel blocks, the config's DCP)."""
+        if CSLOTS not in self.names:  # not planned for V4.1's ROCm model
+            return
         dcp = int(self.cfg.serving.get("decode_context_parallel_size", 1) or 1)
         inter = int(self.cfg.serving.get("cp_kv_cache_interleave_size", 1) or 1)
         sites = [("mla", r, KV, self.tables[KV], 1, 1) for r in self.ratios if r > 1]
@@ -295,7 +316,7 @@ class DSV41Sweep(DSV4Sweep):
         group-closing tokens (``DeepseekCompressor.forward`` and ``insert_cache``)."""
         T = st.batch.tokens
         slots = st.cslots.get("ring") if ratio == 2 else st.slots[KV]
-        if slots is None:
+        if slots is None or not self.has("v41_save_compress_norm"):
             return
         kv_score = self.randn(T, HEAD_DIM * ratio, dtype=F32)
         args = (kv_score, st.positions, self.ring, slots, st.qsl, st.token_to_req, self.kv_norm_w)
@@ -333,7 +354,7 @@ class DSV41Sweep(DSV4Sweep):
         slots = st.cslots.get("indexer") if ratio > 1 else st.slots[self.index_bs]
         if not self.has("v41_indexer_k_store") or slots is None:
             return
-        (key,) = self.plan.kernel(DSV4_PREFIX + "v41_indexer_k_store").keys
+        (key,) = [k for k in self.plan.kernel(DSV4_PREFIX + "v41_indexer_k_store").keys if k.compress_ratio == ratio]  # type: ignore[attr-defined]
         k_pre = self.randn(st.batch.tokens, self.m.index_head_dim, scale=2)
         args = (k_pre, st.positions, self.rope41, self.k_norm_w, self.m.rms_norm_eps, self.kcache[ratio], slots)
         kw: dict[str, Any] = dict(compress_ratio=ratio, use_fp4_cache=False, mx_scale=key.mx_scale)  # type: ignore[attr-defined]
@@ -355,7 +376,8 @@ class DSV41Sweep(DSV4Sweep):
         )  # fmt: skip
 
     def combine41(self, st: DSV4Step, ratio: int, name: str) -> None:
-        """FlashMLA's prefill: the prefills as one chunk, the compressed rows ``[0, N)`` then the SWA rows."""
+        """FlashMLA's prefill (and ROCm's in-tree one, with its compaction and sparse attention): the prefills as one
+        chunk, the compressed rows ``[0, N)`` then the SWA rows."""
         b, a = st.batch, st.batch.num_decodes
         e, gather = len(b.qlens), st.gather_host
         n = max(s // ratio for s in b.seqs[a:e]) if ratio else 0
@@ -365,11 +387,15 @@ class DSV41Sweep(DSV4Sweep):
             return
         args = (self.topk_buf[t0 : b.tokens], st.qsl[a : e + 1], st.seq_lens[a:e], lens)
         kw: dict[str, Any] = dict(top_k=self.m.index_topk if ratio else 0, compress_ratio=ratio, M=n + max(gather), N=n)
-        self.launch(
+        out = self.launch(
             DSV4_PREFIX + "v41_combine_topk_swa_indices", f"{name} prefill, M={kw['M']}, N={n}",
             lambda: self.k("v41_combine_topk_swa_indices")(*args, **kw),
             ref=lambda: v41_combine_topk_swa_reference(*args, **kw, window_size=self.window),
         )  # fmt: skip
+        if out is not None and self.plan.platform.is_rocm:  # ROCm's in-tree prefill: rocm_sparse_attn_prefill
+            stream = self.ragged(f"{name} prefill, combined rows", out[0], out[1], num_rows=(e - a) * kw["M"])
+            if stream is not None:
+                self._sparse_prefill(f"{name} prefill", b.tokens - t0, (e - a) * kw["M"], stream)
 
     def indexer41(self, st: DSV4Step, ratio: int, name: str) -> None:
         """An index source's indexer: the short-context fill, its Q RoPE + FP8 quant, the prefill-chunk metadata."""
@@ -390,7 +416,9 @@ class DSV41Sweep(DSV4Sweep):
             h, d = self.m.index_n_heads, self.m.index_head_dim
             args = (st.positions, self.randn(T, h, d, scale=2), self.rope41, self.randn(T, h), d**-0.5, h**-0.5)
             self.launch(DSV4_PREFIX + "indexer_q_rope_quant", name, lambda: self.k("indexer_q_rope_quant")(*args))
-        if self.has("indexer_prefill_chunk_metadata") and b.num_prefills:
+        if UPCAST in self.names:
+            drive_upcast(self, st, ratio, name)
+        if CHUNK_META in self.names and b.num_prefills:
             self._chunk41(st, ratio, name)
 
     def _chunk41(self, st: DSV4Step, ratio: int, name: str) -> None:
@@ -406,6 +434,6 @@ class DSV41Sweep(DSV4Sweep):
             dcp_interleave=int(self.cfg.serving.get("cp_kv_cache_interleave_size", 1) or 1),
         )  # fmt: skip
         self.launch(
-            DSV4_PREFIX + "indexer_prefill_chunk_metadata", f"{name}, requests [{a}, {e})",
-            lambda: self.k("indexer_prefill_chunk_metadata")(qsl, st.seq_lens[a:e], cu, **kw),
+            CHUNK_META, f"{name}, requests [{a}, {e})",
+            lambda: self.kernel(CHUNK_META)(qsl, st.seq_lens[a:e], cu, **kw),
         )  # fmt: skip

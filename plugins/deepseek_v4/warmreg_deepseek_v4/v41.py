@@ -14,9 +14,13 @@ vLLM's config class writes) into a :class:`.model.DSV4` with ``v41`` set. What d
   compressor state (``compressor.py``);
 * its own attention backends (:data:`V41_BACKENDS`), picked by ``nvidia/model.py: _select_dsv4_attn_cls``.
 
-This plugin plans V4.1 on CUDA only: vLLM's V4.1 ROCm model (``models/deepseek_v41/amd``) is a separate code path
-whose kernels stay gaps. :data:`OP_MODULES` lists the modules whose ``register`` a V4.1 deployment calls: the V4.1
-ops, and the DeepSeek-V4 ops whose kernel V4.1 launches unchanged (shared vLLM code, same arguments).
+On ROCm vLLM 0.34 imports V4.1's separate ``amd`` model (``models/deepseek_v41/__init__.py``), whose attention is
+``DeepseekV41ROCMAiterMLAAttention`` (``amd/rocm.py``) under ``ROCM_FLASHMLA_SPARSE_DSV41`` and whose decode helpers
+switch on with ``--monokernel`` (:mod:`._v41_rocm`). :data:`OP_MODULES` lists the modules whose ``register`` a V4.1
+deployment calls: the V4.1 ops, and the DeepSeek-V4 ops whose kernel V4.1 launches unchanged (shared vLLM code, same
+arguments); their predicates are CUDA ones. :data:`ROCM_OP_MODULES` lists the ROCm ones (planned so far: the decode
+metadata of ``amd/rocm.py`` and ``amd/ops``, the gfx942 mono decode's key lists, the decoder layer's mHC seam, the
+mHC head collapse, the common engram ops and SWA builder rows, and DSpark's Markov draft steps).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from warmreg.ops import FusedQKVRMSNorm
 
 from . import (
     compressed_slot_mapping,
+    dspark_inputs,
+    dspark_swa_indices,
     gather_block_tables,
     indexer_chunk_metadata,
     indexer_q,
@@ -35,23 +41,51 @@ from . import (
     short_context_topk,
     swa_prefill_metadata,
     uniform_decode,
+    v41_candidate_expand,
+    v41_candidate_mask,
+    v41_candidate_select,
     v41_combine_indices,
     v41_compress,
     v41_engram_gate,
     v41_engram_hash,
     v41_engram_lookup,
+    v41_engram_peer,
+    v41_engram_select,
+    v41_engram_unpack,
     v41_flashinfer_indices,
     v41_global_topk,
     v41_hc_collapse,
     v41_hc_expand,
     v41_indexer_k_store,
+    v41_lookback,
+    v41_markov_sample,
+    v41_markov_select,
+    v41_nvfp4_gather,
     v41_pad_q,
     v41_q_norm_quant,
+    v41_replay_gather,
+    v41_replay_pad,
     v41_ring_rows,
     v41_ring_slots,
+    v41_rocm_attention,
+    v41_rocm_candidate_mask,
+    v41_rocm_decode_topk,
+    v41_rocm_engram_gate,
+    v41_rocm_gather_k,
+    v41_rocm_inverse_rope_mxfp8,
+    v41_rocm_keylist,
+    v41_rocm_markov,
+    v41_rocm_mhc_post_collapse,
+    v41_rocm_shared,
+    v41_rocm_swa_decode_meta,
+    v41_rocm_topk_pack,
     v41_rope_insert,
+    v41_specialized_candidates,
+    v41_specialized_k_store,
+    v41_upcast_logits,
 )
 from ._serving import serving_int
+from ._v41_rocm import check_rocm_deployment
 from .backends import attention_backend
 from .model import DSV4, PLUGIN
 from .swa_indices import DecodeSwaIndices
@@ -59,6 +93,7 @@ from .swa_indices import DecodeSwaIndices
 __all__ = [
     "ATTENTION_KINDS",
     "OP_MODULES",
+    "ROCM_OP_MODULES",
     "V41_BACKENDS",
     "attention_kind",
     "fused_query_quant",
@@ -152,9 +187,22 @@ def fused_query_quant(model: DSV4, platform: warmreg.Platform) -> bool:
 #: indexer Q quant and the inverse RoPE quant (V4's kernels, imported or re-exported by ``models/deepseek_v41``).
 #: V4.1's own index kernels follow: the global top-k (V4's op with V4.1's domains), the prefill combine, FlashInfer's
 #: mixed sparse indices and the indexer key store. With engram layers (``engram_layer_ids``): the n-gram hash, the
-#: table lookup and the gate. :func:`register` adds the two whose V4 registration reads V4's
-#: backend names: the shared Q/KV RMSNorm and the
-#: decode SWA indices.
+#: table lookup and the gate, and the V2 runner's look-back gather the hash reads (the peer lookup, row selection and
+#: FP8 staging of engram data or sequence parallelism register nothing: no warmreg setting expresses them). With SWA bounded replay (vLLM's
+#: default) the V2 runner's padding of the replayed tokens' slots. With NVFP4 compressed records, the prefill gather
+#: of them into bf16. Then the indexers' BF16 logits upcast (sm_10x) and the specialized decode's FP32 key store
+#: (``serving.decode_backend``); with two-level candidate filtering (``candidate_source_layer_id``) the stock candidate
+#: selection, the dense consumers' mask and (sm_10x with DeepGEMM) the sparse consumers' expansion
+#: (:mod:`._v41_candidates`; the specialized decode's cooperative selection registers nothing yet).
+#: With the decoder replay layers (bounded replay, the last kv source before the last layer) the V2 runner's gather
+#: of their kept rows follows the replay padding. Last, a V4.1 DSpark draft's fused Markov sampler
+#: (``additional_config.dspark_fused_markov``): its sample and select steps. Any V4.1 DSpark draft
+#: (``serving.speculative_method`` ``dspark``) also launches DeepSeek-V4's DSpark kernels with V4.1's values
+#: (:class:`.dspark.DSparkDraft`: the text model's fields, 32-token SWA pages): the speculator's input preparation
+#: (``v1/worker/gpu/spec_decode/dspark/speculator.py``) and the SWA builder's non-causal draft rows
+#: (``sparse_swa.py``); these two register on every platform, as vLLM's ROCm model launches them too.
+#: :func:`register` adds the two whose V4 registration reads V4's backend names: the
+#: shared Q/KV RMSNorm and the decode SWA indices.
 OP_MODULES: tuple[ModuleType, ...] = (
     gather_block_tables,
     swa_prefill_metadata,
@@ -179,19 +227,65 @@ OP_MODULES: tuple[ModuleType, ...] = (
     v41_engram_hash,
     v41_engram_lookup,
     v41_engram_gate,
+    v41_engram_peer,
+    v41_engram_select,
+    v41_engram_unpack,
+    v41_lookback,
+    v41_nvfp4_gather,
+    v41_replay_pad,
+    v41_replay_gather,
+    v41_specialized_k_store,
+    v41_upcast_logits,
+    v41_candidate_select,
+    v41_candidate_mask,
+    v41_candidate_expand,
+    v41_specialized_candidates,
+    v41_markov_sample,
+    v41_markov_select,
+    dspark_inputs,
+    dspark_swa_indices,
+)
+
+#: The op modules of V4.1's ROCm model (``models/deepseek_v41/amd``), each with ``register(registry, model, config,
+#: platform)`` and ROCm predicates: the one-launch SWA decode metadata (gfx942 / gfx950 ``--monokernel``), the
+#: one-launch decode top-k pack (gfx942 ``--monokernel``) and the two-launch one it replaces (DeepSeek-V4's ROCm ops);
+#: the gfx942 mono decode's key lists of the index layers;
+#: the decoder layer's mHC seam (gfx950 with aiter); the shared V4.1 ops the ROCm model launches (the head collapse);
+#: the two-level indexer's candidate mask (registers nothing yet: :mod:`._v41_candidates`); the engram gate's
+#: TP-sharded partials and finish (gfx942 / gfx950); gfx950's MXFP8 prefill rows (inverse RoPE + quant); DSpark's
+#: one-launch Markov draft steps (gfx942 / gfx950 ``--monokernel``); the sparse MLA decode (gfx942's partial pass
+#: and reduce, the single-pass decode off gfx942 and gfx950); the in-tree prefill's K gather.
+ROCM_OP_MODULES: tuple[ModuleType, ...] = (
+    v41_rocm_shared,
+    v41_rocm_swa_decode_meta,
+    v41_rocm_topk_pack,
+    v41_rocm_decode_topk,
+    v41_rocm_keylist,
+    v41_rocm_mhc_post_collapse,
+    v41_rocm_candidate_mask,
+    v41_rocm_engram_gate,
+    v41_rocm_inverse_rope_mxfp8,
+    v41_rocm_markov,
+    v41_rocm_attention,
+    v41_rocm_gather_k,
 )
 
 
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
     """Register a V4.1 deployment's kernels: the shared Q/KV RMSNorm where the fused query quant does not replace it
     (``_split_qkv_and_norm``), the decode SWA indices (every V4.1 CUDA backend: ``DeepseekV4Attention.__init__``
-    warms ``_COMPUTE_SWA_INDICES_AND_LENS_KERNEL`` for each), then every module of :data:`OP_MODULES`. CUDA only
-    (see the module docstring).
+    warms ``_COMPUTE_SWA_INDICES_AND_LENS_KERNEL`` for each), then every module of :data:`OP_MODULES`; on ROCm first
+    every module of :data:`ROCM_OP_MODULES`.
 
-    :raises warmreg.ConfigError: from :func:`attention_kind` on a CUDA target, or any field an op cannot read.
+    :raises warmreg.ConfigError: from :func:`attention_kind` on a CUDA target, from
+        :func:`._v41_rocm.check_rocm_deployment` on a ROCm one, or any field an op cannot read.
     """
     if platform.is_cuda:
         attention_kind(config, model, platform)  # refuses a backend or topology vLLM does not build
+    if platform.is_rocm:
+        check_rocm_deployment(config)  # refuses a backend or prefill CP that V4.1's amd model refuses
+        for module in ROCM_OP_MODULES:
+            module.register(registry, model, config, platform)
     norm = FusedQKVRMSNorm(
         q_size=model.q_lora_rank,
         kv_size=model.head_dim,

@@ -10,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from warmreg_kimi_k3.attn_res import AttnRes, attn_res_reference, call_sites
@@ -221,6 +222,16 @@ def test_sm10x_leaves_the_blocks_to_the_cpp_op() -> None:
     # A block size of 8 gives 12 blocks: the call sites above 8 blocks are Triton's there.
     keys = warmreg.plan(_example(attn_res_block_size=8), target="cuda:100").kernel(ATTN_RES).keys
     assert keys and all(k.num_blocks > 8 for k in keys)
+
+
+@pytest.mark.parametrize("target", ["rocm:gfx942", "rocm:gfx950+aiter"])
+def test_rocm_plans_every_call_site_without_pdl(target: str) -> None:
+    """ROCm has no C++ op: every call site at both tiles, as on SM90, with PDL off (unquantized projections: no
+    fused FP8 output)."""
+    sm90 = {attrs.evolve(k, launch_pdl=False) for k in warmreg.plan(EXAMPLE, target="cuda:90").kernel(ATTN_RES).keys}
+    keys = set(warmreg.plan(EXAMPLE, target=target).kernel(ATTN_RES).keys)
+    assert len(keys) == 46 and keys == sm90
+    assert ATTN_RES not in {k.name for k in warmreg.plan(EXAMPLE, target="xpu:pvc").kernels}
 
 
 def test_no_block_size_no_attn_res() -> None:

@@ -65,7 +65,13 @@ def test_prefill_backend(target: str, linear: dict[str, Any], serving: dict[str,
         ("cuda:100+flashinfer", {"num_speculative_tokens": 0, "kda_decode_backend": "flashinfer"}, "flashinfer"),
         ("cuda:90", {"num_speculative_tokens": 0, "kda_decode_backend": "triton"}, "triton"),
         ("cuda:90", {"num_speculative_tokens": 0, "tensor_parallel_size": 16}, "triton"),  # 6 heads a rank
-        ("rocm:gfx942", {"num_speculative_tokens": 0}, "triton"),
+        ("rocm:gfx942", {}, "triton"),  # ROCm ignores the setting; speculation: no HIP fused decode
+        ("rocm:gfx942", {"num_speculative_tokens": 0}, "native"),  # the HIP fused decode (12 heads a rank)
+        ("rocm:gfx942", {"num_speculative_tokens": 0, "kda_decode_backend": "triton"}, "native"),
+        ("rocm:gfx942", {"num_speculative_tokens": 0, "tensor_parallel_size": 16}, "triton"),  # 6 heads a rank
+        ("rocm:gfx950", {}, "triton"),
+        ("rocm:gfx950+aiter", {}, "aiter"),  # aiter's Gluon decode on CDNA4, speculative or not
+        ("rocm:gfx942+aiter", {}, "triton"),  # CDNA3: no Gluon decode
     ],
 )
 def test_decode_backend(target: str, serving: dict[str, Any], expected: str) -> None:

@@ -125,12 +125,30 @@ def test_plan_keys(target: str) -> None:
         ("cuda:90", {"num_speculative_tokens": 0}, False),  # the native fused decode takes every decode step
         ("cuda:90", {"num_speculative_tokens": 0, "kda_decode_backend": "triton"}, True),
         ("cuda:80", {"num_speculative_tokens": 0}, True),  # no native decode on SM80
-        ("rocm:gfx942", {}, False),  # ROCm's layer is not modelled
+        ("rocm:gfx942", {}, True),  # ROCm's Triton decode (speculation: no HIP fused decode)
+        ("rocm:gfx942", {"num_speculative_tokens": 0}, False),  # the HIP fused decode
+        ("rocm:gfx950+aiter", {}, False),  # aiter's Gluon decode
+        ("rocm:gfx950", {}, True),
     ],
 )
 def test_registration(target: str, serving: dict[str, Any], planned: bool) -> None:
     plan = warmreg.plan(_example(**serving), target=target)
     assert (NAME in {k.name for k in plan.kernels}) == planned
+
+
+def test_rocm_plans_one_key_without_pdl_for_the_fresh_conv_output() -> None:
+    """ROCm's layer hands the packed decode the conv update's fresh [B, 3P] output, even for one row."""
+    kp = warmreg.plan(_example(), target="rocm:gfx942").kernel(NAME)
+    (key,) = _keys(kp)
+    assert (key.launch_pdl, key.num_warps, key.num_stages, key.block_v) == (False, 4, 2, 32)
+    state = warmreg.meta((300, 12, 128, 128), torch.float32)
+    for b in (1, 7, 256):
+        key = kp.kernel.dispatch(
+            mixed_qkv=warmreg.meta((b, 3 * 1536), torch.bfloat16), raw_g=warmreg.meta((1, b, 12, 128), torch.bfloat16),
+            raw_beta=warmreg.meta((b, 6288), torch.bfloat16)[:, 6272:6284].unsqueeze(0), lower_bound=-5.0,
+            initial_state=state, launch_pdl=False,
+        )  # fmt: skip
+        assert key in kp.keys
 
 
 def test_runtime_shapes_are_planned() -> None:

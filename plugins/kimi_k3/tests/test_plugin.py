@@ -18,6 +18,7 @@ KDA = KDARecurrent.name
 RMSNORM = FusedQKVRMSNorm.name
 SLOTS = "warmreg.ops.block_table_slot_mapping"
 RUNNER = "kimi_k3.scatter_num_accepted"
+VISION = "kimi_k3.mm_input_norm"  # the vision tower's input norm (test_mm_input_norm.py)
 KDA_EXTRAS = (
     "kimi_k3.aligned_state_indices",
     "kimi_k3.gated_rmsnorm",
@@ -61,12 +62,13 @@ def test_plan_has_the_kda_and_rmsnorm_keys(kimi_plan: warmreg.Plan) -> None:
     # One key each for the KDA layers' gated RMSNorm, initial-state gather, packed plain-decode step, aligned state
     # indices and spec-decode staging (their own test files); the conv1d keys are in test_causal_conv1d.py (2) and
     # test_causal_conv1d_update.py (5); the example sets no attn_res_block_size: attn_res in test_attn_res.py.
-    # Plus the model runner's accepted-count scatter, one key (test_num_accepted.py).
+    # Plus the model runner's accepted-count scatter (test_num_accepted.py) and the vision tower's input norm, one
+    # key each.
     conv = {"kimi_k3.causal_conv1d": 2, "kimi_k3.causal_conv1d_update": 5}
     assert {kp.name: len(kp.keys) for kp in kimi_plan.kernels if kp.name not in (KDA, RMSNORM, SLOTS)} == {
-        **dict.fromkeys(KDA_EXTRAS, 1), **conv, RUNNER: 1
+        **dict.fromkeys(KDA_EXTRAS, 1), **conv, RUNNER: 1, VISION: 1
     }
-    assert kimi_plan.num_keys == 10 + 7 + 1
+    assert kimi_plan.num_keys == 10 + 7 + 1 + 1
 
 
 @pytest.mark.parametrize("lens", [[1], [4, 1, 3, 2, 4], [4] * 256, [2] * 37 + [3] * 11])
@@ -169,7 +171,7 @@ def test_warm_cross_compiles_the_kimi_plan_for_sm90(kimi_plan: warmreg.Plan) -> 
     assert report.ok, [r.error for r in report.failed]
     assert report.declared == kimi_plan.num_keys
     assert {r.kernel for r in report.results} == {
-        KDA, RMSNORM, SLOTS, RUNNER, *KDA_EXTRAS, "kimi_k3.causal_conv1d", "kimi_k3.causal_conv1d_update"
+        KDA, RMSNORM, SLOTS, RUNNER, VISION, *KDA_EXTRAS, "kimi_k3.causal_conv1d", "kimi_k3.causal_conv1d_update"
     }
 
 
@@ -182,7 +184,7 @@ def test_the_full_example_plans_attn_res_and_every_chunked_prefill_stage_with_it
     assert len(keys[stages[0]]) == 1  # the L2 norm is untuned, as vLLM's l2norm_fwd_kernel2
     for stage in stages[1:]:  # one tuning key a stage, once per autotune candidate
         assert sorted(k.config for k in keys[stage]) == [0, 1, 2, 3], stage  # type: ignore[attr-defined]
-    assert plan.num_keys == 18 + 46 + 21
+    assert plan.num_keys == 19 + 46 + 21
     # the same deployment under vLLM's "auto" prefill backend takes FlashKDA (C++) on SM90: no stage planned
     data = json.loads(full.read_text())
     del data["serving"]["kda_prefill_backend"]

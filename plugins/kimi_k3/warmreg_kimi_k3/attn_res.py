@@ -540,8 +540,14 @@ def attn_res_reference(
 
 
 def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
-    """Register ``attn_res`` on CUDA when ``text.attn_res_block_size`` is set (absent: the model has plain
+    """Register ``attn_res`` on CUDA and ROCm when ``text.attn_res_block_size`` is set (absent: the model has plain
     residuals and never launches it).
+
+    ROCm (``vllm/models/kimi_k3/amd/linear.py: _apply_attn_res`` -> ``amd/ops/attn_res.py: attn_res``) always runs
+    its Triton copy of the kernel at the same call sites, tiles and math, without PDL (the prefix source kept in
+    registers, as this op's decode tile does). Its fused FP8 output quantization (``QUANT_MAX``, a per-token
+    scale) runs only where the next layer's input quant key is FP8 per-token dynamic, i.e. for a quantized
+    checkpoint: like the rest of this plugin, unquantized projections are assumed, so that variant is not planned.
 
     On SM10x vLLM runs the C++ op for every call site with ``num_blocks <= 8`` at hidden 7168, so only the
     other call sites are planned there, and nothing at all when none is left (as for the example, whose
@@ -568,4 +574,5 @@ def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, 
     )
     sm10x = warmreg.sm_at_least(100) & warmreg.sm_below(110)
     all_cpp = all(_cpp_takes(s, hidden) for s in kernel.call_sites)
-    registry.add(kernel, when=warmreg.is_cuda & ~sm10x if all_cpp else warmreg.is_cuda)
+    cuda = warmreg.is_cuda & ~sm10x if all_cpp else warmreg.is_cuda
+    registry.add(kernel, when=cuda | warmreg.is_rocm)

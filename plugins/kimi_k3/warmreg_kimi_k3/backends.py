@@ -48,6 +48,7 @@ __all__ = [
     "NATIVE_DECODE_HEADS",
     "PREFILL_BACKENDS",
     "RECURRENT_STATE_DTYPE",
+    "ROCM_FUSED_DECODE_HEADS",
     "KDALayout",
     "kda_decode_backend",
     "kda_layout",
@@ -66,6 +67,8 @@ DECODE_BACKENDS = ("auto", "native", "flashinfer", "triton")
 RECURRENT_STATE_DTYPE = "float32"
 #: Heads per rank ``ops.fused_kda_decode`` is built for (``is_fused_kda_decode_supported``).
 NATIVE_DECODE_HEADS = (12, 24, 48, 96)
+#: Heads per rank ROCm's HIP fused decode is built for (``amd/ops/kda_decode.py: SUPPORTED_NUM_HEADS``).
+ROCM_FUSED_DECODE_HEADS = (12, 24, 48, 96)
 #: Heads per rank FlashInfer's fused decode kernels take (``is_flashinfer_fused_kda_decode_supported``).
 FLASHINFER_DECODE_HEADS = (12, 24, 32, 48, 96)
 #: The only head dim and conv width the fused decode kernels and FlashKDA take.
@@ -228,7 +231,8 @@ def kda_prefill_backend(model: KimiK3, config: warmreg.WarmConfig, platform: war
 
 
 def kda_decode_backend(model: KimiK3, config: warmreg.WarmConfig, platform: warmreg.Platform) -> str:
-    """The KDA decode backend vLLM resolves for this deployment: ``"native"``, ``"flashinfer"`` or ``"triton"``.
+    """The KDA decode backend vLLM resolves for this deployment: ``"native"``, ``"flashinfer"`` or ``"triton"``
+    (and ``"aiter"`` on ROCm).
 
     CUDA (``vllm/models/kimi_k3/nvidia/kda.py: resolve_kda_decode_backend``): the native fused decode needs heads
     per rank in :data:`NATIVE_DECODE_HEADS`, head_dim 128, conv width 4, **no speculative tokens**, bf16
@@ -236,21 +240,30 @@ def kda_decode_backend(model: KimiK3, config: warmreg.WarmConfig, platform: warm
     fused decode the SM 10.x family, heads in :data:`FLASHINFER_DECODE_HEADS`, the same shapes, FlashInfer
     installed and the default (state-length, dim) conv-state layout. ``"auto"`` picks native when it is supported,
     else Triton (never FlashInfer), so with speculative decoding (``num_speculative_tokens > 0``) every backend
-    but ``"triton"`` is refused and ``"auto"`` is Triton. ROCm (``vllm/models/kimi_k3/amd/kda.py``) has no fused
-    decode and ignores the setting: Triton.
+    but ``"triton"`` is refused and ``"auto"`` is Triton. ROCm (``vllm/models/kimi_k3/amd/kda.py:
+    KimiK3DeltaAttention.__init__``) ignores the setting: ``"aiter"`` (aiter's Gluon decode, plain and speculative:
+    ``is_kda_gluon_decode_available``, aiter on CDNA4, i.e. ``rocm:gfx950+aiter``), else ``"native"`` (the HIP fused
+    decode, plain decodes only: :data:`ROCM_FUSED_DECODE_HEADS` heads per rank, head_dim 128, conv width 4, no
+    speculative tokens, bf16, on gfx942 or gfx950), else ``"triton"``.
 
     :raises warmreg.ConfigError: for an unknown ``serving.kda_decode_backend``, or native / flashinfer where vLLM
         refuses them.
     """
     choice = _setting(config, "kda_decode_backend", DECODE_BACKENDS)
     has_flashinfer = warmreg.has_feature("flashinfer")(platform)  # first: the feature is known to plan either way
-    if choice == "triton" or not platform.is_cuda:
-        return "triton"
+    has_aiter = warmreg.has_feature("aiter")(platform)
     layout = kda_layout(model, config)
     fusable = (
         layout is not None and layout.head_dim == _FUSED_HEAD_DIM and layout.conv_width == _FUSED_CONV_WIDTH
         and layout.num_speculative_tokens == 0 and model.dtype == "bfloat16"
     )  # fmt: skip
+    if platform.is_rocm:
+        if has_aiter and platform.arch == "gfx950" and RECURRENT_STATE_DTYPE == "float32":
+            return "aiter"
+        hip = fusable and layout is not None and layout.num_heads in ROCM_FUSED_DECODE_HEADS
+        return "native" if hip and platform.arch in ("gfx942", "gfx950") else "triton"
+    if choice == "triton" or not platform.is_cuda:
+        return "triton"
     native = fusable and layout is not None and layout.num_heads in NATIVE_DECODE_HEADS
     native = native and (platform.sm == 90 or _cuda_family(platform, 10, 12))
     if choice in ("auto", "native") and native:

@@ -685,7 +685,7 @@ def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, 
     (``if self.use_recoverssm: ... else: ... fused_recurrent_kda(...)`` in ``_forward``'s spec-decode path) and
     plain decodes to ``fused_recurrent_kda_packed_decode``, so vLLM 0.34 launches this kernel nowhere. ROCm's layer
     (``vllm/models/kimi_k3/amd/kda.py``) runs its own copy of the kernel, with other launch heuristics and ``rsqrt``
-    normalisation, also for plain decodes: not modelled here.
+    normalisation, also for plain decodes: :mod:`warmreg_kimi_k3.rocm_kda_recurrent`.
 
     Reads the layout (:func:`warmreg_kimi_k3.backends.kda_layout`: heads, head dim K = V, the gate lower bound, the
     conv width), ``serving.max_num_seqs`` and whether the projection-overlap path feeds one-token steps

@@ -177,7 +177,9 @@ class KDAPackedDecode(warmreg.TritonKernel[KDAPackedDecodeKey]):
         lay, n = self.layout, self.max_num_seqs
         dt, h, d, p = getattr(torch, lay.dtype), lay.num_heads, lay.head_dim, lay.projection_size
         widths = [projection_row_stride(lay), *([4 * p] if self.overlap_rows else [])]
-        mixed = [warmreg.meta((n, 3 * p), dt), *(warmreg.meta((1, w), dt)[:, : 3 * p] for w in widths)]
+        mixed = [warmreg.meta((n, 3 * p), dt)]
+        if not platform.is_rocm:  # ROCm's layer gives the conv update a fresh [B, 3P] output, even for one row
+            mixed += [warmreg.meta((1, w), dt)[:, : 3 * p] for w in widths]
         row = projection_row_stride(lay)
         return {
             "mixed_qkv": mixed,
@@ -335,10 +337,14 @@ def kda_packed_decode_reference(
 
 
 def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:
-    """Register the packed decode step on CUDA when :func:`warmreg_kimi_k3.backends.kda_decode_backend` is
+    """Register the packed decode step on CUDA and ROCm when :func:`warmreg_kimi_k3.backends.kda_decode_backend` is
     ``"triton"`` (native and FlashInfer fuse the whole decode; with speculation vLLM resolves every decode backend
-    to Triton, and its plain-decode steps, e.g. one-token rows with no speculative row, run this kernel). ROCm's
-    layer (``vllm/models/kimi_k3/amd/kda.py``) is not modelled here.
+    to Triton, and its plain-decode steps, e.g. one-token rows with no speculative row, run this kernel). On ROCm
+    the backend is ``"triton"`` unless aiter's Gluon decode or the HIP fused decode takes the plain decodes; then
+    ``vllm/models/kimi_k3/amd/kda.py: KimiK3DeltaAttention._forward`` launches ROCm's copy of the kernel
+    (``amd/ops/third_party/kda/fused_recurrent.py``: the same math and layouts, without PDL, its
+    ``stride_beta_token`` a constexpr) on the same arguments for a pure non-speculative decode batch, after the
+    conv update wrote a fresh ``[B, 3P]`` output.
 
     :raises warmreg.ConfigError: for an unknown or refused ``serving.kda_decode_backend``.
     """
@@ -349,4 +355,4 @@ def register(registry: warmreg.Registry, m: KimiK3, config: warmreg.WarmConfig, 
         layout=layout, overlap_rows=overlap_rows(layout, config, platform),
         max_num_seqs=config.get("serving.max_num_seqs", int, plugin=PLUGIN),
     )  # fmt: skip
-    registry.add(kernel, when=warmreg.is_cuda)
+    registry.add(kernel, when=warmreg.is_cuda | warmreg.is_rocm)

@@ -14,7 +14,11 @@ from . import (
     attn_res,
     causal_conv1d,
     causal_conv1d_update,
+    dcp_a2a_combine,
+    dcp_a2a_pack,
+    dcp_correct_attn_out,
     draft_fold,
+    dsa_index_metadata,
     dsa_k_insert,
     dsa_mxfp4_k_insert,
     dsa_mxfp4_prologue,
@@ -32,6 +36,7 @@ from . import (
     markov_noise,
     markov_select,
     markov_step,
+    mm_input_norm,
     mtp_input,
     num_accepted,
     packed_causal_conv1d,
@@ -41,6 +46,8 @@ from . import (
     recoverssm_deferred,
     recoverssm_plan,
     recoverssm_verify,
+    rocm_chunk_metadata,
+    rocm_kda_recurrent,
     slot_mapping,
 )
 from .model import KimiK3
@@ -72,6 +79,7 @@ OP_MODULES: tuple[ModuleType, ...] = (
     dsa_mxfp4_prologue,
     dsa_mxfp4_k_insert,
     dsa_mxfp4_q_quant,
+    dsa_index_metadata,
     recoverssm_verify,
     recoverssm_plan,
     recoverssm_commit,
@@ -82,6 +90,12 @@ OP_MODULES: tuple[ModuleType, ...] = (
     markov_step,
     markov_select,
     draft_fold,
+    mm_input_norm,
+    rocm_chunk_metadata,
+    rocm_kda_recurrent,
+    dcp_correct_attn_out,
+    dcp_a2a_pack,
+    dcp_a2a_combine,
 )
 
 
@@ -99,11 +113,13 @@ def warmreg_register_kernels(
     MLA layers; the KDA layers' decode step, chunked prefill (where vLLM runs it in Triton), short
     convolutions (stock or packed), output gated RMSNorm, prefill initial-state gather and metadata kernels (aligned state
     indices, speculative-decode staging); the attention residuals of every decoder layer; and the DSA layers'
-    indexer kernels (fused prologue or key insert, query quant) with an FP8 or MXFP4 indexer cache; the model
+    indexer kernels (fused prologue or key insert, query quant) with an FP8 or MXFP4 indexer cache, and the shared
+    sparse-MLA metadata kernels (indexer builder's slots, chunk metadata, uniform decode; the top-k remap); the model
     runner's accepted-count update; the MTP draft layer's input norms; and under the specialized decode the
     KV-balanced MLA plan, the DSpark drafter's Markov sampling and its draft attention's balanced tables; and
     RecoverSSM's verify and commit (plan, conv-state compaction, SSM fold), deferred under the specialized decode
-    (defer step, flush plan); RecoverSSM's align-mode postprocess is an op no deployment plans."""
+    (defer step, flush plan); the vision tower's input normalisation; on ROCm the KDA builder's chunk metadata and the KDA recurrent step; the MLA decode's DCP correction;
+    RecoverSSM's align-mode postprocess is an op no deployment plans."""
     m = KimiK3.from_config(config)
     for module in OP_MODULES:
         module.register(registry, m, config, platform)

@@ -13,7 +13,10 @@ step over the decode requests (vLLM's convention: q, k, v column views of the co
 prefill over the prefill requests (initial states mixed) where vLLM's prefill backend is Triton, and the gated
 RMSNorm of the output over every token (the gate a column view of the fused projection, at its usual width or the
 overlap path's); and every distinct call site of the attention residuals. Last, the model runner's scatter of the
-step's accepted counts into its persistent buffer.
+step's accepted counts into its persistent buffer. Where the plan holds them: first the vision tower's input
+normalisation of an image batch (:mod:`warmreg_kimi_k3.sweep_vision`); on ROCm the KDA builder's device chunk
+metadata and, with no conv update planned, the plain decodes' packed KDA step (:mod:`warmreg_kimi_k3.sweep_rocm`);
+with DCP the MLA decode's combine correction after the Q/KV norm (:mod:`warmreg_kimi_k3.sweep_dcp`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import warmreg
 from warmreg.ops import block_table_width
 from warmreg.testing.sweep import NORM, Batch, Limits, Step, Sweep
 
+from ._sweep_dsa_metadata import DSA_METADATA, DSAMetadataStep
 from .attn_res import attn_res_reference
 from .causal_conv1d import causal_conv1d_reference, conv1d_chunks, projection_row_stride
 from .causal_conv1d_update import causal_conv1d_update_reference
@@ -44,6 +48,15 @@ from .kda_spec_metadata import stage_spec_decode_metadata_reference
 from .kda_state_indices import aligned_state_indices_reference
 from .num_accepted import scatter_num_accepted_reference
 from .plugin import MODEL_TYPES
+from .sweep_dcp import DCP_A2A_COMBINE, DCP_A2A_PACK, DCP_CORRECT, dcp_a2a_step, dcp_correct_step
+from .sweep_rocm import (
+    ROCM_CHUNK_METADATA,
+    ROCM_RECURRENT,
+    rocm_chunk_metadata_step,
+    rocm_packed_decode_step,
+    rocm_recurrent_step,
+)  # fmt: skip
+from .sweep_vision import MM_INPUT_NORM, mm_input_norm_step
 
 __all__ = ["KimiSweep"]
 
@@ -68,7 +81,8 @@ class KimiSweep(Sweep[Step]):
     model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
     drives: ClassVar[frozenset[str]] = Sweep.drives | {
         KDA, ATTN_RES, CONV, CONV_UPDATE, KDA_NORM, KDA_GATHER, KDA_ALIGNED, KDA_STAGE, KDA_PACKED, *KDA_CHUNK,
-        DSA_PROLOGUE, DSA_K_INSERT, DSA_Q_QUANT, RUNNER,
+        DSA_PROLOGUE, DSA_K_INSERT, DSA_Q_QUANT, RUNNER, MM_INPUT_NORM, ROCM_CHUNK_METADATA, *DSA_METADATA,
+        DCP_CORRECT, DCP_A2A_PACK, DCP_A2A_COMBINE, ROCM_RECURRENT,
     }  # fmt: skip
 
     def __init__(self, plan: warmreg.Plan, dev: torch.device, lim: Limits, seed: int) -> None:
@@ -122,6 +136,8 @@ class KimiSweep(Sweep[Step]):
         if DSA_Q_QUANT in self.names:
             self.layers.append(("dsa", 0))
             self.dsa_state()
+        # the DSA indexer builder's metadata and the sparse attention's top-k remap (warmreg.ops), once a step
+        self.dsa_metadata = DSAMetadataStep(self) if DSA_METADATA & self.names else None
         if ATTN_RES in self.names:
             self.layers.append(("attn_res", 0))
             ar = self.kernel(ATTN_RES)
@@ -209,14 +225,29 @@ class KimiSweep(Sweep[Step]):
         return Step.of(b, self.dev)
 
     def run(self, st: Step) -> None:
-        """The slot mapping, the KDA metadata, one layer of each type, the initial states and the output norm."""
+        """The vision tower's input norm, the slot mapping, the KDA metadata, one layer of each type, the initial
+        states and the output norm."""
+        if MM_INPUT_NORM in self.names:
+            mm_input_norm_step(self)
         for bs in self.groups:
             self.slot_mapping(st, bs)
+        if self.dsa_metadata is not None:
+            self.dsa_metadata.run(st)
         state = self.aligned_state_indices(st)
+        if ROCM_CHUNK_METADATA in self.names:
+            rocm_chunk_metadata_step(self, st)
+        if KDA_PACKED in self.names and not self.conv_names:  # ROCm's plain decode (its conv update is not an op)
+            rocm_packed_decode_step(self, st)
+        if ROCM_RECURRENT in self.names:
+            rocm_recurrent_step(self, st)
         self.stage_spec_metadata(st, state)
         for kind, _ in self.layers:
             if kind == "mla":
                 self.qkv_norm(st, kind, self.q, self.kv, self.rng.choice(self.widths), self.eps)
+                if DCP_CORRECT in self.names:
+                    dcp_correct_step(self, st)
+                if DCP_A2A_PACK in self.names:
+                    dcp_a2a_step(self, st)
             elif kind == "kda":
                 self.kda(st)
             elif kind == "conv":
