@@ -55,12 +55,12 @@ def drive_engram(sweep: DSV41Sweep, st: DSV4Step) -> None:
     flat = primes.reshape(layers, -1)
     offsets = torch.cumsum(flat, 1) - flat
     params: dict[str, Any] = dict(
-        token_map=torch.randint(0, _VOCAB, (_VOCAB,), generator=gen, dtype=I32).to(dev),
-        multipliers=torch.randint(0, 2**40, (layers, n), generator=gen, dtype=I64).mul_(2).add_(1).to(dev),
+        token_map=torch.randint(0, _VOCAB, (_VOCAB,), generator=gen, device=dev, dtype=I32),
+        multipliers=torch.randint(0, 2**40, (layers, n), generator=gen, device=dev, dtype=I64).mul_(2).add_(1),
         primes=primes, offsets=offsets, pad_id=2,
     )  # fmt: skip
-    ids = torch.randint(0, _VOCAB, (t,), generator=gen, dtype=I32).to(dev)
-    dead = torch.rand(t, generator=gen).lt(0.05).to(dev)  # image-span tokens
+    ids = torch.randint(0, _VOCAB, (t,), generator=gen, device=dev, dtype=I32)
+    dead = torch.rand(t, generator=gen, device=dev).lt(0.05)  # image-span tokens
     lookback = _lookback(sweep, st, n - 1)
     lb_dead = torch.zeros_like(lookback, dtype=torch.bool)
     args = (ids, st.positions, st.qsl, dead, lookback, lb_dead)
@@ -82,8 +82,8 @@ def _lookback(sweep: DSV41Sweep, st: DSV4Step, depth: int) -> torch.Tensor:
     dev, gen, reqs = sweep.dev, sweep.gen, len(st.batch.qlens)
     rows = sweep.lim.max_seqs
     if not sweep.has("v41_gather_lookback"):
-        return torch.randint(-1, _VOCAB, (rows, depth), generator=gen, dtype=I32).to(dev)
-    history = torch.randint(0, _VOCAB, (rows, max(st.batch.seqs, default=1)), generator=gen, dtype=I32).to(dev)
+        return torch.randint(-1, _VOCAB, (rows, depth), generator=gen, device=dev, dtype=I32)
+    history = torch.randint(0, _VOCAB, (rows, max(st.batch.seqs, default=1)), generator=gen, device=dev, dtype=I32)
     idx = torch.arange(reqs - 1, -1, -1, dtype=I64, device=dev)
     buf = torch.full((rows, depth), 7777, dtype=I32, device=dev)  # rows a larger batch wrote before
     args = (buf, idx, st.qsl, st.positions, history)
@@ -100,8 +100,8 @@ def _lookup_and_gate(
     layout, dev, gen, t = sweep.m.engram, sweep.dev, sweep.gen, ids.shape[0]
     assert layout is not None
     d, rows = layout.head_dim, int(sizes[:heads].sum())
-    weight = torch.randn(rows, d, generator=gen).mul_(4).to(torch.float8_e4m3fn).to(dev)
-    scales = torch.randint(120, 134, (rows, d // 32), generator=gen, dtype=U8).to(dev)
+    weight = torch.randn(rows, d, generator=gen, device=dev).mul_(4).to(torch.float8_e4m3fn)
+    scales = torch.randint(120, 134, (rows, d // 32), generator=gen, device=dev, dtype=U8)
     staged = torch.empty(t, heads, d, dtype=BF16, device=dev)
     if sweep.has("v41_engram_lookup"):
         table: dict[str, Any] = dict(weight=weight, scales=scales, vocab_start=0)

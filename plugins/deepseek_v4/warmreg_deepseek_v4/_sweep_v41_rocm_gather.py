@@ -36,13 +36,13 @@ def random_fp8_ds_mla_pages(
     e4m3 bytes of either sign without the NaN codes of e4m3fn or e4m3fnuz (0x7F, 0xFF, 0x80), scales 2^-7..2^7, bf16
     RoPE values from a normal draw."""
     size, data = block_size * RECORD_BYTES, block_size * TOKEN_BYTES
-    page = torch.randint(0, 256, (pages, size + page_pad), generator=gen, dtype=U8)[:, :size]
+    page = torch.randint(0, 256, (pages, size + page_pad), generator=gen, device=gen.device, dtype=U8)[:, :size]
     nope = page[:, :data].view(pages, block_size, TOKEN_BYTES)[:, :, :NOPE_DIM]
     nope[(nope & 0x7F) == 0x7F] = 0x7E
     nope[nope == 0x80] = 0
-    rope = torch.randn(pages, block_size, HEAD_DIM - NOPE_DIM, generator=gen).to(BF16)
+    rope = torch.randn(pages, block_size, HEAD_DIM - NOPE_DIM, generator=gen, device=gen.device).to(BF16)
     page[:, :data].view(pages, block_size, TOKEN_BYTES)[:, :, NOPE_DIM:] = rope.view(U8)
-    page[:, data:] = torch.randint(120, 135, (pages, size - data), generator=gen, dtype=U8)
+    page[:, data:] = torch.randint(120, 135, (pages, size - data), generator=gen, device=gen.device, dtype=U8)
     return page.view(pages, block_size, RECORD_BYTES).to(dev)
 
 
