@@ -364,7 +364,46 @@ def fidelity_lines() -> list[str]:
         d = json.loads(path.read_text())
         out += [f"With vLLM 0.34's kernels (issue 37: the DeepSeek-V4.1 and Kimi-K3 DSA examples), on {d['machine']['gpu']} "
                 f"(`{path.name}`):", ""] + sweep_table(d)
-    return out
+    for path in sorted(RESULTS.glob("sweep_*_triton-*_wave6*.json")):
+        d = json.loads(path.read_text())
+        note = " (DeepSeek-V4.1 alone, after its sweep driver drew inputs on the GPU)" if path.stem.endswith("_v41") else ""
+        out += [f"Every vLLM 0.34 kernel covered (issue 37, wave 6), on {d['machine']['gpu']}, Triton {d['machine']['triton']}{note} "
+                f"(`{path.name}`):", ""] + sweep_table(d)
+    return out + floor_session_table()
+
+
+def floor_session_table() -> list[str]:
+    """Issue 41's figures of one device session, per Triton release: the launch against the driver's floor, what first
+    launches did, the autotuned example against its critical path, and the Flash warm (files ``*_wave6.json``)."""
+    rows = []
+    for lf_path in sorted(RESULTS.glob("launch_floor_*_triton-*_wave6.json")):
+        tag = lf_path.stem.removeprefix("launch_floor_")
+        lf = json.loads(lf_path.read_text())
+        keys, at, wt = (_load(f"{stem}_{tag}") for stem in ("gpu_all_keys", "autotune_warm", "warm_time"))
+        med, paired = lf["median_us"], lf["paired_ratios"]
+        work = keys["configs"][0].get("first_launch_work", {}) if keys else {}
+        v = wt["variants"] if wt else {}
+        cells = [
+            f"{lf['machine']['gpu']}, Triton {lf['machine']['triton']}",
+            f"{med['driver']:.2f}", f"{med['fast']:.2f} ({paired['fast_over_driver']:.2f}x)",
+            f"{med['fast_getters']:.2f} ({paired['fast_getters_over_driver']:.2f}x)", f"{med['floor']:.2f}",
+            " / ".join(str(work.get(k, "-")) for k in ("compiles", "module_loads", "triton_run", "triton_launcher")),
+            f"{at['kimi_full_cold_s']:.2f} / {at['kimi_full_critical_path_s']:.2f} ({at['cold_over_critical_path']:.2f}x)" if at else "-",
+            f"{v['cold_processes_prefetched']['wall']:.2f}" if v else "-",
+            f"{v['warm_disk_cache_prefetched']['wall']:.2f}" if v else "-",
+        ]
+        rows.append("| " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return ["Issue 41 on the device this session (`launch_floor.py`, `gpu_all_keys.py`, `autotune_warm.py`, `warm_time.py --quick "
+            "--rounds 3`; files `*_wave6.json`): host µs per launch of the fused Q/KV RMSNorm at T = 1, a bare `cuLaunchKernelEx` "
+            "against warmreg's C launch reading tensors through torch's C shim and through torch.Tensor's getters, and Triton's "
+            "prepared launcher; what the first launch of each of the Flash example's 75 keys did (compiles / module loads / "
+            "`JITFunction.run` / the compiled kernel's launcher); the Kimi-K3 full example cold against its slowest key "
+            "compiled alone (targets: fast ≤ 1.3x the driver, cold ≤ 1.2x the critical path); the Flash warm, cold and from "
+            "the disk cache, s (median of 3, after `prefetch()`):", "",
+            "| machine | driver µs | fast µs | fast, getters µs | Triton launcher µs | first launches | Kimi full cold / critical path s | Flash cold s | Flash cache s |",
+            "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |", *rows, ""]  # fmt: skip
 
 
 def render() -> str:
