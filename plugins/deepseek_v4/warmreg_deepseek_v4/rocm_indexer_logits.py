@@ -118,7 +118,7 @@ def _indexer_logits_kernel(
         pos = start + cols
         logical = start // PAGE
         in_table = logical < max_blocks
-        live = (pos < visible) & in_table
+        live = tl.where(in_table, pos < visible, False)  # Triton 3.9's interpreter refuses tensor & scalar masks
         page = tl.load(block_table_ptr + b.to(tl.int64) * stride_table + logical, mask=in_table, other=0).to(tl.int64)
         j = pos - logical * PAGE
         k = tl.load(values_ptr + page * stride_kv_block + j[:, None] * HEAD_DIM + d[None, :], mask=live[:, None],

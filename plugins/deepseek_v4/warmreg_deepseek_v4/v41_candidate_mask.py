@@ -60,7 +60,7 @@ def _candidate_mask_kernel(
     flags = flags_ptr + row * (nblocks + 1)
     keep = tl.load(flags + (cols - start) // BLOCK_SIZE, mask=valid, other=0)
     edge = tl.load(flags + nblocks)
-    keep = (keep != 0) | ((cols == width - 1) & (edge != 0))
+    keep = (keep != 0) | tl.where(edge != 0, cols == width - 1, False)
     tl.store(logits_ptr + row * stride_row + cols * stride_col, -float("inf"), mask=(cols < width) & ~(valid & keep))
 
 

@@ -109,7 +109,7 @@ def _rocm_candidate_mask_kernel(
         cols = c0 + tl.arange(0, TILE)
         block = (cols - start) // BLOCK_SIZE
         chosen = tl.max((block[:, None] == cand[None, :]).to(tl.int32), axis=1) != 0
-        keep = chosen | ((cols == width - 1) & edge)
+        keep = chosen | tl.where(edge, cols == width - 1, False)
         tl.store(base + cols * stride_col, -float("inf"), mask=(cols < end) & ~keep)
         c0 += nprog * TILE
 
@@ -271,7 +271,7 @@ def _rocm_candidate_mask_strided_kernel(
         cols = c0 + tl.arange(0, TILE)
         valid = (cols >= start) & (cols < end) & (cols < width)
         keep = tl.load(flags + (cols - start) // BLOCK_SIZE, mask=valid, other=0) != 0
-        keep = keep | ((cols == width - 1) & edge)
+        keep = keep | tl.where(edge, cols == width - 1, False)
         tl.store(
             logits_ptr + row * stride_row + cols * stride_col, -float("inf"), mask=(cols < width) & ~(valid & keep)
         )
