@@ -10,7 +10,7 @@ the per-rank token count, the window start, ``local_heads * dim``) and warmreg's
 tensors, then compares every buffer, bitwise (a copy). The all-gathers are not kernels: their results stand in, rows
 stacked rank-major as ``all_gather(dim=0)`` returns them. ``_stage`` runs on a stand-in ``EngramBatch`` holding what
 it reads (its buffers, the layers' tables); its communication is patched, CUDA-only and no kernel: the all-to-all
-becomes a copy of the packed rows (the exchanged rows stand in), the DP group a placeholder, the table lookups (their
+becomes a copy of the packed rows (the exchanged rows stand in), the DP group a stand-in object (no collective runs), the table lookups (their
 own op, ``v41_engram_lookup``) leave the seeded rows, and the peer exchange returns the peers' row addresses.
 ``exchange`` runs on a stand-in ``EngramPeerExchange`` whose symmetric buffers are CPU tensors (the peers' ids at
 their addresses, this rank's among them) and whose barriers (symmetric memory, CUDA only) do nothing.
