@@ -67,6 +67,8 @@ build() {  # ENGINE
     # own integration (integrations/ENGINE: its plugin entry point) too.
     "$venv/bin/pip" install -q --no-deps -e "$repo" -e "$repo/plugins/deepseek_v4" -e "$repo/plugins/kimi_k3" \
         -e "$repo/integrations/$(family "$e")"
+    # pytest-xdist: the differential kernel tests are interpreter-bound, one worker per core
+    "$venv/bin/python" -c "import xdist" 2>/dev/null || "$venv/bin/pip" install -q "pytest-xdist>=3"
     echo "== $e: ready in $((SECONDS - start)) s"
 }
 
@@ -122,7 +124,7 @@ for e in "${engines[@]}"; do
             # test_vllm034_kernels*.py against 0.34's (the kernels 0.34 added or changed).
             kernels=(tests/engines/test_"${e//[-.]/}"_kernels*.py)
             if [ -e "${kernels[0]}" ]; then  # own process: they set TRITON_INTERPRET before the engine imports
-                env $(engine_env "$e") "$py" -m pytest -q -p no:cacheprovider "${kernels[@]}" || status=1
+                env $(engine_env "$e") "$py" -m pytest -q -p no:cacheprovider -n auto --dist loadfile "${kernels[@]}" || status=1
             fi
             echo "== $e: tests in $((SECONDS - start)) s"
             ;;
