@@ -12,7 +12,6 @@ affects every path alike; each figure is microseconds per call over batches of `
 - ``fast``: warmreg's guarded launch with the same kwargs: the C entry (``warmreg.runtime._cdispatch``).
 - ``fast_getters``: the same C entry reading each tensor through torch.Tensor's getters, not torch's C shim.
 - ``fast_python_context``: the same C entry calling torch's Python getters for the current device and stream.
-- ``fast_no_prefetch``: the same C entry without asking for the tensors' TensorImpls ahead of reading them.
 - ``driver_then_pack`` / ``driver_then_context``: the driver launch, then the entry's guards and packing
   (``Entry.pack``, no launch) / torch's two Python getters: what each costs in the cache state a launch leaves
   (``paired_ratios`` subtracts the driver's time of the same round).
@@ -166,15 +165,11 @@ def main() -> None:
     with _getter_reads():
         getters = warmreg.runtime.fast.build(jit, kwargs, options, compiled, torch.cuda.current_device())
     assert getters is not None and getters.native is not None
-    # the same entry calling torch's Python getters for the current device and stream (as before the shim read
-    # them), and without the TensorImpl prefetch: each one change against `fast`
+    # the same entry calling torch's Python getters for the current device and stream (as before the shim read them)
     with _patched("_context_abi", lambda device_of, stream_of: False):
         py_context = warmreg.runtime.fast.build(jit, kwargs, options, compiled, torch.cuda.current_device())
-    with _patched("_PREFETCH", False):
-        no_prefetch = warmreg.runtime.fast.build(jit, kwargs, options, compiled, torch.cuda.current_device())
     assert py_context is not None and py_context.native is not None
-    assert no_prefetch is not None and no_prefetch.native is not None
-    get_device, get_stream = warmreg.runtime.fast._device_getter(), triton.runtime.driver.driver.active.get_current_stream
+    get_device, get_stream = warmreg.runtime.fast._device_getter(), triton.runtime.driver.active.get_current_stream
     dev_index = torch.cuda.current_device()
     pack = entry.native.pack
 
@@ -203,7 +198,6 @@ def main() -> None:
         "fast": lambda: native(grid, kwargs),
         "fast_getters": lambda: getters.native.launch(grid, kwargs),
         "fast_python_context": lambda: py_context.native.launch(grid, kwargs),
-        "fast_no_prefetch": lambda: no_prefetch.native.launch(grid, kwargs),
         "driver_then_pack": driver_then_pack,
         "driver_then_context": driver_then_context,
         "fast_python": lambda: python(grid, kwargs),
@@ -228,7 +222,6 @@ def main() -> None:
         "fast_over_driver": median([f / d for f, d in zip(samples["fast"], samples["driver"])]),
         "fast_getters_over_driver": median([f / d for f, d in zip(samples["fast_getters"], samples["driver"])]),
         "fast_python_context_over_driver": median([f / d for f, d in zip(samples["fast_python_context"], samples["driver"])]),
-        "fast_no_prefetch_over_driver": median([f / d for f, d in zip(samples["fast_no_prefetch"], samples["driver"])]),
         "driver_then_pack_minus_driver_us": median([p - d for p, d in zip(samples["driver_then_pack"], samples["driver"])]),
         "driver_then_context_minus_driver_us": median([c - d for c, d in zip(samples["driver_then_context"], samples["driver"])]),
         "floor_over_driver": median([f / d for f, d in zip(samples["floor"], samples["driver"])]),

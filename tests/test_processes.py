@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import triton
+import triton.language as tl
 
 import warmreg
 from tests.helpers import CONFIG, Broken, Plugin, Scale
@@ -131,3 +132,29 @@ def test_a_launcher_is_claimed_once_across_forked_children(monkeypatch: pytest.M
         "past its slots a child builds unclaimed"
     )
     assert not full.claim(keys[0])
+
+
+@triton.jit
+def _leaf(x_ptr):
+    tl.store(x_ptr, tl.load(x_ptr) + 1)
+
+
+@triton.jit
+def _caller(x_ptr):
+    _leaf(x_ptr)
+
+
+def test_a_kernels_source_size_counts_the_jit_functions_it_calls() -> None:
+    assert processes._source_size(_caller) == len(_caller.src) + len(_leaf.src)
+    assert processes._source_size(_leaf) == len(_leaf.src)
+
+
+def test_the_longest_sources_are_handed_to_the_children_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The children take keys in order: the key likely to compile longest goes first, so it does not start last."""
+    sizes: list[int] = []  # of the keys in the order handed out (the compile step here then compiles them)
+    monkeypatch.setattr(
+        processes.Processes, "_fork", lambda self, misses, plan: sizes.extend(processes._source_size(t.launch[0]) for t in misses)
+    )
+    report = _warm(tmp_path, monkeypatch, workers=2)
+    assert len(sizes) >= processes.MIN_MISSES and sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]
+    assert {(r.kernel, r.status) for r in report.results} == {("tests.scale", "compiled"), ("tests.broken", "failed")}

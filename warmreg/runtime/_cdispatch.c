@@ -336,7 +336,7 @@ typedef struct {
   PyObject_HEAD
   wr_function function;
   unsigned int block_x, shared;
-  int num_ctas, pdl, cooperative, device, require_cuda, nparams, npresent, context, prefetch;
+  int num_ctas, pdl, cooperative, device, require_cuda, nparams, npresent, context;
   Py_ssize_t nkw;
   Py_ssize_t nargs, nchecks;
   arg_spec *args;
@@ -481,22 +481,6 @@ static int check_and_pack(Entry *self, PyObject *kw, uint64_t *storage, int *npa
   if (!PyDict_CheckExact(kw) || PyDict_GET_SIZE(kw) != self->nkw)
     return 0;
   int n = 0;
-  if (self->prefetch && abi.offset >= 0) {
-    /* each tensor's TensorImpl asked of the memory before the first read: after the driver's last launch
-     * they are rarely in cache, and reading tensor after tensor would take their misses in turn. The word
-     * at abi.offset is the TensorImpl's address (tensor_abi); a prefetch never faults. */
-    Py_ssize_t pos = 0;
-    PyObject *key, *value;
-    while (PyDict_Next(kw, &pos, &key, &value)) {
-      PyTypeObject *type = Py_TYPE(value);
-      if (type == tensor_type || type == parameter_type) {
-        const char *impl;
-        memcpy(&impl, (char *)value + abi.offset, sizeof impl);
-        for (int line = 0; line < 4; line++)
-          __builtin_prefetch(impl + 64 * line);
-      }
-    }
-  }
   /* kwargs are built in the same order at every call of an op: walk them in step with the arguments
    * (a key is the argument's interned name, so a pointer compare), and look up by hash from the first
    * argument out of step. With exactly nkw keys of which every present argument is one, the absent
@@ -796,15 +780,14 @@ static int parse_checks(Entry *self, PyObject *checks) {
 static PyObject *entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   static char *names[] = {"function", "num_warps", "num_ctas", "shared", "launch_pdl", "cooperative",
                           "device", "nkw", "args", "checks", "get_device", "get_stream", "fallback",
-                          "keep", "require_cuda", "context", "prefetch", NULL};
+                          "keep", "require_cuda", "context", NULL};
   unsigned long long function;
-  int num_warps, num_ctas, shared, pdl, coop, device, require_cuda = 1, context = 0, prefetch = 1;
+  int num_warps, num_ctas, shared, pdl, coop, device, require_cuda = 1, context = 0;
   Py_ssize_t nkw;
   PyObject *specs, *checks, *get_device, *get_stream, *fallback, *keep;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "KiiippinO!O!OOOO|ppp", names, &function, &num_warps, &num_ctas,
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "KiiippinO!O!OOOO|pp", names, &function, &num_warps, &num_ctas,
                                    &shared, &pdl, &coop, &device, &nkw, &PyTuple_Type, &specs, &PyTuple_Type,
-                                   &checks, &get_device, &get_stream, &fallback, &keep, &require_cuda, &context,
-                                   &prefetch))
+                                   &checks, &get_device, &get_stream, &fallback, &keep, &require_cuda, &context))
     return NULL;
   if (num_warps < 1 || num_ctas < 1 || shared < 0 || device < 0) {
     PyErr_SetString(PyExc_ValueError, "num_warps, num_ctas >= 1; shared, device >= 0");
@@ -824,7 +807,6 @@ static PyObject *entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   self->device = device;
   self->require_cuda = require_cuda;
   self->context = context && ctx_abi.on;
-  self->prefetch = prefetch;
   self->nkw = nkw;
   self->device_obj = PyLong_FromLong(device);
   self->get_device = Py_NewRef(get_device);
@@ -867,8 +849,6 @@ static PyMethodDef entry_methods[] = {
 static PyMemberDef entry_members[] = {
     {"context", T_INT, offsetof(Entry, context), READONLY,
      "1: the current device and stream are read through torch's C shim; 0: through the entry's getters."},
-    {"prefetch", T_INT, offsetof(Entry, prefetch), READONLY,
-     "1: the tensors' TensorImpls are prefetched before their reads."},
     {NULL, 0, 0, 0, NULL}};
 
 static PyTypeObject EntryType = {

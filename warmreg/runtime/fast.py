@@ -256,7 +256,7 @@ def _native_launch(
         launch_pdl=bool(md.launch_pdl), cooperative=bool(md.launch_cooperative_grid), device=int(device), nkw=nkw,
         args=tuple(specs), checks=tuple(env_checks), get_device=device_of, get_stream=stream_of,
         fallback=fallback, keep=compiled, require_cuda=require_cuda,
-        context=_context_abi(device_of, stream_of), prefetch=_PREFETCH,
+        context=_context_abi(device_of, stream_of),
     )  # fmt: skip
 
 
@@ -280,10 +280,6 @@ def _tensor_abi() -> bool:
         torch.nn.Parameter(torch.ones(4, dtype=torch.float16)), torch.empty(0, dtype=torch.int8), base.view(torch.float64),
     )  # fmt: skip
     return bool(_cdispatch.tensor_abi(samples) >= 0)
-
-
-#: The C entries ask the memory for every tensor argument's TensorImpl before reading the first (see ``_cdispatch.c``).
-_PREFETCH = True
 
 
 def _context_abi(device_of: Any, stream_of: Any) -> bool:
