@@ -11,7 +11,6 @@ affects every path alike; each figure is microseconds per call over batches of `
   arguments: grid, stream and every argument computed once. Triton's launcher cannot go lower.
 - ``fast``: warmreg's guarded launch with the same kwargs: the C entry (``warmreg.runtime._cdispatch``).
 - ``fast_getters``: the same C entry reading each tensor through torch.Tensor's getters, not torch's C shim.
-- ``fast_python_context``: the same C entry calling torch's Python getters for the current device and stream.
 - ``driver_then_pack`` / ``driver_then_context``: the driver launch, then the entry's guards and packing
   (``Entry.pack``, no launch) / torch's two Python getters: what each costs in the cache state a launch leaves
   (``paired_ratios`` subtracts the driver's time of the same round).
@@ -36,7 +35,6 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 import triton
@@ -65,17 +63,6 @@ def _host_us(fn: Callable[[], object], calls: int) -> float:
     elapsed = time.perf_counter() - t
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
-
-
-@contextlib.contextmanager
-def _patched(name: str, value: Any) -> Iterator[None]:
-    """``warmreg.runtime.fast.<name>`` replaced while entries are built (for side-by-side variants)."""
-    saved = getattr(warmreg.runtime.fast, name)
-    setattr(warmreg.runtime.fast, name, value)
-    try:
-        yield
-    finally:
-        setattr(warmreg.runtime.fast, name, saved)
 
 
 @contextlib.contextmanager
@@ -165,10 +152,6 @@ def main() -> None:
     with _getter_reads():
         getters = warmreg.runtime.fast.build(jit, kwargs, options, compiled, torch.cuda.current_device())
     assert getters is not None and getters.native is not None
-    # the same entry calling torch's Python getters for the current device and stream (as before the shim read them)
-    with _patched("_context_abi", lambda device_of, stream_of: False):
-        py_context = warmreg.runtime.fast.build(jit, kwargs, options, compiled, torch.cuda.current_device())
-    assert py_context is not None and py_context.native is not None
     get_device, get_stream = warmreg.runtime.fast._device_getter(), triton.runtime.driver.active.get_current_stream
     dev_index = torch.cuda.current_device()
     pack = entry.native.pack
@@ -197,7 +180,6 @@ def main() -> None:
         "floor": floor,
         "fast": lambda: native(grid, kwargs),
         "fast_getters": lambda: getters.native.launch(grid, kwargs),
-        "fast_python_context": lambda: py_context.native.launch(grid, kwargs),
         "driver_then_pack": driver_then_pack,
         "driver_then_context": driver_then_context,
         "fast_python": lambda: python(grid, kwargs),
@@ -221,7 +203,6 @@ def main() -> None:
         "fast_over_floor": median([f / fl for f, fl in zip(samples["fast"], samples["floor"])]),
         "fast_over_driver": median([f / d for f, d in zip(samples["fast"], samples["driver"])]),
         "fast_getters_over_driver": median([f / d for f, d in zip(samples["fast_getters"], samples["driver"])]),
-        "fast_python_context_over_driver": median([f / d for f, d in zip(samples["fast_python_context"], samples["driver"])]),
         "driver_then_pack_minus_driver_us": median([p - d for p, d in zip(samples["driver_then_pack"], samples["driver"])]),
         "driver_then_context_minus_driver_us": median([c - d for c, d in zip(samples["driver_then_context"], samples["driver"])]),
         "floor_over_driver": median([f / d for f, d in zip(samples["floor"], samples["driver"])]),
@@ -241,7 +222,6 @@ def main() -> None:
         "kernel": f"{op.name} T=1 {key}",
         "native_built": entry.native is not None,
         "tensor_abi": warmreg.runtime.fast._tensor_abi(),
-        "context_abi": bool(entry.native is not None and warmreg.runtime.fast._torch_context_abi()),
         "calls_per_sample": args.calls,
         "samples_us": samples,
         "median_us": med,

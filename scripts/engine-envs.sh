@@ -67,7 +67,7 @@ build() {  # ENGINE
     # own integration (integrations/ENGINE: its plugin entry point) too.
     "$venv/bin/pip" install -q --no-deps -e "$repo" -e "$repo/plugins/deepseek_v4" -e "$repo/plugins/kimi_k3" \
         -e "$repo/integrations/$(family "$e")"
-    # pytest-xdist: the differential kernel tests are interpreter-bound, one worker per core
+    # pytest-xdist: the engine tests run one worker per core (each file on one worker)
     "$venv/bin/python" -c "import xdist" 2>/dev/null || "$venv/bin/pip" install -q "pytest-xdist>=3"
     echo "== $e: ready in $((SECONDS - start)) s"
 }
@@ -117,7 +117,7 @@ for e in "${engines[@]}"; do
         test)
             start=$SECONDS
             f=$(family "$e")
-            env $(engine_env "$e") "$py" -m pytest -q -p no:cacheprovider "tests/engines/test_$f.py" \
+            env $(engine_env "$e") "$py" -m pytest -q -p no:cacheprovider -n auto --dist loadfile "tests/engines/test_$f.py" \
                 "tests/engines/test_${f}_integration.py" $([ "$e" != vllm-0.34 ] || echo tests/engines/test_vllm_coverage_source.py) \
                 $([ "$f" != vllm ] || echo tests/engines/test_vllm_registry_keys.py tests/engines/test_vllm_pack.py tests/engines/test_vllm_kimi_k3_pack.py) || status=1
             # The differential kernel tests: test_vllm_kernels*.py against vLLM 0.33's kernels,

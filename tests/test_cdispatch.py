@@ -257,11 +257,6 @@ def test_gpu_ops_launch_through_the_c_path() -> None:
     assert remember_fast_launch(op.name, spec.key, jit, spec.kwargs, options, counting, torch.cuda.current_device())
     entry = FAST_TABLES[op.name][spec.key]
     assert entry.native is not None and entry.launch == entry.native.launch
-    # torch's current device and stream read through its C shim, as torch's getters read them, on a side stream too
-    assert entry.native.context == 1
-    with torch.cuda.stream(torch.cuda.Stream()):
-        assert cdispatch.context_abi(torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream, False)
-        assert not cdispatch.context_abi(torch._C._cuda_getDevice, lambda device: 12345, False)
     with warmreg.monitor("error") as mon:
         for step in range(4):
             x = proj * (step + 1)
@@ -321,15 +316,3 @@ def test_gpu_a_second_warm_of_the_same_plan_is_already_warm() -> None:
     third = warmreg.warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False)
     assert not third.already_warm and len(FAST_TABLES[Scale.name]) == third.declared
 
-
-def test_without_torchs_cuda_shim_entries_call_their_getters() -> None:
-    """The current device and stream come from the shim only where ``context_abi`` found it reading what torch's
-    getters read (a CUDA build of torch, CUDA up) and the entry was built with exactly those getters: a
-    cross-target entry (or a CPU build) calls its getters."""
-    with _triton.cross_target(H100):
-        entry = _entry(_kwargs())
-    assert entry.native.context == 0
-    if not torch.cuda.is_available():
-        assert not _triton_fast._torch_context_abi()
-        assert not cdispatch.context_abi(lambda: 0, lambda device: 0, True)  # no libtorch_cuda.so: never turned on
-    assert not _triton_fast._context_abi(lambda: 0, lambda device: 0)  # not torch's getters

@@ -18,8 +18,6 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <structmember.h>
-#include <stddef.h>
 #include <dlfcn.h>
 #include <stdint.h>
 #include <string.h>
@@ -258,57 +256,6 @@ static PyObject *dtype_code(PyObject *module, PyObject *t) {
   return PyLong_FromLong(code);
 }
 
-/* ---- torch's current device and stream, read in C --------------------------------------------
- * Triton's getters on CUDA are torch._C._cuda_getDevice and torch._C._cuda_getCurrentRawStream: two Python
- * calls and two int objects per launch. The shim exports the same reads (aoti_torch_get_current_device_index:
- * at::accelerator::getDeviceIndex(); aoti_torch_get_current_cuda_stream: at::cuda::getCurrentCUDAStream(i),
- * in libtorch_cuda.so). context_abi() turns them on where both are found and agree with the getters; an entry
- * uses them only when it was built with exactly those getters (`context`), else it calls its getters. */
-typedef int32_t (*aoti_device_t)(int32_t *);
-typedef int32_t (*aoti_stream_t)(int32_t, void **);
-static struct {
-  aoti_device_t device;
-  aoti_stream_t stream;
-  int on;
-} ctx_abi = {NULL, NULL, 0};
-
-static PyObject *context_abi(PyObject *module, PyObject *const *argv, Py_ssize_t argc) {
-  if (argc != 3) {
-    PyErr_SetString(PyExc_TypeError, "context_abi(get_device, get_stream, enable)");
-    return NULL;
-  }
-  if (ctx_abi.device == NULL || ctx_abi.stream == NULL) {
-    void *cpu = dlopen("libtorch_cpu.so", RTLD_NOW | RTLD_NOLOAD);
-    void *cuda = dlopen("libtorch_cuda.so", RTLD_NOW | RTLD_NOLOAD);
-    ctx_abi.device = cpu ? (aoti_device_t)dlsym(cpu, "aoti_torch_get_current_device_index") : NULL;
-    ctx_abi.stream = cuda ? (aoti_stream_t)dlsym(cuda, "aoti_torch_get_current_cuda_stream") : NULL;
-    if (ctx_abi.device == NULL || ctx_abi.stream == NULL)
-      Py_RETURN_FALSE;
-  }
-  PyObject *dev = PyObject_CallNoArgs(argv[0]);
-  if (dev == NULL)
-    return NULL;
-  PyObject *stream = PyObject_CallOneArg(argv[1], dev);
-  long want_dev = PyLong_AsLong(dev);
-  Py_DECREF(dev);
-  if (stream == NULL)
-    return NULL;
-  unsigned long long want_stream = PyLong_AsUnsignedLongLongMask(stream);
-  Py_DECREF(stream);
-  if (PyErr_Occurred())
-    return NULL;
-  int32_t got_dev = -1;
-  void *got_stream = NULL;
-  int same = ctx_abi.device(&got_dev) == 0 && got_dev == want_dev && ctx_abi.stream(got_dev, &got_stream) == 0 &&
-             (unsigned long long)(uintptr_t)got_stream == want_stream;
-  int enable = PyObject_IsTrue(argv[2]);
-  if (enable < 0)
-    return NULL;
-  if (same && enable)
-    ctx_abi.on = 1;
-  return PyBool_FromLong(same);
-}
-
 /* ---- one entry ------------------------------------------------------------------------------- */
 enum { K_PTR = 0, K_INT = 1, K_F32 = 2, K_BOOL = 3, K_CONST = 4, K_NONE = 5 };
 enum { A_ALIGNED = 0, A_UNALIGNED = 1, A_ANY = 2 };
@@ -336,7 +283,7 @@ typedef struct {
   PyObject_HEAD
   wr_function function;
   unsigned int block_x, shared;
-  int num_ctas, pdl, cooperative, device, require_cuda, nparams, npresent, context;
+  int num_ctas, pdl, cooperative, device, require_cuda, nparams, npresent;
   Py_ssize_t nkw;
   Py_ssize_t nargs, nchecks;
   arg_spec *args;
@@ -568,13 +515,6 @@ static int check_and_pack(Entry *self, PyObject *kw, uint64_t *storage, int *npa
         return busy < 0 ? -1 : 0;
     }
   }
-  if (self->context) {
-    int32_t dev = -1;
-    if (ctx_abi.device(&dev) != 0 || dev != self->device)
-      return 0;
-    *nparams = n;
-    return 1;
-  }
   PyObject *dev = PyObject_CallNoArgs(self->get_device);
   if (dev == NULL)
     return -1;
@@ -631,19 +571,13 @@ static PyObject *entry_launch(Entry *self, PyObject *const *argv, Py_ssize_t arg
     return call_fallback(self, argv);
   if ((unsigned long long)g[0] * g[1] * g[2] == 0)
     Py_RETURN_TRUE;  /* as Triton's launcher: an empty grid launches nothing */
-  wr_stream stream;
-  void *current = NULL;
-  if (self->context && ctx_abi.stream(self->device, &current) == 0) {
-    stream = (wr_stream)current;
-  } else {
-    PyObject *stream_obj = PyObject_CallOneArg(self->get_stream, self->device_obj);
-    if (stream_obj == NULL)
-      return NULL;
-    stream = (wr_stream)(uintptr_t)PyLong_AsUnsignedLongLong(stream_obj);
-    Py_DECREF(stream_obj);
-    if (PyErr_Occurred())
-      return NULL;
-  }
+  PyObject *stream_obj = PyObject_CallOneArg(self->get_stream, self->device_obj);
+  if (stream_obj == NULL)
+    return NULL;
+  wr_stream stream = (wr_stream)(uintptr_t)PyLong_AsUnsignedLongLong(stream_obj);
+  Py_DECREF(stream_obj);
+  if (PyErr_Occurred())
+    return NULL;
   if (!cu.loaded && load_driver() < 0)
     return NULL;
   storage[n] = 0;      /* global scratch: none (entries are built only for kernels without it) */
@@ -780,14 +714,14 @@ static int parse_checks(Entry *self, PyObject *checks) {
 static PyObject *entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   static char *names[] = {"function", "num_warps", "num_ctas", "shared", "launch_pdl", "cooperative",
                           "device", "nkw", "args", "checks", "get_device", "get_stream", "fallback",
-                          "keep", "require_cuda", "context", NULL};
+                          "keep", "require_cuda", NULL};
   unsigned long long function;
-  int num_warps, num_ctas, shared, pdl, coop, device, require_cuda = 1, context = 0;
+  int num_warps, num_ctas, shared, pdl, coop, device, require_cuda = 1;
   Py_ssize_t nkw;
   PyObject *specs, *checks, *get_device, *get_stream, *fallback, *keep;
-  if (!PyArg_ParseTupleAndKeywords(args, kwds, "KiiippinO!O!OOOO|pp", names, &function, &num_warps, &num_ctas,
+  if (!PyArg_ParseTupleAndKeywords(args, kwds, "KiiippinO!O!OOOO|p", names, &function, &num_warps, &num_ctas,
                                    &shared, &pdl, &coop, &device, &nkw, &PyTuple_Type, &specs, &PyTuple_Type,
-                                   &checks, &get_device, &get_stream, &fallback, &keep, &require_cuda, &context))
+                                   &checks, &get_device, &get_stream, &fallback, &keep, &require_cuda))
     return NULL;
   if (num_warps < 1 || num_ctas < 1 || shared < 0 || device < 0) {
     PyErr_SetString(PyExc_ValueError, "num_warps, num_ctas >= 1; shared, device >= 0");
@@ -806,7 +740,6 @@ static PyObject *entry_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
   self->cooperative = coop;
   self->device = device;
   self->require_cuda = require_cuda;
-  self->context = context && ctx_abi.on;
   self->nkw = nkw;
   self->device_obj = PyLong_FromLong(device);
   self->get_device = Py_NewRef(get_device);
@@ -846,11 +779,6 @@ static PyMethodDef entry_methods[] = {
      "where a guard fails. Launches nothing."},
     {NULL, NULL, 0, NULL}};
 
-static PyMemberDef entry_members[] = {
-    {"context", T_INT, offsetof(Entry, context), READONLY,
-     "1: the current device and stream are read through torch's C shim; 0: through the entry's getters."},
-    {NULL, 0, 0, 0, NULL}};
-
 static PyTypeObject EntryType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "warmreg.runtime._cdispatch.Entry",
     .tp_basicsize = sizeof(Entry),
@@ -858,7 +786,6 @@ static PyTypeObject EntryType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "One compile key's guarded launch (see warmreg.runtime.fast).",
     .tp_methods = entry_methods,
-    .tp_members = entry_members,
     .tp_new = entry_new,
 };
 
@@ -866,9 +793,6 @@ static PyMethodDef module_methods[] = {
     {"tensor_abi", tensor_abi, METH_O,
      "tensor_abi(samples) -> int: read tensors through torch's C shim from now on, where it agrees with torch's "
      "getters on every sample; the at::Tensor offset in use, or -1 (the getters stay)."},
-    {"context_abi", (PyCFunction)(void (*)(void))context_abi, METH_FASTCALL,
-     "context_abi(get_device, get_stream, enable) -> bool: whether torch's C shim reads the current device and "
-     "its current stream as these getters do now; with enable, entries built with context=True read them so."},
     {"dtype_code", dtype_code, METH_O,
      "dtype_code(tensor) -> int: torch's ScalarType number of the tensor's dtype as the shim reads it (-1: not in use)."},
     {NULL, NULL, 0, NULL}};

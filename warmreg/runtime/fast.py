@@ -23,8 +23,7 @@ takes Triton's ordinary path: the fast path can be slower than needed, never wro
 Below that Python function sits the C launch path (``warmreg/runtime/_cdispatch.c``, built at install; see
 :data:`NATIVE`): the same guards, read as a table by one C call that reads each tensor through
 torch's C shim (the AOTI ABI's ``aoti_torch_get_*``, no Python call; torch.Tensor's C getters where the shim is
-not found, see :data:`TENSOR_ABI`), reads torch's current device and stream through the same shim where it reads
-what torch's getters read, packs the kernel's parameters on the stack and calls ``cuLaunchKernelEx``
+not found, see :data:`TENSOR_ABI`), packs the kernel's parameters on the stack and calls ``cuLaunchKernelEx``
 itself, without Triton's launcher (its per-call Python wrapper, argument parsing, context query and
 a driver call per pointer to validate it, which the guard's ``is_cuda`` check replaces). Both are
 generated from one list of guards (:func:`_guard`); a launch the C guards refuse goes to the Python
@@ -256,14 +255,12 @@ def _native_launch(
         launch_pdl=bool(md.launch_pdl), cooperative=bool(md.launch_cooperative_grid), device=int(device), nkw=nkw,
         args=tuple(specs), checks=tuple(env_checks), get_device=device_of, get_stream=stream_of,
         fallback=fallback, keep=compiled, require_cuda=require_cuda,
-        context=_context_abi(device_of, stream_of),
     )  # fmt: skip
 
 
 #: Whether the C entries read a tensor's dtype, device and data pointer through torch's C shim (the AOTI ABI,
 #: no Python call per read) rather than torch.Tensor's getters: where ``_cdispatch.tensor_abi`` finds that the shim
 #: agrees with the getters on sample tensors, unless ``WARMREG_TENSOR_ABI=0`` (read at import; for comparisons).
-#: Likewise the current device and stream (``_cdispatch.context_abi``), instead of two Python calls per launch.
 TENSOR_ABI: bool = os.environ.get("WARMREG_TENSOR_ABI", "1") != "0"
 
 
@@ -280,34 +277,6 @@ def _tensor_abi() -> bool:
         torch.nn.Parameter(torch.ones(4, dtype=torch.float16)), torch.empty(0, dtype=torch.int8), base.view(torch.float64),
     )  # fmt: skip
     return bool(_cdispatch.tensor_abi(samples) >= 0)
-
-
-def _context_abi(device_of: Any, stream_of: Any) -> bool:
-    """Whether an entry built with these getters reads the current device and stream through torch's C shim: only
-    where they are torch's own (``torch._C._cuda_getDevice``, ``_cuda_getCurrentRawStream``: Triton's on CUDA, once
-    CUDA is up) and :func:`_torch_context_abi` found the shim reading what they read."""
-    import torch
-
-    return (
-        device_of is getattr(torch._C, "_cuda_getDevice", None)
-        and stream_of is getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        and _torch_context_abi()
-    )
-
-
-@functools.cache
-def _torch_context_abi() -> bool:
-    """Turn the C entries' shim reads of the current device and stream on, once per process, where the shim reads
-    what torch's getters read, on the default stream and on a side stream (``False``: the getters stay)."""
-    import torch
-
-    if not TENSOR_ABI or _cdispatch is None or not torch.cuda.is_initialized():
-        return False
-    device_of, stream_of = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
-    with torch.cuda.stream(torch.cuda.Stream()):
-        if not _cdispatch.context_abi(device_of, stream_of, False):
-            return False
-    return bool(_cdispatch.context_abi(device_of, stream_of, True))
 
 
 @functools.cache
