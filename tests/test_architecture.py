@@ -165,7 +165,6 @@ def test_the_report_is_small() -> None:
 
 
 def test_the_pipeline_names_no_stage() -> None:
-    stages = {p.stem for p in (ROOT / "stages").glob("*.py")} - {"__init__"}
     classes = set()
     for path in (ROOT / "stages").glob("*.py"):
         classes |= {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
@@ -223,8 +222,8 @@ def test_the_package_exports_what_it_lists() -> None:
     for name in warmreg.__all__:
         assert getattr(warmreg, name) is not None
     assert callable(warmreg.warm) and callable(warmreg.monitor)
-    import warmreg.monitoring
     import warmreg.api.warm  # importing the modules rebinds nothing: no module shares a function's name
+    import warmreg.monitoring
 
     assert callable(warmreg.warm) and callable(warmreg.monitor) and warmreg.monitoring.current() is None
 

@@ -12,7 +12,6 @@ import pytest
 
 import warmreg
 from tests.helpers import CONFIG, CountedScale, Plugin
-from warmreg.stages import pack as packs
 from warmreg.stages import build as packs_build
 
 ROOT = Path(__file__).resolve().parents[1]

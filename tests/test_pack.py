@@ -11,8 +11,8 @@ import pytest
 
 import warmreg
 from tests.helpers import CONFIG, Plugin, Scale
-from warmreg.stages import pack as packs
 from warmreg.stages import build as packs_build
+from warmreg.stages import pack as packs
 from warmreg.stages.pack import PackError
 
 

@@ -17,10 +17,10 @@ from triton.runtime.cache import get_cache_manager
 import warmreg
 from tests.helpers import CONFIG, Plugin, Scale, _scale_kernel
 from warmreg import _triton
-from warmreg.stages import pack_format as _pack_format
 from warmreg._triton import launchers as _triton_launchers
-from warmreg.stages import pack as packs
 from warmreg.stages import build as packs_build
+from warmreg.stages import pack as packs
+from warmreg.stages import pack_format as _pack_format
 from warmreg.stages.pack import PackError
 from warmreg.values.platform import Platform
 

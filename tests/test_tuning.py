@@ -14,9 +14,9 @@ import torch
 import warmreg
 from tests.helpers import CONFIG, Plugin, TunedDouble, TunedKey
 from warmreg import _triton
+from warmreg.pipeline.bind import Task
 from warmreg.runtime import launch
 from warmreg.stages import tuning
-from warmreg.pipeline.bind import Task
 
 
 def _plan(kernel: warmreg.TritonKernel[Any] | None = None, target: str = "cuda:90") -> warmreg.Plan:
@@ -183,8 +183,8 @@ def _gpu_choice_file(gpu_standin: _Bench) -> Path:
 def test_a_cross_built_pack_carries_the_gpu_hosts_choices_and_its_install_keeps_them(
     gpu_standin: _Bench, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from warmreg.stages import pack as packs
     from warmreg.stages import build as packs_build
+    from warmreg.stages import pack as packs
 
     choice_file = tmp_path / "gpu-choices.json"
     choice_file.write_bytes(_gpu_choice_file(gpu_standin).read_bytes())
@@ -210,7 +210,6 @@ def test_a_cross_built_pack_carries_the_gpu_hosts_choices_and_its_install_keeps_
 
 
 def test_a_cross_build_without_choices_records_none(tmp_path: Path) -> None:
-    from warmreg.stages import pack as packs
     from warmreg.stages import build as packs_build
 
     manifest = packs_build.build(CONFIG, tmp_path / "p", target="cuda:90", plugins=[Plugin(TunedDouble())], entry_points=False, launcher_pythons=[])
@@ -229,9 +228,9 @@ def test_a_cross_build_without_choices_records_none(tmp_path: Path) -> None:
 def test_a_hostile_choice_in_a_manifest_is_refused_naming_the_field(
     gpu_standin: _Bench, tmp_path: Path, change: dict[str, Any], message: str
 ) -> None:
-    from warmreg.stages import pack_format as _pack_format
-    from warmreg.stages import pack as packs
     from warmreg.stages import build as packs_build
+    from warmreg.stages import pack as packs
+    from warmreg.stages import pack_format as _pack_format
 
     choice_file = tmp_path / "gpu-choices.json"
     choice_file.write_bytes(_gpu_choice_file(gpu_standin).read_bytes())

@@ -46,13 +46,13 @@ os.environ["CUDA_VISIBLE_DEVICES"] = ""
 for _dsl in ("cutlass", "tilelang", "quack"):
     sys.modules.setdefault(_dsl, None)  # type: ignore[assignment]
 
-import torch
-import triton
-import triton.language as tl
+import torch  # noqa: E402 (after the environment above)
+import triton  # noqa: E402 (after the environment above)
+import triton.language as tl  # noqa: E402 (after the environment above)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from plans import engine_or_skip
+from plans import engine_or_skip  # noqa: E402 (after the environment above)
 
 __all__ = ["assert_same", "assert_within_ulps", "clones", "engine", "seeded"]
 

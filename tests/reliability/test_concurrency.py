@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import CONFIG, Plugin, Scale
-from warmreg.stages import pack as packs
 from warmreg.stages import build as packs_build
 
 ROOT = Path(__file__).resolve().parents[2]

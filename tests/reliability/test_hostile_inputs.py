@@ -17,9 +17,8 @@ import pytest
 import warmreg
 from tests.helpers import CONFIG, Plugin, Scale
 from tests.reliability.hostile import assert_nothing_written, assert_refused, files_under, run_cli
-from warmreg.stages import pack as packs
-from warmreg.stages import build as packs_build
 from warmreg.contract.config import SERVING_FIELDS
+from warmreg.stages import build as packs_build
 
 ROOT = Path(__file__).resolve().parents[2]
 FLASH = json.loads((ROOT / "examples" / "deepseek_v4_flash.json").read_text())

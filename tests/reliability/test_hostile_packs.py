@@ -26,8 +26,8 @@ from tests.reliability.hostile import (
     write_tar,
     write_zip,
 )
-from warmreg.stages import pack as packs
 from warmreg.stages import build as packs_build
+from warmreg.stages import pack as packs
 
 Case = Callable[[Members, Path], tuple[Path, str]]
 CASES: dict[str, Case] = {}
