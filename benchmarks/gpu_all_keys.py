@@ -24,7 +24,6 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import attrs
 import torch
 from triton.runtime.jit import JITFunction
 
@@ -33,20 +32,7 @@ from _common import median, write
 
 import warmreg
 from warmreg.monitoring import current
-
-
-def materialize(value: Any, device: torch.device) -> Any:
-    """A zero-filled device tensor with the meta tensor's shape, strides and storage offset."""
-    if isinstance(value, torch.Tensor) and value.device.type == "meta":
-        extent = value.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(value.shape, value.stride()) if s > 0)
-        base = torch.zeros(max(extent, 1), dtype=value.dtype, device=device)
-        return base.as_strided(value.shape, value.stride(), value.storage_offset())
-    if isinstance(value, (list, tuple)):
-        items = [materialize(v, device) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)  # a NamedTuple takes fields
-    if attrs.has(type(value)):  # a launcher argument that groups tensors (e.g. a chunk table)
-        return attrs.evolve(value, **{f.name: materialize(getattr(value, f.name), device) for f in attrs.fields(type(value)) if f.init})
-    return value
+from warmreg.testing import materialize
 
 
 def _timed(fn: Any) -> float:

@@ -37,10 +37,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 from _common import write  # noqa: E402
-from gpu_all_keys import materialize  # noqa: E402
 
 import warmreg  # noqa: E402
 from warmreg.stages.distributed import _all_gather_bytes  # noqa: E402
+from warmreg.testing import materialize  # noqa: E402
 
 
 def sweep(config: str, steps: int, seed: int) -> dict[str, Any]:

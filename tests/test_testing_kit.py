@@ -3,6 +3,7 @@ its out= buffers, allocates with them, or differs from its reference; and its pl
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 from typing import Any
 
@@ -132,3 +133,27 @@ def test_planning_helpers(tmp_path: Path) -> None:
 
     with pytest.raises(AssertionError, match="dispatch to"):
         assert_warmup_inputs_reproduce(Wrong(), kp.keys)
+
+
+def test_materialize_keeps_the_meta_layout_and_rebuilds_containers() -> None:
+    from warmreg.testing import materialize
+
+    view = warmreg.meta((3, 4), torch.bfloat16, stride=(10, 1), offset=5)  # a view of a fused row: the key's misalignment
+    real = materialize(view)
+    assert (real.shape, real.stride(), real.storage_offset(), real.dtype) == ((3, 4), (10, 1), 5, torch.bfloat16)
+    assert real.device.type == "cpu" and not real.any()
+    assert real.untyped_storage().nbytes() == view.untyped_storage().nbytes()  # the same extent: views stay in bounds
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    @attrs.frozen
+    class Table:
+        rows: torch.Tensor
+        count: int
+
+    out = materialize([Pair(view, 7), (view,), Table(view, 3), "kept"])
+    assert isinstance(out[0], Pair) and out[0].b == 7 and out[0].a.device.type == "cpu"
+    assert isinstance(out[1], tuple) and out[1][0].device.type == "cpu"
+    assert isinstance(out[2], Table) and out[2].rows.device.type == "cpu" and out[2].count == 3
+    assert out[3] == "kept"
+    assert materialize(torch.ones(2)).device.type == "cpu"  # a real tensor is left as it is

@@ -10,7 +10,7 @@ public API; nothing in warmreg imports it. Kernel tests run on CPU tensors, thro
   :func:`assert_every_out_checked`: no allocating op of a plugin is left out);
 - :mod:`~warmreg.testing.planning`: example configs with serving overrides (:func:`config_loader`), a plugin
   of a few op modules (:class:`RegisterPlugin`), warmup inputs that give back their keys
-  (:func:`assert_warmup_inputs_reproduce`);
+  (:func:`assert_warmup_inputs_reproduce`) and, made real, launch them (:func:`materialize`);
 - :mod:`~warmreg.testing.sweep`: the sweep-driver protocol of the zero-JIT sweep.
 """
 
@@ -33,7 +33,7 @@ from .out import (
     garbage_out,
     out_names,
 )
-from .planning import RegisterPlugin, assert_warmup_inputs_reproduce, config_loader
+from .planning import RegisterPlugin, assert_warmup_inputs_reproduce, config_loader, materialize
 from .reference import EXACT, FP8_DTYPES, TOLERANCES, Tolerance, assert_matches, leaves, tolerance
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "garbage_like",
     "garbage_out",
     "leaves",
+    "materialize",
     "out_names",
     "tolerance",
 ]

@@ -2,7 +2,8 @@
 
 :func:`config_loader` reads example configs with serving values overridden; :class:`RegisterPlugin` registers
 through a few op modules' ``register`` functions; :func:`assert_warmup_inputs_reproduce` checks that a kernel's
-warmup inputs give back their keys.
+warmup inputs give back their keys; :func:`materialize` turns warmup inputs (meta tensors) into real, zero-filled
+tensors of the same layout, to launch a key's binary on them.
 
 A plugin's tests plan a deployment without installing the plugin: ``warmreg.plan(config, target="cuda:90",
 plugins=[RegisterPlugin(op.register, model=Model.from_config)], entry_points=False)`` plans only that op, as
@@ -18,7 +19,7 @@ from typing import Any
 
 import warmreg
 
-__all__ = ["RegisterPlugin", "assert_warmup_inputs_reproduce", "config_loader"]
+__all__ = ["RegisterPlugin", "assert_warmup_inputs_reproduce", "config_loader", "materialize"]
 
 
 def config_loader(directory: str | Path) -> Callable[..., dict[str, Any]]:
@@ -77,3 +78,24 @@ def assert_warmup_inputs_reproduce(kernel: warmreg.TritonKernel[Any], keys: Iter
         )
         checked += 1
     assert checked, f"{kernel.name}: no keys to check"
+
+
+def materialize(value: Any, device: Any = "cpu") -> Any:
+    """``value`` with every meta tensor in it made real on ``device``: zero-filled, with the meta tensor's shape,
+    strides and storage offset over a storage of the same size (so its alignment and its views are the ones the key
+    was specialized for). Lists, tuples, named tuples and attrs classes (a launcher argument grouping tensors) are
+    rebuilt around their materialized items; anything else is returned as it is."""
+    import attrs
+    import torch
+
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        elements = max(value.untyped_storage().nbytes() // value.element_size(), 1)
+        base = torch.zeros(elements, dtype=value.dtype, device=device)
+        return base.as_strided(value.shape, value.stride(), value.storage_offset())
+    if isinstance(value, (list, tuple)):
+        items = [materialize(v, device) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if attrs.has(type(value)):
+        fields = {f.name: materialize(getattr(value, f.name), device) for f in attrs.fields(type(value)) if f.init}
+        return attrs.evolve(value, **fields)
+    return value

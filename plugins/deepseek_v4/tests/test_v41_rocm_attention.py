@@ -154,24 +154,16 @@ def test_sweep_launches_the_decode_against_its_references(target: str) -> None:
         assert k["checks"] and all(c.endswith("matches the PyTorch reference") for c in k["checks"]), k["checks"]
 
 
-def _zeros_like_meta(value: Any) -> Any:
-    """A zero CPU tensor with a meta tensor's shape, strides and storage offset (anything else as it is)."""
-    if isinstance(value, torch.Tensor) and value.device.type == "meta":
-        extent = value.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(value.shape, value.stride()) if s > 0)
-        return torch.zeros(max(extent, 1), dtype=value.dtype).as_strided(value.shape, value.stride(), value.storage_offset())
-    return value
-
-
 @pytest.mark.parametrize(("target", "name"), [("rocm:gfx942", PARTIAL), ("rocm:gfx942", REDUCE), ("rocm:gfx1250", RAGGED)])
 def test_out_of_the_v41_decode_ops(target: str, name: str) -> None:
     """V4.1's decode ops are DeepSeek-V4's over V4.1's layer kinds: the same ``out=`` contract, on the first key
     V4.1's plan warms (its warm-up inputs, zero-filled, under Triton's interpreter)."""
-    from warmreg.testing import OpCall, check_out
+    from warmreg.testing import OpCall, check_out, materialize
 
     plan = warmreg.plan(_config(), target=target)
     key = plan.kernel(name).keys[0]
     op = {PARTIAL: V41RocmDecodePartial, REDUCE: V41RocmDecodeReduce, RAGGED: V41RocmDecodeRagged}[name]()
-    inputs = {k: _zeros_like_meta(v) for k, v in op.warmup_inputs(key).items() if k != "out"}
+    inputs = {k: materialize(v) for k, v in op.warmup_inputs(key).items() if k != "out"}
 
     def build() -> OpCall:
         if name == PARTIAL:
