@@ -16,7 +16,8 @@ overlap path's); and every distinct call site of the attention residuals. Last, 
 step's accepted counts into its persistent buffer. Where the plan holds them: first the vision tower's input
 normalisation of an image batch (:mod:`warmreg_kimi_k3.sweep_vision`); on ROCm the KDA builder's device chunk
 metadata and, with no conv update planned, the plain decodes' packed KDA step (:mod:`warmreg_kimi_k3.sweep_rocm`);
-with DCP the MLA decode's combine correction after the Q/KV norm (:mod:`warmreg_kimi_k3.sweep_dcp`).
+with DCP the MLA decode's combine correction after the Q/KV norm (:mod:`warmreg_kimi_k3.sweep_dcp`). The KDA layers'
+steps (convolutions, packed decode, recurrent step, chunked prefill) are :mod:`warmreg_kimi_k3.sweep_kda`.
 """
 
 from __future__ import annotations
@@ -31,24 +32,19 @@ from warmreg.testing.sweep import NORM, Batch, Limits, Step, Sweep
 
 from ._sweep_dsa_metadata import DSA_METADATA, DSAMetadataStep
 from .attn_res import attn_res_reference
-from .causal_conv1d import causal_conv1d_reference, conv1d_chunks, projection_row_stride
-from .causal_conv1d_update import causal_conv1d_update_reference
+from .causal_conv1d import projection_row_stride
 from .dsa_k_insert import dsa_k_insert_reference, mx_scale_default
 from .dsa_prologue import dsa_prologue_reference, mla_entry_bytes
 from .dsa_q_quant import dsa_q_quant_reference
 from .gated_rmsnorm import gated_rmsnorm_reference, projection_width
 from .gather_initial_states import gather_initial_states_reference
-from .kda import KDARecurrent, kda_recurrent_reference
-from .kda_chunk import STAGES as KDA_CHUNK_STAGES
-from .kda_chunk_base import chunk_metadata
-from .kda_chunk_intra import platform_solve_precision
-from .kda_chunk_l2norm import l2norm_reference
-from .kda_packed_decode import kda_packed_decode_reference
+from .kda import KDARecurrent
 from .kda_spec_metadata import stage_spec_decode_metadata_reference
 from .kda_state_indices import aligned_state_indices_reference
 from .num_accepted import scatter_num_accepted_reference
 from .plugin import MODEL_TYPES
 from .sweep_dcp import DCP_A2A_COMBINE, DCP_A2A_PACK, DCP_CORRECT, dcp_a2a_step, dcp_correct_step
+from .sweep_kda import CONV, CONV_UPDATE, KDA, KDA_CHUNK, KDA_PACKED, chunk_step, conv_step, recurrent_step
 from .sweep_rocm import (
     ROCM_CHUNK_METADATA,
     ROCM_RECURRENT,
@@ -61,16 +57,12 @@ from .sweep_vision import MM_INPUT_NORM, mm_input_norm_step
 __all__ = ["KimiSweep"]
 
 I32, F32 = torch.int32, torch.float32
-KDA, ATTN_RES = "kimi_k3.kda_recurrent", "kimi_k3.attn_res"
-CONV, CONV_UPDATE = "kimi_k3.causal_conv1d", "kimi_k3.causal_conv1d_update"
+ATTN_RES = "kimi_k3.attn_res"
 KDA_NORM, KDA_GATHER = "kimi_k3.gated_rmsnorm", "kimi_k3.gather_initial_states"
 KDA_ALIGNED, KDA_STAGE = "kimi_k3.aligned_state_indices", "kimi_k3.stage_spec_decode_metadata"
-KDA_PACKED = "kimi_k3.kda_packed_decode"
 RUNNER = "kimi_k3.scatter_num_accepted"
 DSA_PROLOGUE, DSA_K_INSERT = "kimi_k3.dsa_fused_prologue", "kimi_k3.dsa_k_norm_quant_insert"
 DSA_Q_QUANT = "kimi_k3.dsa_q_quant_fold_weights"
-#: The chunked KDA prefill's stages, in launch order (l2norm, gate, intra, wu, h, o).
-KDA_CHUNK = tuple(stage.name for stage in KDA_CHUNK_STAGES)
 
 
 class KimiSweep(Sweep[Step]):
@@ -249,11 +241,11 @@ class KimiSweep(Sweep[Step]):
                 if DCP_A2A_PACK in self.names:
                     dcp_a2a_step(self, st)
             elif kind == "kda":
-                self.kda(st)
+                recurrent_step(self, st)
             elif kind == "conv":
-                self.conv(st)
+                conv_step(self, st)
             elif kind == "kda_chunk":
-                self.kda_chunk(st)
+                chunk_step(self, st)
             elif kind == "dsa":
                 self.dsa(st)
             else:
@@ -377,185 +369,3 @@ class KimiSweep(Sweep[Step]):
             ref=lambda: attn_res_reference(**args)[0],
             tol=(1e-2, 1.6e-2),  # the plugin's tests: bf16 output from fp32 sums in different orders
         )
-
-    def conv(self, st: Step) -> None:
-        """The KDA layer's short convolutions on the step's packed projection ``[T, row]`` (vLLM's ``_forward``):
-        the speculative rows (the decode requests, first) through the varlen update, the prefills through three
-        prefill conv1d launches (q, k, v); a decode step of one-token rows through the plain-decode update when
-        the plan holds it (vLLM's builder then classifies them as decodes)."""
-        b, lay = st.batch, self.conv_layout
-        p, spec, t = lay.projection_size, lay.num_speculative_tokens, b.tokens
-        proj = self.randn(t, self.conv_row)
-        perm = torch.randperm(self.conv_state.shape[0] - 1, generator=self.gen, device=self.dev)
-        lines = perm[: len(b.qlens)].add_(1).to(I32)
-        one_token = b.num_prefills == 0 and all(q == 1 for q in b.qlens)
-        upd = self.kernel(CONV_UPDATE) if CONV_UPDATE in self.names else None
-        if upd is not None and upd.plain_decode and one_token and (not spec or self.rng.random() >= 0.5):
-            width = self.rng.choice([self.conv_row, 4 * p] if upd.overlap_rows else [self.conv_row])
-            x = self.randn(t, width)[:, : 3 * p]
-            stride = self.rng.choice(sorted({1, 1 + spec}))
-            indices = self._conv_lines(lines, stride)
-            conv_out = self._conv_update(f"{t} plain decode rows", x, indices)
-            if KDA_PACKED in self.names:
-                self.kda_packed_decode(proj, width, None if conv_out is None else conv_out[0], indices)
-        elif upd is not None and spec and b.num_decodes:
-            n, d = b.num_decodes, b.decode_tokens
-            x = proj[:d, : 3 * p] if self.rng.random() < 0.5 else proj[:d, : 3 * p].contiguous()  # slice or gathered
-            qsl = st.qsl[: n + 1].to(I32)
-            accepted = torch.tensor([self.rng.randint(1, 1 + spec) for _ in range(n)], dtype=I32, device=self.dev)
-            spec_args = {"num_accepted_tokens": accepted, "query_start_loc": qsl}
-            self._conv_update(f"{n} speculative rows", x, self._conv_lines(lines[:n], 1 + spec), 1 + spec, spec_args)
-        if b.num_prefills and CONV in self.names:
-            start = b.decode_tokens if spec else 0  # without speculation the decodes are prefill rows of one token
-            first = b.num_decodes if spec else 0
-            rows = proj[start:]
-            if spec and self.rng.random() < 0.5:
-                rows = rows[:, : 3 * p].contiguous()  # a mixed batch's gathered non-speculative rows (index_select)
-            qsl = (st.qsl[first:] - st.qsl[first]).to(I32)
-            stride = 1 if spec and b.num_decodes else 1 + spec  # gathered rows, or block_table[:, 0]
-            indices = self._conv_lines(lines[first:], stride)
-            init = torch.rand(len(b.qlens) - first, generator=self.gen, device=self.dev) < 0.7
-            chunks = conv1d_chunks(qsl.cpu(), device=self.dev)
-            for c, name in enumerate("qkv"):
-                cols = slice(c * p, (c + 1) * p)
-                args = (rows[:, cols], self.conv_weight[cols], None, self.conv_state[:, cols], qsl, indices, init)
-                self._conv_prefill(f"{b.num_prefills} prefills, {name}", args, chunks)
-
-    def _conv_prefill(self, what: str, args: tuple[Any, ...], chunks: Any) -> None:
-        def run() -> tuple[torch.Tensor, torch.Tensor]:
-            return self.kernel(CONV)(*args, chunks=chunks), args[3]  # the output and the updated state slice
-
-        # The plugin's tests: fp32 sums in one order, one bf16 step apart (the interpreter truncates).
-        self.launch(CONV, what, run, ref=lambda: causal_conv1d_reference(*args), tol=(1e-6, 2**-7))
-
-    def _conv_lines(self, lines: torch.Tensor, stride: int) -> torch.Tensor:
-        """Cache lines as ``block_table[:, 0]`` of a table ``stride`` wide (a gathered copy when 1)."""
-        table = torch.zeros((lines.shape[0], stride), dtype=I32, device=self.dev)
-        table[:, 0] = lines
-        return table[:, 0]
-
-    def _conv_update(
-        self, what: str, x: torch.Tensor, indices: torch.Tensor, max_len: int = -1, spec: dict[str, Any] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One conv update launch; returns ``(output, conv_state)``, or None on a miss or a failure."""
-        kw = spec or {}
-        args = (x, self.conv_state, self.conv_weight, None)
-        def run() -> tuple[torch.Tensor, torch.Tensor]:
-            out = self.kernel(CONV_UPDATE)(*args, conv_state_indices=indices, max_query_len=max_len, **kw)
-            return out, self.conv_state
-
-        return self.launch(  # type: ignore[no-any-return]
-            CONV_UPDATE,
-            what,
-            run,
-            ref=lambda: causal_conv1d_update_reference(*args, indices, **kw),
-            tol=(1e-6, 2**-7),
-        )
-
-    def kda_packed_decode(
-        self, proj: torch.Tensor, width: int, conv_out: torch.Tensor | None, indices: torch.Tensor
-    ) -> None:
-        """vLLM's plain-decode step after the conv update (``kda.py: _forward``, pure non-speculative decode): the
-        packed decode on the conv's output (its ``empty_like``: ``[B, 3P]`` rows, or for a batch of one the
-        projection's row stride, plain or the overlap path's ``4P``), the gate projection's rows, beta a column of
-        the projection, the state indices of the conv update (now and then a padded slot 0: zeros out)."""
-        lay, (h, dk, _) = self.conv_layout, self.hkv
-        p, t = lay.projection_size, indices.shape[0]
-        mixed = self.randn(t, 3 * p) if conv_out is None else conv_out
-        if t == 1:
-            row = self.randn(1, width)
-            row[:, : 3 * p] = mixed
-            mixed = row[:, : 3 * p]
-        raw_g = self.randn(1, t, h, dk, dtype=self.raw_dtypes[0])
-        raw_beta = proj[:t, 4 * p + dk : 4 * p + dk + h].unsqueeze(0)
-        slots = indices.clone()
-        if self.rng.random() < 0.1:
-            slots[-1] = 0  # CUDA-graph padding: the null slot
-        a_log, dt_bias, bound = self.gate
-        bias = dt_bias if dt_bias is not None else torch.zeros(h * dk, dtype=F32, device=self.dev)
-        args = (mixed, raw_g, raw_beta, a_log, bias, bound, self.pool, slots)
-        self.launch(
-            KDA_PACKED,
-            f"{t} plain decode rows",
-            lambda: self.kernel(KDA_PACKED)(*args),
-            ref=lambda: kda_packed_decode_reference(*args)[0],
-            tol=(1e-2, 1.6e-2),  # the plugin's tests: bf16 o, fp32 recurrences in different orders
-        )
-
-    def kda(self, st: Step) -> None:
-        """vLLM's speculative-decode step over the decode requests (``kda.py: _forward``; the kernel is planned only
-        under speculation): q, k, v rearranged column slices of the conv update's ``[T, 3P]`` output (for one token
-        the projection row it keeps), the gate projection's rows, beta a column of the packed projection, the
-        ``[N, 1 + spec]`` state indices a view of a wider table (now and then a padded request on the null slot 0,
-        or a column 0: no write), accepted counts ``1 .. 1 + spec``, ``out`` a view of core_attn_out or none."""
-        b, kda = st.batch, self.kernel(KDA)
-        if not b.num_decodes:
-            return
-        (h, dk, dv), t, n, cols = self.hkv, b.decode_tokens, b.num_decodes, 1 + self.lim.spec
-        width = h * (2 * dk + dv)
-        conv = self.randn(t, self.rng.choice(kda.projection_rows) if t == 1 and kda.projection_rows else width)
-        q, k, v = (conv[:, c : c + h * w].view(1, t, h, w) for c, w in ((0, dk), (h * dk, dk), (2 * h * dk, dv)))
-        raw_g = self.randn(1, t, h, dk, dtype=self.raw_dtypes[0])  # the raw projections: gate and beta in the kernel
-        row = max(width + h, *kda.projection_rows)
-        raw_beta = self.randn(t, row, dtype=self.raw_dtypes[1], scale=2.0)[:, row - h :].unsqueeze(0)
-        table = torch.zeros(n, cols + 2, dtype=I32, device=self.dev)
-        slots = torch.randperm(self.pool.shape[0] - 1, generator=self.gen, device=self.dev)[: n * cols].add(1)
-        table[:, :cols] = slots.view(n, cols)  # distinct slots: no two tokens write one
-        if self.rng.random() < 0.2:
-            table[self.rng.randrange(n), self.rng.randrange(cols)] = 0  # the null slot in some column: no state there
-        accepted = torch.randint(1, cols + 1, (n,), generator=self.gen, device=self.dev, dtype=I32)
-        out = torch.empty(1, t + 1, h, dv, dtype=q.dtype, device=self.dev)[:, :t] if self.rng.random() < 0.5 else None
-        args = (q, k, v, raw_g, raw_beta, *self.gate, self.pool, st.qsl[: n + 1], table[:, :cols], accepted)
-        self.launch(
-            KDA,
-            f"{n} speculative sequences, {t} tokens",
-            lambda: kda(*args, out=out),
-            ref=lambda: kda_recurrent_reference(*args)[0],
-            tol=(1e-2, 1.6e-2),  # the plugin's tests: bf16 o, fp32 recurrences in different orders
-        )
-
-    def kda_chunk(self, st: Step) -> None:
-        """The chunked KDA prefill over the step's prefill requests, stage by stage as
-        ``warmreg_kimi_k3.kda_chunk.chunk_kda_prefill`` chains them, between the layer's gather of the initial
-        states from the pool (mixed: zeros without one) and its scatter of the final states back. On the CPU
-        only the L2 norm is checked against its reference: Triton 3.8.0's interpreter multiplies bf16 ``tl.dot``
-        operands as raw bits, so the bf16 chain is checked by the plugin's GPU test instead."""
-        b = st.batch
-        if not b.num_prefills:
-            return
-        (h, dk, dv), nd = self.chunk_hkv, b.num_decodes
-        t = b.tokens - b.decode_tokens
-        q, k, v = self.randn(t, h, dk), self.randn(t, h, dk), self.randn(t, h, dv)
-        raw_g, raw_beta = self.randn(t, h, dk), self.randn(t, h, scale=2.0)
-        cu = (st.qsl[nd:] - st.qsl[nd]).contiguous()
-        n = b.num_prefills
-        slots = torch.randperm(self.pool.shape[0] - 1, generator=self.gen, device=self.dev)[:n].add_(1).to(I32)
-        has_state = torch.rand(n, generator=self.gen, device=self.dev) < 0.5  # continuing chunked prefills
-        initial_state = gather_initial_states_reference(self.pool, slots, has_state)  # [N, H, V, K], as vLLM's
-        l2, gate, intra, wu, hs, out = (self.kernel(name) for name in KDA_CHUNK)
-        what = f"{n} prefill sequences, {t} tokens"
-        chunks, offsets = chunk_metadata(cu)
-        qn = self.launch(KDA_CHUNK[0], what, lambda: l2(q), ref=lambda: l2norm_reference(q), tol=(1e-2, 1.6e-2))
-        kn = self.launch(KDA_CHUNK[0], what, lambda: l2(k))
-        gb = self.launch(
-            KDA_CHUNK[1], what, lambda: gate(raw_g, raw_beta, self.gate[0], self.gate[1], self.gate[2], cu, chunks)
-        )
-        if qn is None or kn is None or gb is None:
-            return
-        g, beta = gb
-        solve = platform_solve_precision(self.plan.platform)  # the planned target's (vLLM: tf32 on sm >= 80)
-        aa = self.launch(
-            KDA_CHUNK[2],
-            what,
-            lambda: intra(qn, kn, g, beta, cu, chunks, safe_gate=self.gate[2] is not None, solve_precision=solve),
-        )
-        wuk = self.launch(KDA_CHUNK[3], what, lambda: wu(kn, v, beta, aa[1], g, cu, chunks)) if aa is not None else None
-        if wuk is None:
-            return
-        hv = self.launch(
-            KDA_CHUNK[4], what, lambda: hs(wuk[2], wuk[0], wuk[1], g, cu, offsets, initial_state, chunks.shape[0])
-        )
-        if hv is None:
-            return
-        self.pool[slots] = hv[2]  # the layer's scatter: recurrent_state[indices] = final_state
-        self.launch(KDA_CHUNK[5], what, lambda: out(qn, hv[1], g, hv[0], aa[0], cu, chunks, out=v))
