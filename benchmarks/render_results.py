@@ -372,6 +372,25 @@ def fidelity_lines() -> list[str]:
     return out + floor_session_table()
 
 
+def _candidate_line(at: dict[str, Any]) -> str:
+    """Each autotuned kernel's candidates in a Kimi-K3 full cold warm: compile seconds beside the other keys, and the
+    benchmark's µs with the candidate the tuning kept (issue 41: may a candidate that never wins be pruned?)."""
+    seconds: dict[str, dict[int, float]] = {}
+    for k in at["cold"]["keys"]:
+        if k.get("candidate") is not None:
+            seconds.setdefault(k["kernel"], {})[int(k["candidate"])] = k["seconds"]
+    bench = {c["kernel"]: c for c in at["cold"].get("tuning", {}).get("choices", [])}
+    out = []
+    for kernel, per in sorted(seconds.items()):
+        us = bench.get(kernel, {}).get("microseconds", {})
+        cells = ", ".join(
+            f"{i}: {per[i]:.2f} s" + (f" / {us[str(i)]:.0f} µs" if str(i) in us else "") for i in sorted(per)
+        )
+        kept = bench.get(kernel, {}).get("config")
+        out.append(f"`{kernel.split('.', 1)[1]}` ({cells}; kept {kept})")
+    return "candidates compiled (s) and benchmarked (µs) in the Kimi-K3 full cold warm: " + "; ".join(out) + "."
+
+
 def floor_session_table() -> list[str]:
     """Issue 41's figures of each device session, per Triton release (files ``*_wave<N>.json``, one session each): the
     launch against the driver's floor, what first launches did, the autotuned example against its critical path and
@@ -397,6 +416,8 @@ def floor_session_table() -> list[str]:
             f"{v['from_pack_prefetched']['wall']:.2f}" if "from_pack_prefetched" in v else "-",
         ]
         rows.append("| " + " | ".join(cells) + " |")
+        if at:
+            parts.append(f"- {tag}: {_candidate_line(at)}")
         if "driver_then_pack_minus_driver_us" in paired:
             shim = (
                 f" (this run's C entry read them through torch's C shim: {med['fast']:.2f} µs; through the getters "
