@@ -618,11 +618,33 @@ def readme_summary() -> str:
             "host µs per launch at T = 1, warmreg's guarded fast launch / Triton's `kernel[grid](...)`, outputs preallocated",
             lambda e: launch(e, "launch_fast_us", "launch_triton_prealloc_us"),
         ),
+        *_issue41_rows(es, row, launch),
         *vllm,
         "",
         "Every run, kernel and table, with the targets each figure is held to: [docs/results.md](docs/results.md).",
     ]
     return "\n".join(out)
+
+
+def _issue41_rows(es: list[dict[str, Any]], row: Callable[..., str], launch: Callable[..., str]) -> list[str]:
+    """The README rows of the figures ``summary.py`` records since issue 41 (the launch against a bare
+    ``cuLaunchKernelEx``, the autotuned Kimi-K3 full example), where some release's entry has them ("-" where not)."""
+    out = []
+    if any(e.get("launch_driver_us") for e in es):
+        out.append(row(
+            "host µs per launch at T = 1, warmreg's guarded fast launch / a bare `cuLaunchKernelEx` of the same kernel",
+            lambda e: launch(e, "launch_fast_us", "launch_driver_us") if e.get("launch_driver_us") else "-",
+        ))  # fmt: skip
+    if any(e.get("kimi_full_cold_s") for e in es):
+        def kimi(e: dict[str, Any]) -> str:
+            if not e.get("kimi_full_cold_s"):
+                return "-"
+            pack = e.get("kimi_full_pack_s")
+            return (f"{e['kimi_full_cold_s']:.2f} / {e['kimi_full_critical_path_s']:.2f}"
+                    + (f" / {pack:.2f}" if pack is not None else " / -"))  # fmt: skip
+
+        out.append(row("Kimi-K3 full example (autotuned), s: cold / its slowest key compiled alone / from its pack", kimi))
+    return out
 
 
 def results_doc() -> str:

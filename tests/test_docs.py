@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -80,3 +81,20 @@ def test_the_license_the_metadata_names_is_in_the_repository() -> None:
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert meta["license"] == {"text": "Apache-2.0"}
     assert "Apache License" in (ROOT / "LICENSE").read_text() and "Version 2.0, January 2004" in (ROOT / "LICENSE").read_text()
+
+
+def test_the_readme_shows_issue_41s_figures_where_a_release_has_them(render: ModuleType) -> None:
+    measured = {"launch_fast_us": 4.85, "launch_driver_us": 3.42, "kimi_full_cold_s": 8.32, "kimi_full_critical_path_s": 6.07}
+    es = [measured, {"launch_fast_us": 4.0}]
+
+    def row(label: str, cell: Any) -> str:
+        return f"| {label} | " + " | ".join(cell(e) for e in es) + " |"
+
+    def launch(e: dict[str, Any], ours: str, theirs: str) -> str:
+        return f"{e[ours]:.1f} / {e[theirs]:.1f} ({e[ours] / e[theirs]:.2f}x)"
+
+    rows = render._issue41_rows(es, row, launch)
+    assert len(rows) == 2
+    assert rows[0].endswith("| 4.8 / 3.4 (1.42x) | - |") and "cuLaunchKernelEx" in rows[0]
+    assert rows[1].endswith("| 8.32 / 6.07 / - | - |")  # no pack figure in that entry
+    assert render._issue41_rows([{"launch_fast_us": 4.0}], row, launch) == []  # no release has them: no rows
