@@ -31,7 +31,7 @@ from .sweep_batch import KINDS, Batch, Limits, Step, make_batch
 
 __all__ = [
     "GROUP", "KINDS", "NORM", "PLATFORM_FIELDS", "SLOTS", "Batch", "KernelStats", "Limits", "Step", "Sweep", "SweepError",
-    "compare", "driver_for", "make_batch", "sweep_drivers",
+    "compare", "driver_for", "make_batch", "run_steps", "sweep_drivers",
 ]  # fmt: skip
 
 log = logging.getLogger("warmreg")
@@ -347,3 +347,27 @@ def driver_for(plan: warmreg.Plan, drivers: Mapping[str, type[Sweep[Any]]] | Non
             fix=f"drive them in {cls.__module__}.{cls.__qualname__} and add them to its drives",
         )
     return cls
+
+
+def run_steps(
+    plan: warmreg.Plan, seed: int, *, device: str = "cpu", max_tokens: int = 3, max_seq_len: int = 16, max_seqs: int = 2
+) -> dict[str, Any]:
+    """One step of each kind (decode with unequal lengths, prefill, mixed) of ``plan``'s driver under the monitor in
+    ``error`` mode, as ``benchmarks/sweep.py`` starts a CPU sweep: a plugin test's sweep of a few tiny steps through
+    Triton's interpreter. Returns the driver's :meth:`Sweep.results` (``step_failures``, ``not_launched``, and per
+    kernel its launches, failures, misses and reference checks).
+
+    :raises SweepError: as :func:`driver_for`, for a plan kernel no driver drives.
+    """
+    driver = driver_for(plan)
+    spec = driver.speculative_tokens(plan.config)
+    dev = torch.device(device)
+    lim = Limits.of(plan.config, cuda=dev.type == "cuda", spec=spec, max_tokens=max_tokens, max_seq_len=max_seq_len, max_seqs=max_seqs)
+    sweep, rng = driver(plan, dev, lim, seed), random.Random(seed)
+    mon = warmreg.arm("error")
+    try:
+        for i, kind in enumerate(KINDS):
+            sweep.step(make_batch(rng, kind, lim, mix_decode=i == 0), i)
+    finally:
+        warmreg.disarm(mon)
+    return sweep.results(mon)

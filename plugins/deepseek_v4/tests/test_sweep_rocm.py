@@ -10,17 +10,15 @@ most three tokens, as the CPU sweep test runs them; a few CPU seconds each.
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from warmreg_deepseek_v4.sweep import DSV4Sweep
 from warmreg_deepseek_v4.sweep_rocm import ROCM_DRIVES
 
 import warmreg
-from warmreg.testing.sweep import KINDS, Limits, driver_for, make_batch
+from warmreg.testing.sweep import driver_for, run_steps
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 
@@ -28,18 +26,8 @@ EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 def _sweep(config: dict[str, Any], target: str, seed: int = 36) -> tuple[warmreg.Plan, dict[str, Any]]:
     """Three steps of the driver on ``target``'s plan, under the monitor in ``error`` mode (as the CPU sweep)."""
     plan = warmreg.plan(config, target=target)
-    driver = driver_for(plan)
-    assert driver is DSV4Sweep
-    spec = driver.speculative_tokens(plan.config)
-    lim = Limits.of(plan.config, cuda=False, spec=spec, max_tokens=3, max_seq_len=16, max_seqs=2)
-    sweep, rng = driver(plan, torch.device("cpu"), lim, seed), random.Random(seed)
-    mon = warmreg.arm("error")
-    try:
-        for i, kind in enumerate(KINDS):
-            sweep.step(make_batch(rng, kind, lim, mix_decode=i == 0), i)
-    finally:
-        warmreg.disarm(mon)
-    return plan, sweep.results(mon)
+    assert driver_for(plan) is DSV4Sweep
+    return plan, run_steps(plan, seed)
 
 
 def _flash(**serving: Any) -> dict[str, Any]:

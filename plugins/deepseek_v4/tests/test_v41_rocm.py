@@ -4,7 +4,6 @@ cross-compiles for gfx942 and gfx950, and the V4.1 sweep on ROCm plans (every pl
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from warmreg_deepseek_v4.v41_rocm_topk_pack import V41RocmTopkPack
 
 import warmreg
 from warmreg.testing import OpCall, RegisterPlugin, assert_warmup_inputs_reproduce, check_out, config_loader
-from warmreg.testing.sweep import KINDS, Limits, driver_for, make_batch
+from warmreg.testing.sweep import driver_for, run_steps
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 example_config = config_loader(EXAMPLES)
@@ -245,19 +244,8 @@ def test_sweep_drives_every_planned_kernel(target: str, mono: bool) -> None:
     at most 16 decode tokens (8 requests, one MTP token each): on gfx942 under ``--monokernel`` every decode batch
     takes the one-launch pack, so the two-launch path is not planned there."""
     plan = warmreg.plan(_config(monokernel=mono, max_num_seqs=8), target=target)
-    driver = driver_for(plan)
-    assert issubclass(driver, DSV4Sweep)
-    lim = Limits.of(
-        plan.config, cuda=False, spec=driver.speculative_tokens(plan.config), max_tokens=3, max_seq_len=16, max_seqs=2
-    )
-    sweep, rng = driver(plan, torch.device("cpu"), lim, 41), random.Random(41)
-    mon = warmreg.arm("error")
-    try:
-        for i, kind in enumerate(KINDS):
-            sweep.step(make_batch(rng, kind, lim, mix_decode=i == 0), i)
-    finally:
-        warmreg.disarm(mon)
-    run = sweep.results(mon)
+    assert issubclass(driver_for(plan), DSV4Sweep)
+    run = run_steps(plan, 41)
     assert run["step_failures"] == [] and run["not_launched"] == [], (run["step_failures"], run["not_launched"])
     rocm = {k.name for k in plan.kernels} & {PACK, META, LENS, PACK2, SEAM}
     want = {PACK, META} if target == "rocm:gfx942" and mono else {META, LENS, PACK2} if mono else {LENS, PACK2}

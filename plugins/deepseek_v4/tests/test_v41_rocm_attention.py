@@ -9,7 +9,6 @@ and against vLLM 0.34's own kernels in ``tests/engines/test_vllm034_kernels_dsv4
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,7 @@ from warmreg_deepseek_v4.v41_rocm_attention import V41RocmDecodePartial, V41Rocm
 
 import warmreg
 from warmreg.testing import RegisterPlugin, assert_warmup_inputs_reproduce, config_loader
-from warmreg.testing.sweep import KINDS, Limits, driver_for, make_batch
+from warmreg.testing.sweep import driver_for, run_steps
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 example_config = config_loader(EXAMPLES)
@@ -134,19 +133,8 @@ def test_sweep_launches_the_decode_against_its_references(target: str) -> None:
     """Three steps (decode, prefill, mixed) of at most three tokens under the monitor in ``error`` mode: every planned kernel
     launched, the decode kernels at least once for each layer kind, matching their references."""
     plan = warmreg.plan(_config(max_num_seqs=4), target=target)
-    driver = driver_for(plan)
-    assert issubclass(driver, DSV4Sweep)
-    lim = Limits.of(
-        plan.config, cuda=False, spec=driver.speculative_tokens(plan.config), max_tokens=3, max_seq_len=16, max_seqs=2
-    )
-    sweep, rng = driver(plan, torch.device("cpu"), lim, 7), random.Random(7)
-    mon = warmreg.arm("error")
-    try:
-        for i, kind in enumerate(KINDS):
-            sweep.step(make_batch(rng, kind, lim, mix_decode=i == 0), i)
-    finally:
-        warmreg.disarm(mon)
-    run = sweep.results(mon)
+    assert issubclass(driver_for(plan), DSV4Sweep)
+    run = run_steps(plan, 7)
     assert run["step_failures"] == [] and run["not_launched"] == [], (run["step_failures"], run["not_launched"])
     for name in _names(plan) & DECODE:
         k = run["kernels"][name]

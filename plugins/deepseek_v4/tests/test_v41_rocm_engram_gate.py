@@ -4,7 +4,6 @@ gate, views, an empty step, errors, out=, warmup inputs), and the plan: which ta
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ from warmreg_deepseek_v4.v41_rocm_engram_gate import (
 
 import warmreg
 from warmreg.testing import OpCall, assert_warmup_inputs_reproduce, check_out, config_loader
-from warmreg.testing.sweep import KINDS, Limits, driver_for, make_batch
+from warmreg.testing.sweep import run_steps
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 example_config = config_loader(EXAMPLES)
@@ -183,18 +182,7 @@ def test_sweep_drives_both_kernels() -> None:
     """Three CPU sweep steps on gfx950 at TP 8: every rank's partials and the finish launch for both engram layers
     under the monitor in ``error`` mode, and match their references."""
     plan = warmreg.plan(_config(max_num_seqs=2), target="rocm:gfx950")
-    driver = driver_for(plan)
-    lim = Limits.of(
-        plan.config, cuda=False, spec=driver.speculative_tokens(plan.config), max_tokens=3, max_seq_len=16, max_seqs=2
-    )
-    sweep, rng = driver(plan, torch.device("cpu"), lim, 37), random.Random(37)
-    mon = warmreg.arm("error")
-    try:
-        for i, kind in enumerate(KINDS):
-            sweep.step(make_batch(rng, kind, lim, mix_decode=i == 0), i)
-    finally:
-        warmreg.disarm(mon)
-    run = sweep.results(mon)
+    run = run_steps(plan, 37)
     assert run["step_failures"] == [] and run["not_launched"] == [], (run["step_failures"], run["not_launched"])
     for name in (PARTIALS, FINISH):
         k = run["kernels"][name]

@@ -5,7 +5,6 @@ and the V4.1 ROCm sweep's launches of it."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from warmreg_deepseek_v4.v41_rocm_gather_k import V41RocmGatherKCache, V41RocmGa
 
 import warmreg
 from warmreg.testing import Allocations, OpCall, RegisterPlugin, assert_warmup_inputs_reproduce, config_loader
-from warmreg.testing.sweep import KINDS, Limits, driver_for, make_batch
+from warmreg.testing.sweep import driver_for, run_steps
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 example_config = config_loader(EXAMPLES)
@@ -213,19 +212,8 @@ def test_sweep_launches_the_gathers_against_the_reference(target: str) -> None:
     """Three steps (decode, prefill, mixed): every prefill step gathers each layer kind's caches, matching the
     reference, with no miss under the monitor in ``error`` mode."""
     plan = warmreg.plan(_config(max_num_seqs=4), target=target)
-    driver = driver_for(plan)
-    assert issubclass(driver, DSV4Sweep)
-    lim = Limits.of(
-        plan.config, cuda=False, spec=driver.speculative_tokens(plan.config), max_tokens=3, max_seq_len=16, max_seqs=2
-    )
-    sweep, rng = driver(plan, torch.device("cpu"), lim, 5), random.Random(5)
-    mon = warmreg.arm("error")
-    try:
-        for i, kind in enumerate(KINDS):
-            sweep.step(make_batch(rng, kind, lim, mix_decode=i == 0), i)
-    finally:
-        warmreg.disarm(mon)
-    run = sweep.results(mon)
+    assert issubclass(driver_for(plan), DSV4Sweep)
+    run = run_steps(plan, 5)
     assert run["step_failures"] == [] and run["not_launched"] == [], (run["step_failures"], run["not_launched"])
     k = run["kernels"][NAME]
     assert k["launches"] >= 3 and k["failures"] == 0 and k["misses"] == 0, k

@@ -4,7 +4,6 @@ aiter's sparse MLA only) and the V4.1 sweep driving it."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from warmreg_deepseek_v4.v41_rocm_inverse_rope_mxfp8 import RocmInverseRopeMxfp8
 
 import warmreg
 from warmreg.testing import OpCall, assert_warmup_inputs_reproduce, check_out, config_loader
-from warmreg.testing.sweep import KINDS, Limits, driver_for, make_batch
+from warmreg.testing.sweep import run_steps
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 example_config = config_loader(EXAMPLES)
@@ -112,18 +111,7 @@ def test_sweep_drives_it() -> None:
     """Three CPU sweep steps on gfx950: the prefill steps' rows launch it under the monitor in ``error`` mode,
     matching the reference."""
     plan = warmreg.plan(_config(max_num_seqs=2), target="rocm:gfx950")
-    driver = driver_for(plan)
-    lim = Limits.of(
-        plan.config, cuda=False, spec=driver.speculative_tokens(plan.config), max_tokens=3, max_seq_len=16, max_seqs=2
-    )
-    sweep, rng = driver(plan, torch.device("cpu"), lim, 38), random.Random(38)
-    mon = warmreg.arm("error")
-    try:
-        for i, kind in enumerate(KINDS):
-            sweep.step(make_batch(rng, kind, lim, mix_decode=i == 0), i)
-    finally:
-        warmreg.disarm(mon)
-    run = sweep.results(mon)
+    run = run_steps(plan, 38)
     assert run["step_failures"] == [] and run["not_launched"] == [], (run["step_failures"], run["not_launched"])
     k = run["kernels"][NAME]
     assert k["launches"] >= 1 and k["failures"] == 0 and k["misses"] == 0, k

@@ -3,7 +3,6 @@ views, errors, the plan per target and setting, a real cross-compile for gfx942,
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ from warmreg_deepseek_v4.v41_rocm_keylist import V41RocmKeylist, keylist_referen
 
 import warmreg
 from warmreg.testing import RegisterPlugin, assert_warmup_inputs_reproduce, config_loader
-from warmreg.testing.sweep import KINDS, Limits, driver_for, make_batch
+from warmreg.testing.sweep import run_steps
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 example_config = config_loader(EXAMPLES)
@@ -135,17 +134,7 @@ def test_sweep_drives_the_key_lists() -> None:
     """gfx942, ``--monokernel``, TP 4, steps of at most 16 decode tokens: the key lists of the decode-only step match
     the reference, and every planned kernel is launched."""
     plan = warmreg.plan(_config(max_num_seqs=8), target="rocm:gfx942")
-    driver = driver_for(plan)
-    spec = driver.speculative_tokens(plan.config)
-    lim = Limits.of(plan.config, cuda=False, spec=spec, max_tokens=3, max_seq_len=16, max_seqs=2)
-    sweep, rng = driver(plan, torch.device("cpu"), lim, 42), random.Random(42)
-    mon = warmreg.arm("error")
-    try:
-        for i, kind in enumerate(KINDS):
-            sweep.step(make_batch(rng, kind, lim, mix_decode=i == 0), i)
-    finally:
-        warmreg.disarm(mon)
-    run = sweep.results(mon)
+    run = run_steps(plan, 42)
     assert run["step_failures"] == [] and run["not_launched"] == [], (run["step_failures"], run["not_launched"])
     k = run["kernels"][NAME]
     assert k["launches"] >= 1 and k["misses"] == 0 and k["failures"] == 0, k

@@ -11,7 +11,6 @@ The kernels themselves are tested in ``test_v41_rocm_gather_k.py``, ``test_v41_c
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from warmreg_deepseek_v4.v41_rocm_attention import register
 
 import warmreg
 from warmreg.testing import OpCall, RegisterPlugin, assert_warmup_inputs_reproduce, config_loader
-from warmreg.testing.sweep import KINDS, Limits, driver_for, make_batch
+from warmreg.testing.sweep import driver_for, run_steps
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 example_config = config_loader(EXAMPLES)
@@ -116,19 +115,8 @@ def test_sweep_prefill_steps_launch_the_in_tree_prefill(target: str) -> None:
     """Three steps (decode, prefill, mixed) under the monitor in ``error`` mode: every planned kernel launched, the
     in-tree prefill's kernels once for each layer kind at least, the first launch of each matching its reference."""
     plan = warmreg.plan(_config(max_num_seqs=4), target=target)
-    driver = driver_for(plan)
-    assert issubclass(driver, DSV4Sweep)
-    lim = Limits.of(
-        plan.config, cuda=False, spec=driver.speculative_tokens(plan.config), max_tokens=3, max_seq_len=16, max_seqs=2
-    )
-    sweep, rng = driver(plan, torch.device("cpu"), lim, 11), random.Random(11)
-    mon = warmreg.arm("error")
-    try:
-        for i, kind in enumerate(KINDS):
-            sweep.step(make_batch(rng, kind, lim, mix_decode=i == 0), i)
-    finally:
-        warmreg.disarm(mon)
-    run = sweep.results(mon)
+    assert issubclass(driver_for(plan), DSV4Sweep)
+    run = run_steps(plan, 11)
     assert run["step_failures"] == [] and run["not_launched"] == [], (run["step_failures"], run["not_launched"])
     for name in IN_TREE | {COUNT, COMPACT}:
         k = run["kernels"][name]

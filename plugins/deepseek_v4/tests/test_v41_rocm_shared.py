@@ -5,7 +5,6 @@ ROCm."""
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +13,7 @@ import torch
 
 import warmreg
 from warmreg.testing import config_loader
-from warmreg.testing.sweep import KINDS, Limits, driver_for, make_batch
+from warmreg.testing.sweep import run_steps
 
 EXAMPLES = Path(__file__).resolve().parents[3] / "examples"
 example_config = config_loader(EXAMPLES)
@@ -84,18 +83,7 @@ def test_sweep_drives_the_engram_ops_on_rocm() -> None:
     """Three CPU sweep steps on gfx942 at TP 1: the decode SWA rows and their compaction, the hash, both layers'
     lookups and gates launch under the monitor in ``error`` mode and match their references."""
     plan = warmreg.plan(_config(max_num_seqs=2, tensor_parallel_size=1), target="rocm:gfx942")
-    driver = driver_for(plan)
-    lim = Limits.of(
-        plan.config, cuda=False, spec=driver.speculative_tokens(plan.config), max_tokens=3, max_seq_len=16, max_seqs=2
-    )
-    sweep, rng = driver(plan, torch.device("cpu"), lim, 41), random.Random(41)
-    mon = warmreg.arm("error")
-    try:
-        for i, kind in enumerate(KINDS):
-            sweep.step(make_batch(rng, kind, lim, mix_decode=i == 0), i)
-    finally:
-        warmreg.disarm(mon)
-    run = sweep.results(mon)
+    run = run_steps(plan, 41)
     assert run["step_failures"] == [] and run["not_launched"] == [], (run["step_failures"], run["not_launched"])
     for name in (SWA, COUNT, COMPACT, HASH, LOOKUP, GATE):
         k = run["kernels"][name]
