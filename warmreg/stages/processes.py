@@ -108,13 +108,14 @@ class Processes(Stage):
         """Compile the misses among the tasks to compile first (after a distributed warm picked this
         rank's share); returns them unchanged, for the compile step."""
         platform = plan.platform
-        misses = []
+        missed = []
         for t in tasks:
             if t.launch is not None:
                 t.in_cache = _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform)
                 if not t.in_cache:
-                    misses.append(t)
-        misses.sort(key=lambda t: _source_size(t.launch[0]), reverse=True)  # the longest compiles first
+                    missed.append((t, t.launch[0]))
+        sizes = {jit: _source_size(jit) for jit in {jit for _, jit in missed}}  # once a kernel: its keys share it
+        misses = [t for t, _ in sorted(missed, key=lambda m: sizes[m[1]], reverse=True)]  # the longest compiles first
         affordable = _affordable_forks() if len(misses) >= MIN_MISSES else 0
         share = self.workers // _ranks_on_this_host()  # the ranks of a job on one host all warm at once
         if affordable >= 2 and share >= 2:
