@@ -177,6 +177,69 @@ def test_local_cache_hash_matches_the_directory_triton_wrote(triton_cache: Path)
     assert (triton_cache / _triton_cache.cache_subdir(local)).is_dir()
 
 
+def _scale_launch(n: int) -> tuple[dict[str, object], dict[str, int]]:
+    x = warmreg.meta((64,), torch.float16)
+    return dict(x_ptr=x, out_ptr=x, n=n, scale=1.0, BLOCK=64), {"num_warps": 2}
+
+
+def test_a_bound_launch_hashes_as_its_decoded_specialization_and_triton_do(triton_cache: Path) -> None:
+    """The hash warm remembers while binding (from the source Triton compiles) equals the one decoded
+    from the serialized specialization (packs, other ranks) and the directory Triton's compile wrote."""
+    kwargs, options = _scale_launch(19)
+    with _triton.cross_target(H100):
+        key, data = _triton_cache.specialize_remembered(_scale_kernel, kwargs, options, H100)
+        assert (key, data) == _triton.specialize(_scale_kernel, kwargs, options)
+        bound = _triton_cache.local_cache_hash(_scale_kernel, data, H100)
+        _triton_cache._hashes.clear()
+        assert _triton_cache.local_cache_hash(_scale_kernel, data, H100) == bound
+        compiled = _triton.warmup(_scale_kernel, (1,), kwargs, options)
+    assert compiled.hash == bound
+
+
+def test_a_hit_loaded_directly_is_the_kernel_tritons_warmup_finds(triton_cache: Path) -> None:
+    """load_hit gives what JITFunction.warmup gives on a disk-cache hit: the same binary and metadata,
+    the compilation listener told (a hit), the kernel in the jit function's in-memory cache under the key."""
+    kwargs, options = _scale_launch(21)
+    heard: list[tuple[bool, str]] = []
+    with _triton.cross_target(H100):
+        key, data = _triton_cache.specialize_remembered(_scale_kernel, kwargs, options, H100)
+        assert _triton_cache.load_hit(_scale_kernel, key, data, H100) is None  # nothing in the cache yet
+        _triton.warmup(_scale_kernel, (1,), kwargs, options)
+        _triton.forget_compiled()
+        found = _triton.warmup(_scale_kernel, (1,), kwargs, options)  # Triton's own hit
+        _triton.forget_compiled()
+        with _triton.compile_listener(lambda hit, metadata: heard.append((hit, metadata["hash"]))):
+            direct = _triton_cache.load_hit(_scale_kernel, key, data, H100)
+        assert _scale_kernel.device_caches[_triton.current_device()][0][key] is direct
+        assert _triton.in_memory(_scale_kernel, key)
+    assert heard == [(True, found.hash)]
+    assert (direct.hash, direct.kernel, direct.metadata, dict(direct.asm)) == (found.hash, found.kernel, found.metadata, dict(found.asm))
+    assert direct.src.signature == found.src.signature and direct.src.constants == found.src.constants
+
+
+def test_a_hit_takes_tritons_own_path_where_a_foreign_hook_must_see_it(triton_cache: Path) -> None:
+    kwargs, options = _scale_launch(23)
+    with _triton.cross_target(H100):
+        key, data = _triton_cache.specialize_remembered(_scale_kernel, kwargs, options, H100)
+        _triton.warmup(_scale_kernel, (1,), kwargs, options)
+        own = _triton.install_compile_hook(lambda request: None)  # the monitor's kind: still direct
+        try:
+            assert _triton_cache.load_hit(_scale_kernel, key, data, H100) is not None
+        finally:
+            _triton.remove_compile_hook(own)
+        for knob, value in (("jit_cache_hook", lambda **kw: None), ("jit_post_compile_hook", lambda **kw: None)):
+            setattr(triton.knobs.runtime, knob, value)
+            try:
+                assert _triton_cache.load_hit(_scale_kernel, key, data, H100) is None, knob
+            finally:
+                setattr(triton.knobs.runtime, knob, None)
+        triton.knobs.compilation.always_compile = True
+        try:
+            assert _triton_cache.load_hit(_scale_kernel, key, data, H100) is None
+        finally:
+            triton.knobs.compilation.always_compile = False
+
+
 def test_interpreted_nested_helpers_and_language_restored() -> None:
     from tests.helpers import Scale
 

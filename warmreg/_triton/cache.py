@@ -21,6 +21,8 @@ from triton.runtime.jit import JITFunction
 
 from ..values.errors import CacheError, WarmregError
 from ..values.platform import Platform
+from .compiler import touch
+from .hooks import only_own_compile_hook
 from .release import RELEASE
 from .target import _device_id, cross_target, current_device, gpu_target
 
@@ -35,9 +37,11 @@ __all__ = [
     "remove_unfinished",
     "import_jit",
     "in_disk_cache",
+    "load_hit",
     "local_cache_hash",
     "memory_kernel",
     "portable_specialization",
+    "specialize_remembered",
     "prefetch_triton_key",
     "ptxas_version",
     "replay",
@@ -234,29 +238,103 @@ def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platf
     the compile step's cache lookups, the pack install), keyed by everything else the hash covers:
     the kernel's source hash and the cache-invalidating environment variables.
     """
-    from triton._C.libtriton import get_cache_invalidating_env_vars
 
-    env = get_cache_invalidating_env_vars()
+    return _resolved(jit, specialization_data, platform)[0]
+
+
+def _resolved(jit: JITFunction, specialization_data: str, platform: Platform) -> tuple[str, Any]:
+    """:func:`local_cache_hash` with the ``ASTSource`` it hashed, remembered for the process."""
+    env = _env()
     memo = (jit, jit.cache_key, specialization_data, platform.target, tuple(sorted(env.items())))
     found = _hashes.get(memo)
     if found is None:
-        if len(_hashes) >= 4096:
-            _hashes.clear()
-        found = _hashes[memo] = _local_cache_hash(jit, specialization_data, platform, env)
+        parts = _sources.pop(memo, None)  # what the warm's binding specialized, not decoded again
+        found = _hashed(*parts, env) if parts is not None else _local_cache_hash(jit, specialization_data, platform, env)
+        _bounded(_hashes)[memo] = found
     return found
 
 
-_hashes: dict[tuple[Any, ...], str] = {}
+_hashes: dict[tuple[Any, ...], tuple[str, Any]] = {}
+_sources: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
 
 
-def _local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform, env: dict[str, Any]) -> str:
-    wait_triton_key()
+def _env() -> dict[str, Any]:
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+
+    return dict(get_cache_invalidating_env_vars())
+
+
+def _bounded(memo: dict[Any, Any]) -> dict[Any, Any]:
+    if len(memo) >= 4096:
+        memo.clear()
+    return memo
+
+
+def _hashed(src: Any, backend: Any, options: Any, env: dict[str, Any]) -> tuple[str, Any]:
+    """The cache hash of what ``compile`` would compile (its ``get_cache_key``), with the source."""
     import hashlib
+
+    from triton.runtime.cache import get_cache_key
+
+    wait_triton_key()
+    return hashlib.sha256(get_cache_key(src, backend, options, env_vars=env).encode("utf-8")).hexdigest(), src
+
+
+def specialize_remembered(jit: JITFunction, kwargs: Any, options: Any, platform: Platform) -> tuple[str, str]:
+    """:func:`warmreg._triton.specialize` of a launch a warm compiles for ``platform`` (inside its compile
+    scope), remembering the source, backend and options Triton would compile from, so that
+    :func:`local_cache_hash` hashes them as they are instead of decoding the specialization (it needs
+    ``triton_key()``, which binding does not wait for)."""
+    from .compiler import specialize_parts
+
+    key, data, backend, parsed, src = specialize_parts(jit, kwargs, options)
+    memo = (jit, jit.cache_key, data, platform.target, tuple(sorted(_env().items())))
+    if memo not in _hashes:
+        _bounded(_sources)[memo] = (src, backend, parsed)
+    return key, data
+
+
+def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str | None, platform: Platform) -> Any:
+    """What ``JITFunction.warmup`` returns for a launch whose binary is in Triton's disk cache, without
+    running it: the ``CompiledKernel`` built from the cache entry :func:`in_disk_cache` found (Triton's
+    ``compile`` on a hit), the compilation listener called, the kernel put in ``jit``'s in-memory cache
+    under ``triton_key`` (``JITFunction._do_compile``). Call it inside the warm's compile scope.
+
+    A warm already bound the launch and hashed its specialization; ``warmup`` would bind and hash it
+    again (0.5 ms a key on the H200 host). ``None`` where Triton's own path must run: no entry, a
+    pre- or post-compile hook other than warmreg's own monitor (it ignores a warm's compiles), or a
+    knob that changes what a hit does (``always_compile``, a stages-inspection hook). Checked:
+    3.6.0, 3.7.1, 3.8.0, 3.9.0.
+    """
+    from triton.compiler.compiler import CompiledKernel, CompileTimer
+    from triton.runtime.cache import get_cache_manager
+
+    knobs = triton.knobs
+    if triton_key is None or specialization_data is None or knobs.compilation.always_compile or knobs.runtime.add_stages_inspection_hook is not None:
+        return None
+    if knobs.runtime.jit_post_compile_hook is not None or not only_own_compile_hook():
+        return None
+    try:
+        binary_hash, src = _resolved(jit, specialization_data, platform)
+    except Exception:  # Triton's own path reports it
+        return None
+    timer = CompileTimer()
+    group = get_cache_manager(binary_hash).get_group(f"{src.name[:150]}.json")
+    if not group or f"{src.name[:150]}.json" not in group:
+        return None
+    kernel = CompiledKernel(src, group, binary_hash)
+    if (listener := knobs.compilation.listener) is not None:
+        listener(src=src, metadata=kernel.metadata._asdict(), metadata_group=group, times=timer.end(), cache_hit=True)
+    jit.device_caches[current_device()][0][triton_key] = kernel
+    touch(jit)
+    return kernel
+
+
+def _local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform, env: dict[str, Any]) -> tuple[str, Any]:
     import json
 
     import triton.language as tl
     from triton.compiler.compiler import ASTSource, make_backend
-    from triton.runtime.cache import get_cache_key
     from triton.runtime.jit import convert_to_tuple_if_list
 
     data = json.loads(portable_specialization(specialization_data))
@@ -276,9 +354,7 @@ def _local_cache_hash(jit: JITFunction, specialization_data: str, platform: Plat
     signature = {k: convert_to_tuple_if_list(v) for k, v in data["signature"].items()}
     backend = make_backend(gpu_target(platform))
     options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
-    src = ASTSource(jit, signature, constexprs, attrs)
-    key = get_cache_key(src, backend, options, env_vars=env)
-    return hashlib.sha256(key.encode("utf-8")).hexdigest()
+    return _hashed(ASTSource(jit, signature, constexprs, attrs), backend, options, env)
 
 
 def _registered_jit(name: str) -> Any:

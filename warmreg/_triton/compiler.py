@@ -24,7 +24,7 @@ from .launchers import is_built, launcher_source, shared_launchers
 from .release import RELEASE
 from .target import _ids_lock, current_device
 
-__all__ = ["async_compile", "builds_on_load", "cache_files", "compile_listener", "finish_load", "forget_compiled", "full_name", "in_memory", "is_future_kernel", "is_jit", "knob", "param_names", "parse_specialization_key", "preimport", "retrying_ast_race", "run_kwargs", "shared_kernel_objects", "source_hash", "specialization_key", "specialize", "warmup"]
+__all__ = ["async_compile", "builds_on_load", "cache_files", "compile_listener", "finish_load", "forget_compiled", "full_name", "in_memory", "is_future_kernel", "is_jit", "knob", "param_names", "parse_specialization_key", "preimport", "retrying_ast_race", "run_kwargs", "shared_kernel_objects", "source_hash", "specialization_key", "specialize", "specialize_parts", "touch", "warmup"]
 
 log = logging.getLogger("warmreg._triton")
 
@@ -37,6 +37,13 @@ def specialize(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str
     hooks report as ``specialization_data`` and what ``JITFunction.preload`` compiles from: packs and
     distributed warms ship it instead of anything pickled.
     """
+    return specialize_parts(jit, kwargs, options)[:2]
+
+
+def specialize_parts(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> tuple[str, str, Any, Any, Any]:
+    """:func:`specialize`'s key and data, with what ``JITFunction._do_compile`` compiles from: the
+    backend, the parsed options and the ``ASTSource``."""
+    from triton.compiler.compiler import ASTSource
     from triton.runtime.jit import serialize_specialization_data
 
     full = run_kwargs(jit, kwargs, options)
@@ -46,7 +53,7 @@ def specialize(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str
     parsed, signature, constexprs, attributes = jit._pack_args(backend, full, bound_args, specialization, opts)
     extra = (target,) if RELEASE.specialization_has_target else ()
     data = serialize_specialization_data(full_name(jit), signature, constexprs, attributes, parsed, key, *extra)
-    return key, str(data)
+    return key, str(data), backend, parsed, ASTSource(jit, signature, constexprs, attributes)
 
 
 def run_kwargs(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> dict[str, Any]:
@@ -176,6 +183,11 @@ def cache_files(compiled: Any) -> dict[str, str]:
 
 
 _touched: weakref.WeakSet[JITFunction] = weakref.WeakSet()
+
+
+def touch(jit: JITFunction) -> None:
+    """Remember that warmreg put kernels in ``jit``'s in-memory cache (:func:`forget_compiled` drops them)."""
+    _touched.add(jit)
 
 
 def warmup(jit: JITFunction, grid: tuple[int, ...], kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> Any:

@@ -6,13 +6,14 @@ Part of the Triton adapter (:mod:`warmreg._triton`); checked against Triton 3.6.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 import triton
 
-__all__ = ["CompileRequest", "HookHandle", "add_load_hook", "get_jit_cache_hook", "install_compile_hook", "load_hooks", "remove_compile_hook", "remove_load_hook", "set_jit_cache_hook", "unwrap_autotuner_bench", "wrap_autotuner_bench"]
+__all__ = ["CompileRequest", "HookHandle", "add_load_hook", "get_jit_cache_hook", "install_compile_hook", "load_hooks", "only_own_compile_hook", "remove_compile_hook", "remove_load_hook", "set_jit_cache_hook", "unwrap_autotuner_bench", "wrap_autotuner_bench"]
 
 log = logging.getLogger("warmreg._triton")
 
@@ -77,8 +78,21 @@ def install_compile_hook(callback: Callable[[CompileRequest], None]) -> HookHand
             )
         return None
 
+    if previous is None or previous in _alone:
+        _alone.add(hook)
     triton.knobs.runtime.jit_cache_hook = hook
     return HookHandle(hook, previous)
+
+
+#: the hooks :func:`install_compile_hook` installed over no foreign hook
+_alone: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()
+
+
+def only_own_compile_hook() -> bool:
+    """Whether Triton's pre-compile hook slot is empty or holds only hooks :func:`install_compile_hook`
+    installed (the JIT monitor, which ignores a warm's own compiles): nothing else needs to see them."""
+    hook = triton.knobs.runtime.jit_cache_hook
+    return hook is None or hook in _alone
 
 
 def remove_compile_hook(handle: HookHandle) -> None:

@@ -61,8 +61,13 @@ def _import_plugins() -> None:
     except Exception as exc:  # the warm's own plan loads them again and reports the problem
         log.debug("prefetch could not import the plugins: %r", exc)
         return
-    # what the first warm of a process computes once, whatever the config: the modules Triton
-    # imports at its first specialization, and each kernel's source hash (an AST walk of its callees)
+    # what the first warm of a process computes once, whatever the config: the warm's own modules
+    # (imported at its first call otherwise), the modules Triton imports at its first specialization,
+    # and each kernel's source hash (an AST walk of its callees)
+    from ..pipeline import run  # noqa: F401
+    from ..stages import compose  # noqa: F401
+    from . import session  # noqa: F401
+
     _triton.preimport()
     for jit in jits.values():
         try:

@@ -21,6 +21,7 @@ from ..contract.kernel import LaunchSpec, TritonKernel, check_no_option_kwargs
 from ..runtime.launch import capture
 from ..values.errors import KernelContractError, WarmregError
 from ..values.key import CompileKey
+from ..values.platform import Platform
 from .planning import KernelPlan
 from .report import KeyResult
 
@@ -53,8 +54,7 @@ class Task:
     def __init__(self, kp: KernelPlan, key: CompileKey) -> None:
         self.kp, self.key = kp, key
         self.status = Status.MEMORY
-        self.seconds = 0.0
-        self.load_seconds = 0.0
+        self.seconds = self.load_seconds = 0.0
         self.error: str | None = None
         self.triton_key: str | None = None
         self.binary_hash: str | None = None
@@ -63,8 +63,7 @@ class Task:
         self.compiled: Any = None
         self.launch: tuple[Any, tuple[int, ...], Any, dict[str, Any]] | None = None
         self.captured: tuple[Any, tuple[int, ...], Any, dict[str, Any]] | None = None
-        self.precompiled = False
-        self.in_cache = False
+        self.precompiled = self.in_cache = False
 
     @property
     def done(self) -> bool:
@@ -104,8 +103,8 @@ class Task:
 class _Binder:
     """The warm session while one key binds: checks the captured spec and specializes it."""
 
-    def __init__(self, task: Task) -> None:
-        self.task = task
+    def __init__(self, task: Task, platform: Platform) -> None:
+        self.task, self.platform = task, platform
 
     def capture(self, kernel: TritonKernel[Any], spec: LaunchSpec[Any]) -> Any:
         task = self.task
@@ -124,7 +123,7 @@ class _Binder:
         jit = kernel.jit_for(spec.key)
         options = kernel.launch_options(spec.key)
         task.jit_name = _triton.full_name(jit)
-        task.triton_key, task.specialization_data = _triton.specialize(jit, spec.kwargs, options)
+        task.triton_key, task.specialization_data = _triton_cache.specialize_remembered(jit, spec.kwargs, options, self.platform)
         # Status before the compile starts: async compiles report through the listener at any time.
         task.to(Status.MEMORY if _triton.in_memory(jit, task.triton_key) else Status.PENDING)
         if callable(spec.grid):
@@ -133,18 +132,18 @@ class _Binder:
         return spec.outputs
 
 
-def _bind(task: Task) -> None:
+def _bind(task: Task, platform: Platform) -> None:
     try:
-        with capture(_Binder(task)):
+        with capture(_Binder(task, platform)):
             task.kp.kernel_for(task.key).launch_for_warm(task.key)
     except Exception as exc:
         task.fail(describe(exc))
 
 
-def bind_all(tasks: list[Task], on_error: OnError, on_done: Callable[[Task], None] | None) -> bool:
-    """Run every task's launch code once; returns whether ``on_error="stop"`` stopped it."""
+def bind_all(tasks: list[Task], platform: Platform, on_error: OnError, on_done: Callable[[Task], None] | None) -> bool:
+    """Run every task's launch code once, for ``platform``; returns whether ``on_error="stop"`` stopped it."""
     for task in tasks:
-        _bind(task)
+        _bind(task, platform)
         if task.status == "failed":
             if on_done is not None:
                 on_done(task)

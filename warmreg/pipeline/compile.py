@@ -35,9 +35,9 @@ _tls = threading.local()
 #: (modules still load on the pool). ``False`` sends hits to the pool too (benchmarks compare both).
 INLINE_HITS = True
 
-def _compile(task: Task) -> None:
-    """The second phase for one key: ``JITFunction.warmup`` of its captured launch (submitted to
-    the pool under the async compile mode, inline otherwise)."""
+def _compile(task: Task, platform: Platform) -> None:
+    """The second phase for one key: ``JITFunction.warmup`` of its captured launch (submitted to the pool under
+    the async compile mode, inline otherwise); a key found in the disk cache loads from there (``load_hit``)."""
     if task.launch is None:
         return
     jit, grid, kwargs, options = task.launch
@@ -45,7 +45,9 @@ def _compile(task: Task) -> None:
     _tls.task = task  # the compile listener reads it (launch code, and so capture, ran in phase one)
     start = time.perf_counter()
     try:
-        task.compiled = _triton.retrying_ast_race(_triton.warmup, jit, grid, kwargs, options)
+        hit = task.status is Status.PENDING and task.in_cache  # bound and hashed once: not again
+        direct = _triton_cache.load_hit(jit, task.triton_key, task.specialization_data, platform) if hit else None
+        task.compiled = direct if direct is not None else _triton.retrying_ast_race(_triton.warmup, jit, grid, kwargs, options)
     except Exception as exc:
         task.fail(describe(exc))
     finally:
@@ -118,17 +120,16 @@ def compile_tasks(
         return
     _triton_cache.wait_triton_key()
     # a key a stage found in the cache, or a compile process put there for this warm, is a hit without looking again
-    hits = INLINE_HITS and all(
-        t.launch and (t.in_cache or t.precompiled or _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform))
-        for t in todo
-    )
+    for t in todo:
+        t.in_cache = t.in_cache or t.precompiled or _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform)  # type: ignore[index]
+    hits = INLINE_HITS and all(t.in_cache for t in todo)
     with _loading(platform, workers, hits) as load:
         if workers <= 1 or hits:
-            _run_serial(todo, on_error, on_done, load)
+            _run_serial(todo, platform, on_error, on_done, load)
         else:
             pool = quiet_pool(workers, "warmreg-compile")  # a Ctrl-C to the process group stops the warm, not ptxas
             try:  # each key loads on the pool as soon as it compiles
-                _run_async(todo, _TimedExecutor(pool, on_done, _triton.current_device() if platform.local else None), on_error, on_done)
+                _run_async(todo, platform, _TimedExecutor(pool, on_done, _triton.current_device() if platform.local else None), on_error, on_done)
             finally:
                 pool.shutdown(wait=True, cancel_futures=True)
             for task in todo:  # and the hits Triton's async mode found inline
@@ -146,10 +147,10 @@ def remove_failed(tasks: list[Task], platform: Platform) -> None:
 
 
 def _run_serial(
-    tasks: list[Task], on_error: OnError, on_done: Callable[[Task], None] | None, load: Callable[[Task], None]
+    tasks: list[Task], platform: Platform, on_error: OnError, on_done: Callable[[Task], None] | None, load: Callable[[Task], None]
 ) -> None:
     for task in tasks:
-        _compile(task)
+        _compile(task, platform)
         if task.status == "pending":
             task.to(Status.COMPILED)
         load(task)
@@ -160,10 +161,10 @@ def _run_serial(
             return
 
 
-def _run_async(tasks: list[Task], executor: Executor, on_error: OnError, on_done: Callable[[Task], None] | None) -> None:
+def _run_async(tasks: list[Task], platform: Platform, executor: Executor, on_error: OnError, on_done: Callable[[Task], None] | None) -> None:
     with _triton.async_compile(executor):
         for task in tasks:
-            _compile(task)
+            _compile(task, platform)
             if on_done is not None and task.status in ("memory", "failed"):  # nothing was submitted
                 on_done(task)
             if task.status == "failed" and on_error == "stop":

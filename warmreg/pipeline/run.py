@@ -66,7 +66,7 @@ def run(
     tasks = [Task(kp, key) for kp, key in plan.items()]
     show = sys.stderr.isatty() if progress is None else progress
     with _progress(show, f"[bold]{verb}[/] {plan.platform} ({workers} workers)", len(tasks)) as on_done, compile_scope(plan.platform):
-        bind_all(tasks, on_error, on_done)
+        bind_all(tasks, plan.platform, on_error, on_done)
         for stage in stages:
             stage.progress = on_done
         for stage in stages:  # every stage runs even after a stop: ranks meet in their collectives
