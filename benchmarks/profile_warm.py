@@ -88,7 +88,19 @@ for attr in ("compile_module_from_src", "compile_module_from_file"):  # 3.6-3.7 
 patch(cc.CompiledKernel, "_init_handles", "init_handles (load)")
 patch(rj.JITFunction, "_do_compile", "_do_compile (submit)")
 patch(wb, "_bind", "warmreg bind (launch code + specialize)")
-patch(_triton, "specialize", "warmreg specialize")
+patch(_triton_cache, "specialize_remembered", "warmreg specialize")
+patch(wc, "load_hit", "warmreg load_hit (a disk-cache hit, directly)")
+from warmreg.runtime import fast as _fast
+patch(_fast, "build", "warmreg fast launch build (key)")
+patch(rehearsal.Rehearse, "_rehearse", "warmreg rehearse (key)") if hasattr(rehearsal.Rehearse, "_rehearse") else None
+if hasattr(nvd, "CudaUtils"):  # the module load itself (cuModuleLoadData), apart from building the launcher
+    _utils = nvd.CudaUtils
+    _orig_init = _utils.__init__
+    def _init(self, *a, **k):
+        _orig_init(self, *a, **k)
+        self.load_binary = timed("cuModuleLoadData (load_binary)", self.load_binary)
+    _utils.__init__ = _init
+patch(nvd, "CudaLauncher", "launcher object (CudaLauncher init)") if hasattr(nvd, "CudaLauncher") else None
 patch(ww, "plan", "warmreg plan")
 patch(wpl, "bind_all", "warmreg bind_all")
 patch(wp.PackInstall, "before_compile", "warmreg pack install")

@@ -281,7 +281,8 @@ def _met(entry: dict[str, Any]) -> dict[str, bool]:
 def summary_table(summary: dict[str, Any]) -> list[str]:
     """One row per Triton release of ``benchmarks/results/summary.json`` (``benchmarks/summary.py``),
     each figure against its target (✓ met, ✗ not)."""
-    out = ["Launch and warm on the H200 (`benchmarks/summary.py`, one run per release; medians: the raw rounds are in the files summary.json names per release; "
+    gpus = " and ".join(sorted({e["machine"]["gpu"] for e in summary.values()}))
+    out = [f"Launch and warm on the {gpus} (`benchmarks/summary.py`, one run per release; medians: the raw rounds are in the files summary.json names per release; "
            "each warm after `warmreg.prefetch()` as an engine calls it, at start-up, unless it says otherwise; cold: the misses compiled in forked processes, "
            "the default, against threads only):", "",
            "| Triton | " + " | ".join(label for _, label, _ in _SUMMARY_COLUMNS) + " | run |",

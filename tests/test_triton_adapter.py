@@ -20,6 +20,7 @@ from warmreg import _triton
 from warmreg._triton import cache as _triton_cache
 from warmreg._triton import interp as _triton_interp
 from warmreg._triton import release as _triton_release
+from warmreg._triton.hits import load_hit
 from warmreg._triton.release import RELEASE
 from warmreg.values.platform import Platform
 
@@ -203,17 +204,23 @@ def test_a_hit_loaded_directly_is_the_kernel_tritons_warmup_finds(triton_cache: 
     heard: list[tuple[bool, str]] = []
     with _triton.cross_target(H100):
         key, data = _triton_cache.specialize_remembered(_scale_kernel, kwargs, options, H100)
-        assert _triton_cache.load_hit(_scale_kernel, key, data, H100) is None  # nothing in the cache yet
+        assert load_hit(_scale_kernel, key, data, H100) is None  # nothing in the cache yet
         _triton.warmup(_scale_kernel, (1,), kwargs, options)
         _triton.forget_compiled()
         found = _triton.warmup(_scale_kernel, (1,), kwargs, options)  # Triton's own hit
         _triton.forget_compiled()
         with _triton.compile_listener(lambda hit, metadata: heard.append((hit, metadata["hash"]))):
-            direct = _triton_cache.load_hit(_scale_kernel, key, data, H100)
+            direct = load_hit(_scale_kernel, key, data, H100)
         assert _scale_kernel.device_caches[_triton.current_device()][0][key] is direct
         assert _triton.in_memory(_scale_kernel, key)
     assert heard == [(True, found.hash)]
+    # the IR texts are read when first asked for; every dict operation sees them all the same
+    assert len(direct.asm) == len(found.asm) >= 5 and all(name in direct.asm for name in found.asm)
+    assert direct.asm["ptx"] == found.asm["ptx"] and direct.asm.get("no such IR") is None
+    with pytest.raises(KeyError):
+        direct.asm["no such IR"]
     assert (direct.hash, direct.kernel, direct.metadata, dict(direct.asm)) == (found.hash, found.kernel, found.metadata, dict(found.asm))
+    assert direct.metadata_group == found.metadata_group
     assert direct.src.signature == found.src.signature and direct.src.constants == found.src.constants
 
 
@@ -224,18 +231,18 @@ def test_a_hit_takes_tritons_own_path_where_a_foreign_hook_must_see_it(triton_ca
         _triton.warmup(_scale_kernel, (1,), kwargs, options)
         own = _triton.install_compile_hook(lambda request: None)  # the monitor's kind: still direct
         try:
-            assert _triton_cache.load_hit(_scale_kernel, key, data, H100) is not None
+            assert load_hit(_scale_kernel, key, data, H100) is not None
         finally:
             _triton.remove_compile_hook(own)
         for knob, value in (("jit_cache_hook", lambda **kw: None), ("jit_post_compile_hook", lambda **kw: None)):
             setattr(triton.knobs.runtime, knob, value)
             try:
-                assert _triton_cache.load_hit(_scale_kernel, key, data, H100) is None, knob
+                assert load_hit(_scale_kernel, key, data, H100) is None, knob
             finally:
                 setattr(triton.knobs.runtime, knob, None)
         triton.knobs.compilation.always_compile = True
         try:
-            assert _triton_cache.load_hit(_scale_kernel, key, data, H100) is None
+            assert load_hit(_scale_kernel, key, data, H100) is None
         finally:
             triton.knobs.compilation.always_compile = False
 

@@ -21,8 +21,6 @@ from triton.runtime.jit import JITFunction
 
 from ..values.errors import CacheError, WarmregError
 from ..values.platform import Platform
-from .compiler import touch
-from .hooks import only_own_compile_hook
 from .release import RELEASE
 from .target import _device_id, cross_target, current_device, gpu_target
 
@@ -37,9 +35,10 @@ __all__ = [
     "remove_unfinished",
     "import_jit",
     "in_disk_cache",
-    "load_hit",
+    "hashed_source",
     "local_cache_hash",
     "memory_kernel",
+    "metadata_filename",
     "portable_specialization",
     "specialize_remembered",
     "prefetch_triton_key",
@@ -215,15 +214,18 @@ def in_disk_cache(jit: JITFunction, specialization_data: str | None, platform: P
     """Whether Triton's disk cache holds this specialization's binary for ``platform`` (its group
     file, which Triton publishes last): what ``compile`` would find instead of compiling. ``False``
     for no specialization or one the local Triton cannot hash (its compile says why)."""
-    from pathlib import Path
-
     if specialization_data is None:
         return False
     try:
-        directory = Path(cache_dir()) / cache_subdir(local_cache_hash(jit, specialization_data, platform))
+        binary_hash, src = hashed_source(jit, specialization_data, platform)
     except Exception:
         return False
-    return any(directory.glob("__grp__*.json"))
+    return os.path.exists(os.path.join(cache_dir(), cache_subdir(binary_hash), f"__grp__{metadata_filename(src)}"))
+
+
+def metadata_filename(src: Any) -> str:
+    """The name of a kernel's metadata file in its cache entry (``compile``: the name cut to 150 characters)."""
+    return f"{src.name[:150]}.json"
 
 
 def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform) -> str:
@@ -239,10 +241,10 @@ def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platf
     the kernel's source hash and the cache-invalidating environment variables.
     """
 
-    return _resolved(jit, specialization_data, platform)[0]
+    return hashed_source(jit, specialization_data, platform)[0]
 
 
-def _resolved(jit: JITFunction, specialization_data: str, platform: Platform) -> tuple[str, Any]:
+def hashed_source(jit: JITFunction, specialization_data: str, platform: Platform) -> tuple[str, Any]:
     """:func:`local_cache_hash` with the ``ASTSource`` it hashed, remembered for the process."""
     env = _env()
     memo = (jit, jit.cache_key, specialization_data, platform.target, tuple(sorted(env.items())))
@@ -292,42 +294,6 @@ def specialize_remembered(jit: JITFunction, kwargs: Any, options: Any, platform:
     if memo not in _hashes:
         _bounded(_sources)[memo] = (src, backend, parsed)
     return key, data
-
-
-def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str | None, platform: Platform) -> Any:
-    """What ``JITFunction.warmup`` returns for a launch whose binary is in Triton's disk cache, without
-    running it: the ``CompiledKernel`` built from the cache entry :func:`in_disk_cache` found (Triton's
-    ``compile`` on a hit), the compilation listener called, the kernel put in ``jit``'s in-memory cache
-    under ``triton_key`` (``JITFunction._do_compile``). Call it inside the warm's compile scope.
-
-    A warm already bound the launch and hashed its specialization; ``warmup`` would bind and hash it
-    again (0.5 ms a key on the H200 host). ``None`` where Triton's own path must run: no entry, a
-    pre- or post-compile hook other than warmreg's own monitor (it ignores a warm's compiles), or a
-    knob that changes what a hit does (``always_compile``, a stages-inspection hook). Checked:
-    3.6.0, 3.7.1, 3.8.0, 3.9.0.
-    """
-    from triton.compiler.compiler import CompiledKernel, CompileTimer
-    from triton.runtime.cache import get_cache_manager
-
-    knobs = triton.knobs
-    if triton_key is None or specialization_data is None or knobs.compilation.always_compile or knobs.runtime.add_stages_inspection_hook is not None:
-        return None
-    if knobs.runtime.jit_post_compile_hook is not None or not only_own_compile_hook():
-        return None
-    try:
-        binary_hash, src = _resolved(jit, specialization_data, platform)
-    except Exception:  # Triton's own path reports it
-        return None
-    timer = CompileTimer()
-    group = get_cache_manager(binary_hash).get_group(f"{src.name[:150]}.json")
-    if not group or f"{src.name[:150]}.json" not in group:
-        return None
-    kernel = CompiledKernel(src, group, binary_hash)
-    if (listener := knobs.compilation.listener) is not None:
-        listener(src=src, metadata=kernel.metadata._asdict(), metadata_group=group, times=timer.end(), cache_hit=True)
-    jit.device_caches[current_device()][0][triton_key] = kernel
-    touch(jit)
-    return kernel
 
 
 def _local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform, env: dict[str, Any]) -> tuple[str, Any]:

@@ -1,11 +1,11 @@
 """Compiling bound keys: in parallel on a bounded pool, each key isolated, each timed; then loading.
 
-Each bound key's captured launch (:mod:`warmreg.pipeline.bind`) becomes ``JITFunction.warmup``, whose
-compiles run on a thread pool through Triton's async compile mode (inline when every key is a hit in
-Triton's disk cache: :data:`INLINE_HITS`). Triton's compilation listener says whether each binary came
-from its disk cache. On the local GPU each binary is loaded (launcher built, module loaded) on a pool
-as soon as it is compiled or found, while the next key compiles, and each key's guarded fast launch
-is prepared (all through the adapter, :mod:`warmreg._triton`).
+Each bound key's captured launch (:mod:`warmreg.pipeline.bind`) becomes ``JITFunction.warmup``, whose compiles run
+on a thread pool through Triton's async compile mode; a key in Triton's disk cache loads from there directly, bound
+and hashed once (inline: when every key is, on the calling thread, :data:`INLINE_HITS`). Triton's compilation listener
+says whether each binary came from its disk cache. On the local GPU each binary is loaded (launcher built, module
+loaded) on a pool as soon as it is compiled or found, while the next key compiles, and each key's guarded fast
+launch is prepared (all through the adapter, :mod:`warmreg._triton`).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any
 
 from .. import _triton
 from .._triton import cache as _triton_cache
+from .._triton.hits import load_hit
 from ..runtime.launch import FAST_LAUNCH, IN_WARMUP, remember_fast_launch
 from ..support.threads import quiet_pool
 from ..values.platform import Platform
@@ -46,7 +47,7 @@ def _compile(task: Task, platform: Platform) -> None:
     start = time.perf_counter()
     try:
         hit = task.status is Status.PENDING and task.in_cache  # bound and hashed once: not again
-        direct = _triton_cache.load_hit(jit, task.triton_key, task.specialization_data, platform) if hit else None
+        direct = load_hit(jit, task.triton_key, task.specialization_data, platform) if hit else None
         task.compiled = direct if direct is not None else _triton.retrying_ast_race(_triton.warmup, jit, grid, kwargs, options)
     except Exception as exc:
         task.fail(describe(exc))
@@ -119,8 +120,7 @@ def compile_tasks(
     if not todo:
         return
     _triton_cache.wait_triton_key()
-    # a key a stage found in the cache, or a compile process put there for this warm, is a hit without looking again
-    for t in todo:
+    for t in todo:  # found in the cache by a stage, or put there for this warm by a compile process: not looked up again
         t.in_cache = t.in_cache or t.precompiled or _triton_cache.in_disk_cache(t.launch[0], t.specialization_data, platform)  # type: ignore[index]
     hits = INLINE_HITS and all(t.in_cache for t in todo)
     with _loading(platform, workers, hits) as load:

@@ -1,0 +1,119 @@
+"""A disk-cache hit loaded directly: what ``JITFunction.warmup`` returns on a hit, without running it.
+
+Part of the Triton adapter, checked against Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0; tested in
+``tests/test_triton_adapter.py``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import triton
+from triton.runtime.jit import JITFunction
+
+from ..values.platform import Platform
+from .cache import hashed_source, metadata_filename
+from .compiler import touch
+from .hooks import only_own_compile_hook
+from .target import current_device
+
+__all__ = ["load_hit"]
+
+
+def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str | None, platform: Platform) -> Any:
+    """What ``JITFunction.warmup`` returns for a launch whose binary is in Triton's disk cache, without
+    running it: the ``CompiledKernel`` of the cache entry (Triton's ``compile`` on a hit), the compilation
+    listener called, the kernel put in ``jit``'s in-memory cache under ``triton_key``
+    (``JITFunction._do_compile``). Call it inside the warm's compile scope.
+
+    A warm already bound the launch and hashed its specialization; ``warmup`` would bind and hash it
+    again (0.5 ms a key on the H200 host). The kernel reads its metadata and binary now, and the text of
+    each intermediate representation (``kernel.asm["ptx"]`` and the like, which a launch never reads)
+    from the entry when first asked for (:class:`_LazyAsm`).
+
+    ``None`` where Triton's own path must run: no entry, a pre- or post-compile hook other than warmreg's
+    own monitor (which ignores a warm's compiles), or a knob that changes what a hit does
+    (``always_compile``, a stages-inspection hook).
+    """
+    from triton.compiler.compiler import CompiledKernel, CompileTimer
+    from triton.runtime.cache import get_cache_manager
+
+    knobs = triton.knobs
+    if triton_key is None or specialization_data is None or knobs.compilation.always_compile:
+        return None
+    if knobs.runtime.add_stages_inspection_hook is not None or knobs.runtime.jit_post_compile_hook is not None:
+        return None
+    if not only_own_compile_hook():
+        return None
+    try:
+        binary_hash, src = hashed_source(jit, specialization_data, platform)
+    except Exception:  # Triton's own path reports it
+        return None
+    timer, name = CompileTimer(), metadata_filename(src)
+    group = get_cache_manager(binary_hash).get_group(name)
+    if not group or name not in group:
+        return None
+    binary = f".{jit.device_caches[current_device()][3].binary_ext}"  # the backend's (cubin, hsaco)
+    later = {Path(path).suffix[1:]: path for child, path in group.items() if not child.endswith((".json", binary))}
+    kernel = CompiledKernel(src, {child: path for child, path in group.items() if child.endswith((".json", binary))}, binary_hash)
+    kernel.metadata_group, kernel.asm = group, _LazyAsm(kernel.asm, later)
+    if (listener := knobs.compilation.listener) is not None:
+        listener(src=src, metadata=kernel.metadata._asdict(), metadata_group=group, times=timer.end(), cache_hit=True)
+    jit.device_caches[current_device()][0][triton_key] = kernel
+    touch(jit)
+    return kernel
+
+
+def _asm_dict() -> type:
+    from triton.compiler.compiler import AsmDict
+
+    return AsmDict  # type: ignore[no-any-return]
+
+
+class _LazyAsm(dict):  # type: ignore[type-arg]
+    """``CompiledKernel.asm`` whose intermediate representations (TTIR, TTGIR, LLIR, PTX: text files, the
+    largest part of an entry) are read from the cache entry when first asked for; every dict operation
+    sees them, as it sees Triton's own ``AsmDict``, whose derived keys (``sass``) it keeps."""
+
+    def __init__(self, loaded: dict[str, Any], later: dict[str, str]) -> None:
+        super().__init__(loaded)
+        self._later, self._derived = dict(later), _asm_dict()(loaded)
+
+    def __missing__(self, key: str) -> Any:
+        path = self._later.pop(key, None)
+        if path is None:
+            value = self._derived[key]  # Triton's own derivation (or its KeyError)
+        else:
+            value = Path(path).read_text()
+        self[key] = value
+        return value
+
+    def _read_all(self) -> None:
+        for key in list(self._later):
+            self[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._later or super().__contains__(key)
+
+    def __len__(self) -> int:
+        return super().__len__() + len(self._later)
+
+    def __iter__(self) -> Any:
+        self._read_all()
+        return super().__iter__()
+
+    def keys(self) -> Any:
+        self._read_all()
+        return super().keys()
+
+    def items(self) -> Any:
+        self._read_all()
+        return super().items()
+
+    def values(self) -> Any:
+        self._read_all()
+        return super().values()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self[key] if key in self else default
