@@ -50,6 +50,8 @@ t = time.perf_counter()
 again = warmreg.warm({config!r}, target={target!r}, workers={workers}, on_error="continue", progress=False)
 print(json.dumps({{"wall": wall, "again_wall": time.perf_counter() - t, "already_warm": again.already_warm,
                    "rehearsed": r.stage("rehearsal").get("launched", 0), "rehearsal_seconds": r.stage("rehearsal").get("seconds", 0.0),
+                   "rehearsal_synchronize_seconds": r.stage("rehearsal").get("synchronize_seconds", 0.0),
+                   "rehearsal_slowest": r.stage("rehearsal").get("slowest", []),
                    "processes": r.stage("processes").get("processes", 0), "processes_seconds": r.stage("processes").get("seconds", 0.0),
                    "plan_seconds": r.plan_seconds, "keys": r.declared, "kernels": len(r.per_kernel()), "pack": r.stage("pack").get("summary"),
                    "compiled": r.compiled, "from_cache": r.from_cache, "failed": len(r.failed),

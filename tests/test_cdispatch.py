@@ -295,6 +295,9 @@ def test_gpu_warm_rehearses_every_key_once() -> None:
 
     report = warmreg_warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False)
     assert report.stage("rehearsal").get("launched", 0) == report.declared == 3 and report.stage("rehearsal").get("seconds", 0.0) > 0
+    section = report.stage("rehearsal")
+    assert 0 < section["synchronize_seconds"] < section["seconds"] and len(section["slowest"]) == 3
+    assert {row[0] for row in section["slowest"]} == {"tests.scale"} and all(row[2] > 0 for row in section["slowest"])
     assert warmreg_warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False, rehearse=False).stage("rehearsal").get("launched", 0) == 0
 
     class Unsafe(Scale):
@@ -316,3 +319,25 @@ def test_gpu_a_second_warm_of_the_same_plan_is_already_warm() -> None:
     third = warmreg.warm(CONFIG, plugins=[Plugin(Scale())], entry_points=False)
     assert not third.already_warm and len(FAST_TABLES[Scale.name]) == third.declared
 
+
+
+def test_the_rehearsal_section_lists_the_slowest_keys_by_host_time() -> None:
+    """Each rehearsed key's host time is kept; the report lists the slowest few, slowest first (CPU: the
+    interpreter launches), and a key whose inputs launch another key is skipped with why, untimed."""
+    import attrs
+
+    from tests.helpers import Scale
+    from warmreg.stages import rehearsal
+
+    kernel, stage = Scale(), rehearsal.Rehearse()
+    keys = [kernel.dispatch(x=torch.empty(n, dtype=torch.float16), block=64) for n in (1, 17)]
+    for key in keys:
+        stage._rehearse(kernel.name, kernel, key, torch.device("cpu"))
+    other = attrs.evolve(keys[0], block=128)  # its inputs launch block 128 with 4 warps: not this key (2 warps)
+    stage._rehearse(kernel.name, kernel, other, torch.device("cpu"))
+    assert stage.launched == 2 and [s[0] for s in stage.skipped] == [kernel.name] and "its inputs launch" in stage.skipped[0][2]
+    assert [row[1] for row in stage.per_key] == [str(key) for key in keys] and all(row[2] > 0 for row in stage.per_key)
+    stage.per_key.extend((f"k{i}", "key", float(i)) for i in range(10))
+    slowest = stage.section()["slowest"]
+    assert len(slowest) == rehearsal.SLOWEST and [row[2] for row in slowest] == sorted((row[2] for row in slowest), reverse=True)
+    assert slowest[0] == ["k9", "key", 9.0]

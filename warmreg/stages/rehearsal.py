@@ -32,13 +32,15 @@ if TYPE_CHECKING:
     from ..pipeline.bind import Task
     from ..pipeline.planning import Plan
 
-__all__ = ["Rehearse"]
+__all__ = ["SLOWEST", "Rehearse"]
 
 log = logging.getLogger("warmreg.stages.rehearsal")
 
 #: Launches of each key after the contract check: CPython 3.12+ specializes bytecode at its 2nd run,
 #: 3.11 only once a function's 8th call quickened it (``QUICKENING_WARMUP_DELAY``); 3.10 never.
 _RUNS = 9 if sys.version_info[:2] == (3, 11) else 2
+#: The slowest rehearsed keys the report lists (kernel, key, host seconds).
+SLOWEST = 8
 
 
 class Rehearse(Stage):
@@ -46,7 +48,9 @@ class Rehearse(Stage):
 
     :ivar launched: keys launched (a tuned kernel's tuning key counts once: its chosen candidate).
     :ivar skipped: ``(kernel, key, why)`` of keys not rehearsed.
-    :ivar seconds: time spent, the final synchronize included.
+    :ivar seconds: time spent, the final synchronize included (``synchronize_seconds``: that alone).
+    :ivar per_key: ``(kernel, key, seconds)`` of each key rehearsed: the host time of its inputs and launches
+        (the GPU's share shows in the final synchronize); the report keeps the slowest (:data:`SLOWEST`).
     """
 
     name = "rehearsal"
@@ -54,7 +58,8 @@ class Rehearse(Stage):
     def __init__(self) -> None:
         self.launched = 0
         self.skipped: list[tuple[str, str, str]] = []
-        self.seconds = 0.0
+        self.per_key: list[tuple[str, str, float]] = []
+        self.seconds = self.synchronize_seconds = 0.0
 
     @classmethod
     def for_plan(cls, plan: Plan) -> Rehearse | None:
@@ -62,13 +67,15 @@ class Rehearse(Stage):
         return cls() if plan.platform.local else None
 
     def section(self) -> dict[str, Any]:
-        """The keys launched, those skipped with why, and the time it took."""
-        return {"launched": self.launched, "skipped": [list(s) for s in self.skipped], "seconds": self.seconds}
+        """The keys launched, those skipped with why, the time it took, and where the time went."""
+        slowest = sorted(self.per_key, key=lambda row: -row[2])[:SLOWEST]
+        return {
+            "launched": self.launched, "skipped": [list(s) for s in self.skipped], "seconds": self.seconds,
+            "synchronize_seconds": self.synchronize_seconds, "slowest": [list(row) for row in slowest],
+        }  # fmt: skip
 
     def after_load(self, plan: Plan, tasks: list[Task]) -> None:
         import torch
-
-        from ..runtime.launch import capture
 
         start = time.perf_counter()
         device = _triton.torch_device()
@@ -82,19 +89,28 @@ class Rehearse(Stage):
             if (task.kp.name, key) in done or not getattr(kernel, "rehearse", True):
                 continue
             done.add((task.kp.name, key))
-            try:
-                inputs = kernel.tuning_inputs(key, device)
-                launcher = getattr(kernel, kernel.launcher)
-                with capture() as probe:
-                    launcher(**inputs)
-                if probe.key != key:
-                    self.skipped.append((task.kp.name, str(key), f"its inputs launch {probe.key}"))
-                    continue
-                for _ in range(_RUNS):
-                    launcher(**inputs)
-                self.launched += 1
-            except Exception as exc:  # inputs the launch code refuses: the key serves as it is
-                log.warning("no rehearsal of %s %s: %s", task.kp.name, key, exc)
-                self.skipped.append((task.kp.name, str(key), f"{type(exc).__name__}: {exc}"))
+            self._rehearse(task.kp.name, kernel, key, device)
+        synchronize = time.perf_counter()
         torch.cuda.synchronize(device)  # a kernel that faults on its rehearsal fails the warm here
-        self.seconds = time.perf_counter() - start
+        self.seconds, self.synchronize_seconds = time.perf_counter() - start, time.perf_counter() - synchronize
+
+    def _rehearse(self, name: str, kernel: Any, key: Any, device: Any) -> None:
+        """Launch one key on its tuning inputs: once captured (its inputs must give back the key), then ``_RUNS`` times."""
+        from ..runtime.launch import capture
+
+        start = time.perf_counter()
+        try:
+            inputs = kernel.tuning_inputs(key, device)
+            launcher = getattr(kernel, kernel.launcher)
+            with capture() as probe:
+                launcher(**inputs)
+            if probe.key != key:
+                self.skipped.append((name, str(key), f"its inputs launch {probe.key}"))
+                return
+            for _ in range(_RUNS):
+                launcher(**inputs)
+            self.launched += 1
+            self.per_key.append((name, str(key), time.perf_counter() - start))
+        except Exception as exc:  # inputs the launch code refuses: the key serves as it is
+            log.warning("no rehearsal of %s %s: %s", name, key, exc)
+            self.skipped.append((name, str(key), f"{type(exc).__name__}: {exc}"))
