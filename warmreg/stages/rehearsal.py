@@ -58,7 +58,7 @@ class Rehearse(Stage):
     def __init__(self) -> None:
         self.launched = 0
         self.skipped: list[tuple[str, str, str]] = []
-        self.per_key: list[tuple[str, str, float]] = []
+        self.per_key: list[tuple[str, Any, float]] = []
         self.seconds = self.synchronize_seconds = 0.0
 
     @classmethod
@@ -71,7 +71,7 @@ class Rehearse(Stage):
         slowest = sorted(self.per_key, key=lambda row: -row[2])[:SLOWEST]
         return {
             "launched": self.launched, "skipped": [list(s) for s in self.skipped], "seconds": self.seconds,
-            "synchronize_seconds": self.synchronize_seconds, "slowest": [list(row) for row in slowest],
+            "synchronize_seconds": self.synchronize_seconds, "slowest": [[name, str(key), s] for name, key, s in slowest],
         }  # fmt: skip
 
     def after_load(self, plan: Plan, tasks: list[Task]) -> None:
@@ -110,7 +110,7 @@ class Rehearse(Stage):
             for _ in range(_RUNS):
                 launcher(**inputs)
             self.launched += 1
-            self.per_key.append((name, str(key), time.perf_counter() - start))
+            self.per_key.append((name, key, time.perf_counter() - start))  # the key named only if among the slowest
         except Exception as exc:  # inputs the launch code refuses: the key serves as it is
             log.warning("no rehearsal of %s %s: %s", name, key, exc)
             self.skipped.append((name, str(key), f"{type(exc).__name__}: {exc}"))
