@@ -23,7 +23,10 @@ raw rounds in its own results file:
 The entry holds the medians the issue names (microseconds, seconds) and the file each came from.
 ``benchmarks/render_results.py`` renders the README's summary table from it.
 
-    python benchmarks/summary.py --pack flash-cuda90.tar.gz [--kimi-pack kimi-full-cuda90.tar.gz] [--only launch,first,keys,warm,autotune,sweep]
+Without ``--fresh`` a run updates the figures of the steps it ran and keeps the entry's others (a release's steps
+split over several commands); with it the entry starts empty (a new summary of record: run every step).
+
+    python benchmarks/summary.py --pack flash-cuda90.tar.gz [--kimi-pack kimi-full-cuda90.tar.gz] [--only launch,first,keys,warm,autotune,sweep] [--fresh]
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ def main() -> None:
     ap.add_argument("--only", default="launch,first,keys,warm,autotune,sweep", help="comma-separated: launch, first, keys, warm, autotune, sweep")
     ap.add_argument("--step-timeout", type=float, default=300.0)
     ap.add_argument("--warm-rounds", type=int, default=5, help="processes for each headline warm time (cold, warm cache, pack): the median")
+    ap.add_argument("--fresh", action="store_true", help="start this release's entry empty (default: update the steps run, keep the rest)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("summary.py measures on a CUDA GPU")
@@ -82,7 +86,7 @@ def main() -> None:
     tag = f"{gpu}_{release}"
     only = set(args.only.split(","))
     summary = json.loads(SUMMARY.read_text()) if SUMMARY.exists() else {}
-    entry: dict[str, Any] = dict(summary.get(release, {}))
+    entry: dict[str, Any] = {} if args.fresh else dict(summary.get(release, {}))
     entry.update(machine=machine(), command=" ".join([Path(sys.executable).name, *sys.argv]), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
     files = dict(entry.get("files", {}))
     py = sys.executable
