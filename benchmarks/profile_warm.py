@@ -92,7 +92,7 @@ patch(_triton_cache, "specialize_remembered", "warmreg specialize")
 patch(wc, "load_hit", "warmreg load_hit (a disk-cache hit, directly)")
 from warmreg.runtime import fast as _fast
 patch(_fast, "build", "warmreg fast launch build (key)")
-patch(rehearsal.Rehearse, "_rehearse", "warmreg rehearse (key)") if hasattr(rehearsal.Rehearse, "_rehearse") else None
+patch(rehearsal.Rehearse, "_rehearse", "warmreg rehearse (key)")
 if hasattr(nvd, "CudaUtils"):  # the module load itself (cuModuleLoadData), apart from building the launcher
     _utils = nvd.CudaUtils
     _orig_init = _utils.__init__
@@ -100,7 +100,8 @@ if hasattr(nvd, "CudaUtils"):  # the module load itself (cuModuleLoadData), apar
         _orig_init(self, *a, **k)
         self.load_binary = timed("cuModuleLoadData (load_binary)", self.load_binary)
     _utils.__init__ = _init
-patch(nvd, "CudaLauncher", "launcher object (CudaLauncher init)") if hasattr(nvd, "CudaLauncher") else None
+if hasattr(nvd, "CudaLauncher"):  # the launcher object apart from its module (3.6: built from C)
+    patch(nvd, "CudaLauncher", "launcher object (CudaLauncher init)")
 patch(ww, "plan", "warmreg plan")
 patch(wpl, "bind_all", "warmreg bind_all")
 patch(wp.PackInstall, "before_compile", "warmreg pack install")

@@ -215,6 +215,7 @@ def test_a_hit_loaded_directly_is_the_kernel_tritons_warmup_finds(triton_cache: 
         assert _triton.in_memory(_scale_kernel, key)
     assert heard == [(True, found.hash)]
     # the IR texts are read when first asked for; every dict operation sees them all the same
+    assert isinstance(direct.asm, type(found.asm))  # Triton's AsmDict, as on Triton's own hit
     assert len(direct.asm) == len(found.asm) >= 5 and all(name in direct.asm for name in found.asm)
     assert direct.asm["ptx"] == found.asm["ptx"] and direct.asm.get("no such IR") is None
     with pytest.raises(KeyError):

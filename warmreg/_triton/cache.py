@@ -240,7 +240,6 @@ def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platf
     the compile step's cache lookups, the pack install), keyed by everything else the hash covers:
     the kernel's source hash and the cache-invalidating environment variables.
     """
-
     return hashed_source(jit, specialization_data, platform)[0]
 
 

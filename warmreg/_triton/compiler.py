@@ -192,7 +192,7 @@ def touch(jit: JITFunction) -> None:
 
 def warmup(jit: JITFunction, grid: tuple[int, ...], kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> Any:
     """Compile without launching (``JITFunction.warmup``); returns a CompiledKernel or FutureKernel."""
-    _touched.add(jit)
+    touch(jit)
     return jit.warmup(grid=grid, **kwargs, **options)
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import triton
+from triton.compiler.compiler import AsmDict
 from triton.runtime.jit import JITFunction
 
 from ..values.platform import Platform
@@ -65,28 +66,20 @@ def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str 
     return kernel
 
 
-def _asm_dict() -> type:
-    from triton.compiler.compiler import AsmDict
-
-    return AsmDict  # type: ignore[no-any-return]
-
-
-class _LazyAsm(dict):  # type: ignore[type-arg]
+class _LazyAsm(AsmDict):
     """``CompiledKernel.asm`` whose intermediate representations (TTIR, TTGIR, LLIR, PTX: text files, the
     largest part of an entry) are read from the cache entry when first asked for; every dict operation
-    sees them, as it sees Triton's own ``AsmDict``, whose derived keys (``sass``) it keeps."""
+    sees them, and Triton's own ``AsmDict`` derives the rest (``sass``)."""
 
     def __init__(self, loaded: dict[str, Any], later: dict[str, str]) -> None:
         super().__init__(loaded)
-        self._later, self._derived = dict(later), _asm_dict()(loaded)
+        self._later = dict(later)
 
     def __missing__(self, key: str) -> Any:
         path = self._later.pop(key, None)
         if path is None:
-            value = self._derived[key]  # Triton's own derivation (or its KeyError)
-        else:
-            value = Path(path).read_text()
-        self[key] = value
+            return super().__missing__(key)  # Triton's own derivation (or its KeyError)
+        value = self[key] = Path(path).read_text()
         return value
 
     def _read_all(self) -> None:
