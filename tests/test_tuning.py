@@ -157,6 +157,29 @@ def test_default_tuning_inputs_are_the_warmup_inputs_made_real() -> None:
     assert inputs["x"].device.type == "cpu" and inputs["x"].shape == (100,) and not inputs["x"].any()
 
 
+def test_default_tuning_inputs_are_zero_bytes_of_any_dtype_with_the_meta_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every dtype is made real as zero bytes viewed as it (one torch kernel, a byte fill, whatever the dtypes:
+    torch loads a kernel at its first use), over a storage of the meta tensor's size, so that its strides and
+    storage offset (its alignment) are the ones the key was specialized for."""
+    base = warmreg.meta((4, 9), torch.float32)
+    metas = {
+        "f32_view": base[1:, 1:], "bf16": warmreg.meta((3, 5), torch.bfloat16), "i64": warmreg.meta((7,), torch.int64),
+        "fp8": warmreg.meta((16,), torch.float8_e4m3fn), "flag": warmreg.meta((3,), torch.bool), "empty": warmreg.meta((0,), torch.int32),
+    }  # fmt: skip
+    kernel = TunedDouble()
+    monkeypatch.setattr(kernel, "warmup_inputs", lambda key: {**metas, "n": 3})
+    made: list[torch.dtype] = []
+    zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, **kw: made.append(kw["dtype"]) or zeros(*a, **kw))
+    inputs = kernel.tuning_inputs(TunedKey(dtype="float32"), torch.device("cpu"))
+    assert set(made) == {torch.uint8} and inputs["n"] == 3
+    for name, meta in metas.items():
+        real = inputs[name]
+        assert (real.dtype, real.shape, real.stride(), real.storage_offset()) == (meta.dtype, meta.shape, meta.stride(), meta.storage_offset()), name
+        assert real.untyped_storage().nbytes() == max(meta.untyped_storage().nbytes(), meta.element_size()), name
+        assert not real.float().any() if real.numel() else True, name
+
+
 def test_a_tuned_kernel_whose_key_has_no_config_field_is_refused() -> None:
     @attrs.frozen(kw_only=True)
     class NoConfig(warmreg.CompileKey):

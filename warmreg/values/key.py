@@ -204,9 +204,7 @@ class CompileKey:
         if type(self) is not type(other):
             return (FieldDiff("<type>", self.type_name(), other.type_name()),)
         return tuple(
-            FieldDiff(name, value, getattr(other, name))
-            for name, value in self.fields().items()
-            if value != getattr(other, name)
+            FieldDiff(name, value, getattr(other, name)) for name, value in self.fields().items() if value != getattr(other, name)
         )
 
     def __str__(self) -> str:

@@ -11,6 +11,7 @@ program in numpy.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from pathlib import Path
 from typing import Any
@@ -429,3 +430,54 @@ def test_stage_out_tuples_and_the_workspace_are_checked() -> None:
         call(out=(aqk,))
     with pytest.raises(warmreg.LaunchError, match="workspace is "):
         call(out=(aqk, akk), workspace=torch.empty(aqk.shape, dtype=torch.bfloat16))
+
+
+#: What building a tuning batch may run on its device: fresh byte buffers, their zero fill, copies of the metadata
+#: built on the host, and views.
+_TUNING_DEVICE_OPS = {"aten.zeros.default", "aten.empty.memory_format", "aten._to_copy.default", "aten.view.dtype",
+                      "aten.view.default", "aten.slice.Tensor", "aten.select.int", "aten.detach.default"}  # fmt: skip
+
+
+@pytest.mark.parametrize("stage", STAGES, ids=NAMES)
+def test_the_tuning_batch_launches_the_tuning_key_from_byte_zeros_and_host_metadata(stage: Any) -> None:
+    """A stage's tuning inputs (what warm benchmarks its candidates on, and what its rehearsal launches, the first
+    use of them in a warm from a pack) give back its tuning key over the tuning batch's real chunk metadata, and
+    run nothing on the device but byte fills, copies of that host-built metadata and views: torch loads each of
+    its kernels at its first use in a process (randn, a cast, normalize, cumsum, repeat_interleave: 0.16 s in all
+    on an H100, measured), which such a warm would otherwise pay."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    class DeviceOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: set[str] = set()
+            self.fills: set[torch.dtype] = set()
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            made = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+            if made:
+                self.ops.add(str(func))
+                if str(func) == "aten.zeros.default":
+                    self.fills.update(t.dtype for t in made)
+            return out
+
+    plan = warmreg.plan(_example("kimi_k3.json", kda_prefill_backend="triton"), target="cuda:90")
+    key = attrs_evolve_none(next(iter(plan.kernel(stage.name).keys)))
+    kernel = plan.kernel(stage.name).kernel_for(key)
+    with DeviceOps() as device:
+        kernel.tuning_inputs(key, torch.device("meta"))
+    assert device.ops <= _TUNING_DEVICE_OPS, device.ops - _TUNING_DEVICE_OPS
+    assert device.fills <= {torch.uint8}
+    inputs = kernel.tuning_inputs(key, torch.device("cpu"))
+    lens = tuning_lengths(kernel.max_num_batched_tokens)
+    if "cu_seqlens" in inputs:
+        want_chunks, want_offsets = chunk_metadata(torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32))
+        assert inputs["cu_seqlens"].tolist() == [0, *torch.tensor(lens).cumsum(0).tolist()]
+        assert torch.equal(inputs.get("chunk_indices", want_chunks), want_chunks)
+        assert torch.equal(inputs.get("chunk_offsets", want_offsets), want_offsets)
+    data = [v for name, v in inputs.items() if isinstance(v, torch.Tensor) and v.is_floating_point() and name != "out"]
+    assert data and all(not v.any() for v in data)
+    spec = inspect.unwrap(getattr(type(kernel), kernel.launcher))(kernel, **inputs)
+    assert attrs_evolve_none(spec.key) == key

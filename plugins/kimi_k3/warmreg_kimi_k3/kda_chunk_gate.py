@@ -29,7 +29,7 @@ import triton.language as tl
 import warmreg
 
 from .kda import kda_gate, kda_gate_reference
-from .kda_chunk_base import CHUNK_SIZE, ChunkStage, chunk_rows, meta_chunks
+from .kda_chunk_base import CHUNK_SIZE, ChunkStage, chunk_rows, meta_chunks, tuning_tensor
 
 __all__ = ["GATE_TUNE_CONFIGS", "KDAChunkGate", "KDAChunkGateKey", "chunk_gate_reference"]
 
@@ -153,12 +153,7 @@ class KDAChunkGate(ChunkStage[KDAChunkGateKey]):
 
     def tuning_inputs(self, key: KDAChunkGateKey, device: torch.device) -> Mapping[str, Any]:
         batch = self.tuning_batch(device)
-
-        def make(shape: tuple[int, ...], dtype: torch.dtype, offset: int) -> torch.Tensor:
-            flat = torch.randn(offset + int(torch.tensor(shape).prod()), device=device).to(dtype)
-            return flat[offset:].view(shape)
-
-        inputs = self._inputs(key, batch["tokens"], make)
+        inputs = self._inputs(key, batch["tokens"], lambda shape, dtype, offset: tuning_tensor(shape, dtype, device, offset))
         return {**inputs, "cu_seqlens": batch["cu_seqlens"], "chunk_indices": batch["chunk_indices"]}
 
     @warmreg.kernel_launcher

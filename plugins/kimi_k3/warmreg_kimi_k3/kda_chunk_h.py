@@ -33,7 +33,7 @@ import triton.language as tl
 import warmreg
 
 from .backends import RECURRENT_STATE_DTYPE
-from .kda_chunk_base import CHUNK_SIZE, ChunkStage, meta_chunks
+from .kda_chunk_base import CHUNK_SIZE, ChunkStage, meta_chunks, tuning_tensor
 
 __all__ = ["H_TUNE_CONFIGS", "MAX_HEAD_K_DIM", "KDAChunkH", "KDAChunkHKey", "chunk_h_reference"]
 
@@ -245,8 +245,7 @@ class KDAChunkH(ChunkStage[KDAChunkHKey]):
         seqs = batch["cu_seqlens"].shape[0] - 1
 
         def make(shape: tuple[int, ...], dtype: torch.dtype, offset: int) -> torch.Tensor:
-            flat = -0.1 * torch.rand(offset + int(torch.tensor(shape).prod()), device=device)  # g <= 0, small values
-            return flat[offset:].view(shape).to(dtype)
+            return tuning_tensor(shape, dtype, device, offset)
 
         return {
             **self._inputs(key, batch["tokens"], seqs, make), "cu_seqlens": batch["cu_seqlens"],

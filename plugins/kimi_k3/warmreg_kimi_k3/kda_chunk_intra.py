@@ -41,7 +41,7 @@ import triton.language as tl
 
 import warmreg
 
-from .kda_chunk_base import CHUNK_SIZE, SUB_CHUNK, ChunkStage, chunk_rows, meta_chunks
+from .kda_chunk_base import CHUNK_SIZE, SUB_CHUNK, ChunkStage, chunk_rows, meta_chunks, tuning_tensor
 
 __all__ = [
     "INTRA_TUNE_CONFIGS",
@@ -404,10 +404,10 @@ class KDAChunkIntra(ChunkStage[KDAChunkIntraKey]):
     def tuning_inputs(self, key: KDAChunkIntraKey, device: torch.device) -> Mapping[str, Any]:
         batch = self.tuning_batch(device)
         shape, dt = (batch["tokens"], key.num_heads, key.head_dim), getattr(torch, key.dtype)
-        unit = torch.nn.functional.normalize(torch.randn(2, *shape, device=device), dim=-1).to(dt)
         return {
-            "q": unit[0], "k": unit[1], "g": -0.1 * torch.rand(shape, device=device).cumsum(0),  # decays, <= 0
-            "beta": torch.rand(shape[:2], device=device), "cu_seqlens": batch["cu_seqlens"],
+            "q": tuning_tensor(shape, dt, device), "k": tuning_tensor(shape, dt, device),
+            "g": tuning_tensor(shape, torch.float32, device), "beta": tuning_tensor(shape[:2], torch.float32, device),
+            "cu_seqlens": batch["cu_seqlens"],
             "chunk_indices": batch["chunk_indices"], "safe_gate": key.safe_gate, "solve_precision": key.solve_precision,
         }  # fmt: skip
 

@@ -25,7 +25,7 @@ import triton.language as tl
 import warmreg
 
 from .kda import L2NORM_EPS
-from .kda_chunk_base import ChunkStage
+from .kda_chunk_base import ChunkStage, tuning_tensor
 
 __all__ = ["ROWS_PER_PROGRAM", "KDAChunkL2Norm", "KDAChunkL2NormKey", "l2norm_reference"]
 
@@ -86,7 +86,7 @@ class KDAChunkL2Norm(ChunkStage[KDAChunkL2NormKey]):
 
     def tuning_inputs(self, key: KDAChunkL2NormKey, device: torch.device) -> Mapping[str, Any]:
         tokens = self.tuning_batch(device)["tokens"]
-        return {"x": torch.randn(tokens, self.num_heads, key.head_dim, device=device).to(getattr(torch, key.dtype))}
+        return {"x": tuning_tensor((tokens, self.num_heads, key.head_dim), getattr(torch, key.dtype), device)}
 
     @warmreg.kernel_launcher
     def __call__(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> warmreg.LaunchSpec[KDAChunkL2NormKey]:

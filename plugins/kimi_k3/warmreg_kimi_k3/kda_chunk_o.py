@@ -15,6 +15,7 @@ gives no ``out``), so that buffer's alignment is a key field.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar
 
@@ -25,7 +26,7 @@ import triton.language as tl
 
 import warmreg
 
-from .kda_chunk_base import CHUNK_SIZE, ChunkStage, chunk_rows, meta_chunks
+from .kda_chunk_base import CHUNK_SIZE, ChunkStage, chunk_rows, meta_chunks, tuning_tensor
 
 __all__ = ["O_TUNE_CONFIGS", "KDAChunkO", "KDAChunkOKey", "chunk_o_reference"]
 
@@ -153,12 +154,12 @@ class KDAChunkO(ChunkStage[KDAChunkOKey]):
         batch = self.tuning_batch(device)
 
         def make(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return -0.1 * torch.rand(shape, device=device).to(dtype)
+            return tuning_tensor(shape, dtype, device)
 
         inputs = self._inputs(key, batch["tokens"], batch["chunk_indices"].shape[0], make)
 
         def make_offset(shape: tuple[int, ...], dtype: torch.dtype, offset: int) -> torch.Tensor:
-            flat = torch.empty(offset + int(torch.tensor(shape).prod()), dtype=dtype, device=device)
+            flat = torch.empty(offset + math.prod(shape), dtype=dtype, device=device)
             return flat[offset:].view(shape)
 
         o = self._out(key, batch["tokens"], make_offset)

@@ -26,7 +26,7 @@ import triton.language as tl
 
 import warmreg
 
-from .kda_chunk_base import CHUNK_SIZE, ChunkStage, chunk_rows, meta_chunks
+from .kda_chunk_base import CHUNK_SIZE, ChunkStage, chunk_rows, meta_chunks, tuning_tensor
 
 __all__ = ["BLOCK", "WU_TUNE_CONFIGS", "KDAChunkWU", "KDAChunkWUKey", "chunk_wu_reference"]
 
@@ -145,12 +145,7 @@ class KDAChunkWU(ChunkStage[KDAChunkWUKey]):
 
     def tuning_inputs(self, key: KDAChunkWUKey, device: torch.device) -> Mapping[str, Any]:
         batch = self.tuning_batch(device)
-
-        def make(shape: tuple[int, ...], dtype: torch.dtype, offset: int) -> torch.Tensor:
-            flat = -torch.rand(offset + int(torch.tensor(shape).prod()), device=device).to(dtype)  # g <= 0 too
-            return flat[offset:].view(shape)
-
-        inputs = self._inputs(key, batch["tokens"], make)
+        inputs = self._inputs(key, batch["tokens"], lambda shape, dtype, offset: tuning_tensor(shape, dtype, device, offset))
         return {**inputs, "cu_seqlens": batch["cu_seqlens"], "chunk_indices": batch["chunk_indices"]}
 
     @warmreg.kernel_launcher
