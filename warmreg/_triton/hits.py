@@ -6,6 +6,7 @@ Part of the Triton adapter, checked against Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +57,7 @@ def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str 
     if not group or name not in group:
         return None
     binary = f".{jit.device_caches[current_device()][3].binary_ext}"  # the backend's (cubin, hsaco)
-    later = {Path(path).suffix[1:]: path for child, path in group.items() if not child.endswith((".json", binary))}
+    later = {os.path.splitext(path)[1][1:]: path for child, path in group.items() if not child.endswith((".json", binary))}
     kernel = CompiledKernel(src, {child: path for child, path in group.items() if child.endswith((".json", binary))}, binary_hash)
     kernel.metadata_group, kernel.asm = group, _LazyAsm(kernel.asm, later)
     if (listener := knobs.compilation.listener) is not None:

@@ -4,8 +4,8 @@ Each bound key's captured launch (:mod:`warmreg.pipeline.bind`) becomes ``JITFun
 on a thread pool through Triton's async compile mode; a key in Triton's disk cache loads from there directly, bound
 and hashed once (inline: when every key is, on the calling thread, :data:`INLINE_HITS`). Triton's compilation listener
 says whether each binary came from its disk cache. On the local GPU each binary is loaded (launcher built, module
-loaded) on a pool as soon as it is compiled or found, while the next key compiles, and each key's guarded fast
-launch is prepared (all through the adapter, :mod:`warmreg._triton`).
+loaded) on a pool as soon as it is compiled, while the next key compiles (a hit: right after it, inline), and each
+key's guarded fast launch is prepared (all through the adapter, :mod:`warmreg._triton`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ __all__ = ["INLINE_HITS", "compile_scope", "compile_tasks", "prepare_fast_launch
 log = logging.getLogger("warmreg.pipeline.compile")
 _tls = threading.local()
 #: Compile on the calling thread when every key is already in Triton's disk cache (a warm cache, an
-#: installed pack): a hit is Python under the GIL, so a pool only adds threads contending for it
-#: (modules still load on the pool). ``False`` sends hits to the pool too (benchmarks compare both).
+#: installed pack): a hit is Python under the GIL, so a pool only adds threads contending for it (each
+#: module loads right after its hit). ``False`` sends hits to the pool too (benchmarks compare both).
 INLINE_HITS = True
 
 def _compile(task: Task, platform: Platform) -> None:
@@ -184,20 +184,21 @@ def _run_async(tasks: list[Task], platform: Platform, executor: Executor, on_err
 @contextmanager
 def _loading(platform: Platform, workers: int, hits: bool) -> Iterator[Callable[[Task], None]]:
     """Local GPU: ``load(task)`` loads a compiled key on a pool (while the next key compiles), not at its first
-    launch; every load is done on exit; off the local GPU it does nothing. If every key is a hit, loads take one
-    thread (more only contend with the hits for the GIL), those that build a C launcher move on to the pool."""
+    launch; every load is done on exit; off the local GPU it does nothing. If every key is a hit, each loads
+    right after its hit, on the calling thread (a loading thread only contends with the hits for the GIL), those
+    that build a C launcher on the pool."""
     if not platform.local:
         yield lambda task: None
         return
     device, futures = _triton.current_device(), []
-    with quiet_pool(workers, "warmreg-load") as pool, quiet_pool(1, "warmreg-load-hits") as one:
-        via, wide = (one, pool) if hits else (pool, None)
+    with quiet_pool(workers, "warmreg-load") as pool:
         try:
-            yield lambda task: futures.append(via.submit(contextvars.copy_context().run, _load, task, task.compiled, device, wide))
+            yield lambda task: futures.append(
+                _load(task, task.compiled, device, pool) if hits else pool.submit(contextvars.copy_context().run, _load, task, task.compiled, device)
+            )
         finally:
-            for future in futures:
-                if (moved := future.result()) is not None:
-                    moved.result()
+            for future in filter(None, futures):
+                future.result()
 
 
 def _load(task: Task, compiled: Any, device: int, wide: Executor | None = None) -> Future[Any] | None:
