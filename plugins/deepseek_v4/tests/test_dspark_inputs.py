@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 from warmreg_deepseek_v4 import dspark_inputs
-from warmreg_deepseek_v4.dspark_inputs import DraftInputs, DSparkInputs, prepare_dspark_inputs_reference, step_block
+from warmreg_deepseek_v4.dspark_inputs import DraftInputs, DSparkInputs, step_block
+from warmreg_deepseek_v4.dspark_inputs_reference import prepare_dspark_inputs_reference
 from warmreg_deepseek_v4.model import DSV4
 
 import warmreg

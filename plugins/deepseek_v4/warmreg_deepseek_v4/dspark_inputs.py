@@ -32,13 +32,13 @@ one of 8..256 for DSpark's ``Nq = 5``), ``num_warps``, and the class of each of 
 specializes as vLLM's does (no ``do_not_specialize``): the table's row stride, the noise id, the KV block size,
 ``Nq``, ``N``, ``max_num_reqs``, ``max_num_tokens``, ``max_model_len`` and ``cp_rank``. Pointers are not
 specialized on alignment (see :mod:`warmreg_deepseek_v4.metadata`). Runtime-bound loops are ``while`` loops (see
-:mod:`.sparse_mla`).
+:mod:`.sparse_mla`). The PyTorch reference is :mod:`.dspark_inputs_reference`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import attrs
 import torch
@@ -50,6 +50,7 @@ from warmreg.ops import block_table_width
 
 from ._serving import dcp_world_size, max_model_len, serving_int
 from .dspark import DSparkDraft
+from .dspark_buffers import DTYPES, DraftInputs, sizes
 from .model import DSV4
 
 __all__ = [
@@ -57,7 +58,6 @@ __all__ = [
     "DSparkInputs",
     "DraftInputs",
     "PrepareDSparkInputsKey",
-    "prepare_dspark_inputs_reference",
     "register",
 ]
 
@@ -193,45 +193,6 @@ def _prepare_dspark_inputs_kernel(
             _fill(out_query_slot_ptr, q0, max_num_tokens, PAD_SLOT_ID, BLOCK_SIZE)
 
 
-class DraftInputs(NamedTuple):
-    """The draft step's persistent buffers the kernel writes (vLLM: the speculator's ``InputBuffers``, the
-    group's slot-mapping row, the context and sample buffers, the sampling state)."""
-
-    input_ids: torch.Tensor  # int32 [max_num_tokens]
-    positions: torch.Tensor  # int64 [max_num_tokens]
-    is_padding: torch.Tensor  # bool [max_num_tokens]
-    query_start_loc: torch.Tensor  # int32 [max_num_reqs + 1]
-    seq_lens: torch.Tensor  # int32 [max_num_reqs]
-    query_slot_mapping: torch.Tensor  # int64 [max_num_tokens]
-    context_positions: torch.Tensor  # int64 [max_num_tokens]
-    context_slot_mapping: torch.Tensor  # int64 [max_num_tokens]
-    sample_indices: torch.Tensor  # int64 [max_num_reqs * N]
-    sample_pos: torch.Tensor  # int64 [max_num_reqs * N]
-    sample_idx_mapping: torch.Tensor  # int64 [max_num_reqs * N]
-    temperature: torch.Tensor  # float32 [max_num_reqs]
-    seeds: torch.Tensor  # int64 [max_num_reqs]
-
-    @classmethod
-    def zeros(cls, max_num_reqs: int, max_num_tokens: int, num_steps: int, device: Any = "cpu") -> DraftInputs:
-        """Fresh buffers (zeros; the sample mapping -1, as the speculator allocates it)."""
-        i32, i64 = torch.int32, torch.int64
-        z = lambda n, dt: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
-        samples = max_num_reqs * num_steps
-        return cls(
-            z(max_num_tokens, i32), z(max_num_tokens, i64), z(max_num_tokens, torch.bool), z(max_num_reqs + 1, i32),
-            z(max_num_reqs, i32), z(max_num_tokens, i64), z(max_num_tokens, i64), z(max_num_tokens, i64),
-            z(samples, i64), z(samples, i64), torch.full((samples,), -1, dtype=i64, device=device),
-            z(max_num_reqs, torch.float32), z(max_num_reqs, i64),
-        )  # fmt: skip
-
-
-_I32, _I64 = torch.int32, torch.int64
-_DTYPES = dict(
-    zip(
-        DraftInputs._fields,
-        (_I32, _I64, torch.bool, _I32, _I32, _I64, _I64, _I64, _I64, _I64, _I64, torch.float32, _I64),
-    )
-)
 _INPUTS = {
     "target_positions": torch.int64, "target_query_start_loc": torch.int32, "idx_mapping": torch.int64,
     "last_sampled": torch.int64, "next_prefill_tokens": torch.int32, "num_sampled": torch.int32,
@@ -323,7 +284,7 @@ class DSparkInputs(warmreg.TritonKernel[PrepareDSparkInputsKey]):
         nq, steps = _query_reps(key)
         reqs, tokens = rep(key.max_num_reqs), rep(key.max_num_tokens)
         out = DraftInputs(
-            *(warmreg.meta((n,), _DTYPES[f]) for f, n in zip(DraftInputs._fields, _sizes(reqs, tokens, steps)))
+            *(warmreg.meta((n,), DTYPES[f]) for f, n in zip(DraftInputs._fields, sizes(reqs, tokens, steps)))
         )
         # max_q with the key's BLOCK_SIZE: B = next_pow2(max_q + Nq), or any max_q >= 256 - Nq for 256
         return {
@@ -426,9 +387,9 @@ class DSparkInputs(warmreg.TritonKernel[PrepareDSparkInputsKey]):
             raise warmreg.LaunchError(self.name, f"num_query_per_req={nq} must be N (sample_from_anchor) or 1 + N")
 
     def _check_out(self, out: DraftInputs, reqs: int, tokens: int, steps: int) -> None:
-        for (name, t), n in zip(out._asdict().items(), _sizes(reqs, tokens, steps)):
-            if t.dtype != _DTYPES[name] or t.ndim != 1 or t.shape[0] < n or (n > 1 and t.stride(0) != 1):
-                raise warmreg.LaunchError(self.name, f"out.{name} must be a contiguous {_DTYPES[name]} [>= {n}]")
+        for (name, t), n in zip(out._asdict().items(), sizes(reqs, tokens, steps)):
+            if t.dtype != DTYPES[name] or t.ndim != 1 or t.shape[0] < n or (n > 1 and t.stride(0) != 1):
+                raise warmreg.LaunchError(self.name, f"out.{name} must be a contiguous {DTYPES[name]} [>= {n}]")
 
 
 _OUT_ARGS = (
@@ -451,104 +412,6 @@ def _query_reps(key: PrepareDSparkInputsKey) -> tuple[int, int]:
 def _rank_of(cls: str, cp_size: int) -> int:
     """The lowest DCP rank of the int class ``cls`` (rank 0 is ``div16``)."""
     return next(r for r in range(cp_size) if warmreg.int_class(r) == cls)
-
-
-def _sizes(reqs: int, tokens: int, steps: int) -> tuple[int, ...]:
-    """Lengths of the :class:`DraftInputs` buffers."""
-    return (
-        tokens,
-        tokens,
-        tokens,
-        reqs + 1,
-        reqs,
-        tokens,
-        tokens,
-        tokens,
-        reqs * steps,
-        reqs * steps,
-        reqs * steps,
-        reqs,
-        reqs,
-    )
-
-
-def prepare_dspark_inputs_reference(
-    out: DraftInputs,
-    target_positions: torch.Tensor,
-    target_query_start_loc: torch.Tensor,
-    idx_mapping: torch.Tensor,
-    last_sampled: torch.Tensor,
-    next_prefill_tokens: torch.Tensor,
-    num_sampled: torch.Tensor,
-    num_rejected: torch.Tensor,
-    temperature: torch.Tensor,
-    seeds: torch.Tensor,
-    block_table: torch.Tensor,
-    *,
-    num_reqs: int,
-    block_size: int,
-    parallel_drafting_token_id: int,
-    num_query_per_req: int,
-    num_speculative_steps: int,
-    max_num_reqs: int,
-    max_num_tokens: int,
-    max_model_len: int,
-    cp_rank: int = 0,
-    cp_size: int = 1,
-    cp_interleave: int = 1,
-    sample_from_anchor: bool = True,
-) -> DraftInputs:
-    """PyTorch reference of :class:`DSparkInputs`: updates copies of ``out``'s buffers and returns them."""
-    o = DraftInputs(*(t.clone() for t in out))
-    nq, n, bs, cp, inter = num_query_per_req, num_speculative_steps, block_size, cp_size, cp_interleave
-    qsl, pos_t, bt = target_query_start_loc.tolist(), target_positions.tolist(), block_table.tolist()
-    width = block_table.shape[1]
-
-    def slot(r: int, p: int) -> tuple[int, int]:
-        blk = bt[r][min(p // (bs * cp), width - 1)]
-        off = p % (bs * cp)
-        if cp == 1:
-            return blk, blk * bs + off
-        mine = (off // inter) % cp == cp_rank
-        return blk, blk * bs + (off // (inter * cp)) * inter + off % inter if mine else PAD_SLOT_ID
-
-    for r in range(num_reqs):
-        st, cs, ce = int(idx_mapping[r]), qsl[r], qsl[r + 1]
-        nv = ce - cs - int(num_rejected[r])
-        bonus = int(last_sampled.flatten()[st]) if int(num_sampled[r]) > 0 else int(next_prefill_tokens.flatten()[st])
-        lastp = pos_t[cs + nv - 1]
-        for j in range(ce - cs):
-            p = pos_t[cs + j] if j < nv else 0
-            o.context_positions[cs + j] = p
-            blk, s = slot(r, p) if j < nv else (0, 0)
-            o.context_slot_mapping[cs + j] = s if j < nv and blk != 0 else PAD_SLOT_ID
-        for k in range(nq):
-            q, i = lastp + 1 + k, r * nq + k
-            o.input_ids[i], o.is_padding[i], o.positions[i] = (
-                bonus if k == 0 else parallel_drafting_token_id,
-                False,
-                min(q, max_model_len - 1),
-            )
-            blk, s = slot(r, q)
-            o.query_slot_mapping[i] = s if blk != 0 else PAD_SLOT_ID
-            off = 0 if sample_from_anchor else 1
-            if k >= off:
-                si = r * n + k - off
-                o.sample_indices[si], o.sample_pos[si], o.sample_idx_mapping[si] = (
-                    i,
-                    q + 1 if sample_from_anchor else q,
-                    st,
-                )
-        o.query_start_loc[r], o.seq_lens[r] = r * nq, min(lastp + 1 + nq, max_model_len)
-        o.temperature[st], o.seeds[st] = temperature[st], seeds[st]
-    o.query_start_loc[num_reqs : max_num_reqs + 1] = num_reqs * nq
-    o.seq_lens[num_reqs:max_num_reqs] = 0
-    s0, s1 = num_reqs * n, max_num_reqs * n
-    o.sample_indices[s0:s1], o.sample_pos[s0:s1], o.sample_idx_mapping[s0:s1] = 0, 0, -1
-    q0 = num_reqs * nq
-    o.input_ids[q0:max_num_tokens], o.positions[q0:max_num_tokens] = 0, 0
-    o.is_padding[q0:max_num_tokens], o.query_slot_mapping[q0:max_num_tokens] = True, PAD_SLOT_ID
-    return o
 
 
 def register(registry: warmreg.Registry, model: DSV4, config: warmreg.WarmConfig, platform: warmreg.Platform) -> None:

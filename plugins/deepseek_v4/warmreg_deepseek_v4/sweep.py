@@ -26,15 +26,13 @@ import torch
 
 import warmreg
 from warmreg.ops import indexer_prefill_chunk_metadata_reference
-from warmreg.testing.sweep import Batch, Sweep
+from warmreg.testing.sweep import Sweep
 
-from . import _sweep_v41_markov, _sweep_v41_replay
+from . import _sweep_dspark, _sweep_v41_markov, _sweep_v41_replay
 from ._sweep_v41_rocm import ROCM41_DRIVES
 from ._sweep_v41_upcast import drive_upcast
 from .combine_indices import combine_topk_swa_indices_reference
 from .dspark import DSparkDraft, num_speculative_tokens
-from .dspark_inputs import prepare_dspark_inputs_reference
-from .dspark_swa_indices import dspark_swa_indices_reference
 from .fp8_ds_mla import HEAD_DIM
 from .global_topk import global_topk_indices_reference
 from .indexer import compress_pool_reference, indexer_q_rope_mxfp4_reference
@@ -142,63 +140,13 @@ class DSV4Sweep(DSV4RocmLaunches):
             self.dspark_draft(st, self.draft)
 
     def dspark_draft(self, st: DSV4Step, d: DSparkDraft) -> None:
-        """The DSpark draft step after the target step: its inputs and non-causal SWA metadata
-        (:meth:`dspark_metadata`), then the draft layers on ``Nq`` query tokens a request."""
-        reqs, seq_host = self.dspark_metadata(st, d, SWA)
-        nq = d.num_query_per_req
-        draft = Batch("draft", tuple(seq_host), (nq,) * reqs, (0,) * reqs, reqs)
-        dst = self.step_tensors(draft)
-        m = self.m
-        for ratio in sorted(set(d.ratios)):  # the SWA-only draft layers run as an SWA-only layer on the draft tokens
-            if ratio == 1:
-                self.layer(dst, "dspark draft", 1)
-            else:
-                self.qkv_norm(dst, "dspark draft", m.q_lora_rank, m.head_dim, m.q_lora_rank + m.head_dim, m.rms_norm_eps)
+        """The DSpark draft step after the target step (:func:`._sweep_dspark.draft_step`)."""
+        _sweep_dspark.draft_step(self, st, d)
 
     def dspark_metadata(self, st: DSV4Step, d: DSparkDraft, swa: int) -> tuple[int, list[int]]:
-        """A DSpark draft step's inputs (one launch for the SWA group of ``swa``-token pages: 64 for V4, 32 for V4.1)
-        and its non-causal SWA rows; returns the request count and the draft batch's sequence lengths. Decode
-        requests rejected some of their drafts; a prefill chunk sampled a token (its last chunk) or none (chunked
-        prefill)."""
-        b, rng = st.batch, self.rng
-        reqs = len(b.qlens)
-        nrej = [rng.randint(0, q - 1) if i < b.num_decodes else 0 for i, q in enumerate(b.qlens)]
-        sampled = [q - r if i < b.num_decodes else rng.randint(0, 1) for i, (q, r) in enumerate(zip(b.qlens, nrej))]
-        states = torch.randperm(self.draft_reqs, generator=self.gen, device=self.dev)[:reqs].to(I64)
-        args = (
-            st.positions, st.qsl, states, self.req_states[0], self.req_states[1],
-            torch.tensor(sampled, dtype=I32, device=self.dev), torch.tensor(nrej, dtype=I32, device=self.dev),
-            self.req_states[2], self.req_states[3], self.tables[swa],
-        )  # fmt: skip
-        kw: dict[str, Any] = dict(
-            num_reqs=reqs, block_size=swa, parallel_drafting_token_id=d.noise_token_id,
-            num_query_per_req=d.num_query_per_req, num_speculative_steps=d.num_tokens, max_num_reqs=self.draft_reqs,
-            max_num_tokens=self.draft_tokens, max_model_len=self.lim.max_model_len,
-            sample_from_anchor=d.sample_from_anchor,
-        )  # fmt: skip
-        out = self.launch(
-            DSV4_PREFIX + "prepare_dspark_inputs",
-            f"{reqs} requests, max_q {max(b.qlens)}",
-            lambda: self.k("prepare_dspark_inputs")(*args, **kw, max_query_len=max(b.qlens), out=self.draft_buf),
-            fallback=lambda: prepare_dspark_inputs_reference(self.draft_buf, *args, **kw),
-            ref=lambda: prepare_dspark_inputs_reference(self.draft_buf, *args, **kw),
-        )
-        nq = d.num_query_per_req
-        T = reqs * nq
-        qsl, seqs = out.query_start_loc[: reqs + 1], out.seq_lens[:reqs]
-        tok2req = torch.arange(reqs, dtype=I32, device=self.dev).repeat_interleave(nq)
-        valid = out.query_slot_mapping[:T] >= 0
-        sw_args = (qsl, seqs, tok2req, valid, self.tables[swa])
-        sw_kw: dict[str, Any] = dict(num_tokens=T, window_size=self.window, index_width=d.index_width, block_size=swa)
-        self.draft_swa[1][T:] = 0  # the builder zeroes the lens past the decode tokens first
-        rows = self.launch(
-            DSV4_PREFIX + "dspark_noncausal_swa_indices",
-            f"draft: {reqs} requests x {nq} tokens, W={d.index_width}",
-            lambda: self.k("dspark_noncausal_swa_indices")(*sw_args, **sw_kw, out=self.draft_swa),
-            ref=lambda: dspark_swa_indices_reference(*sw_args, **sw_kw),
-        )
-        self.rocm_swa_rows("draft non-causal", rows, T)
-        return reqs, seqs.tolist()
+        """A DSpark draft step's inputs and non-causal SWA rows for ``swa``-token pages
+        (:func:`._sweep_dspark.draft_metadata`): the request count and the draft batch's sequence lengths."""
+        return _sweep_dspark.draft_metadata(self, st, d, swa)
 
     def layer(self, st: DSV4Step, kind: str, ratio: int) -> None:
         """One layer of a type: Q/KV norm, compressor and indexer, sparse prefill, inverse RoPE; for the type of the
