@@ -37,7 +37,8 @@ def prepare_dspark_inputs_reference(
     cp_interleave: int = 1,
     sample_from_anchor: bool = True,
 ) -> DraftInputs:
-    """PyTorch reference of :class:`DSparkInputs`: updates copies of ``out``'s buffers and returns them."""
+    """PyTorch reference of :class:`~warmreg_deepseek_v4.dspark_inputs.DSparkInputs`: updates copies of ``out``'s
+    buffers and returns them."""
     o = DraftInputs(*(t.clone() for t in out))
     nq, n, bs, cp, inter = num_query_per_req, num_speculative_steps, block_size, cp_size, cp_interleave
     qsl, pos_t, bt = target_query_start_loc.tolist(), target_positions.tolist(), block_table.tolist()
