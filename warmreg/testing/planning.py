@@ -19,6 +19,8 @@ from typing import Any
 
 import warmreg
 
+from ..contract.kernel import _real
+
 __all__ = ["RegisterPlugin", "assert_warmup_inputs_reproduce", "config_loader", "materialize"]
 
 
@@ -84,18 +86,6 @@ def materialize(value: Any, device: Any = "cpu") -> Any:
     """``value`` with every meta tensor in it made real on ``device``: zero-filled, with the meta tensor's shape,
     strides and storage offset over a storage of the same size (so its alignment and its views are the ones the key
     was specialized for). Lists, tuples, named tuples and attrs classes (a launcher argument grouping tensors) are
-    rebuilt around their materialized items; anything else is returned as it is."""
-    import attrs
-    import torch
-
-    if isinstance(value, torch.Tensor) and value.device.type == "meta":
-        elements = max(value.untyped_storage().nbytes() // value.element_size(), 1)
-        base = torch.zeros(elements, dtype=value.dtype, device=device)
-        return base.as_strided(value.shape, value.stride(), value.storage_offset())
-    if isinstance(value, (list, tuple)):
-        items = [materialize(v, device) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if attrs.has(type(value)):
-        fields = {f.name: materialize(getattr(value, f.name), device) for f in attrs.fields(type(value)) if f.init}
-        return attrs.evolve(value, **fields)
-    return value
+    rebuilt around their materialized items; anything else is returned as it is. The same as the default
+    :meth:`~warmreg.TritonKernel.tuning_inputs` makes of warmup inputs (zero bytes viewed as each dtype)."""
+    return _real(value, device)

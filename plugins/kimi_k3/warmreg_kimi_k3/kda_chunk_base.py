@@ -81,9 +81,10 @@ def tuning_lengths(max_tokens: int) -> list[int]:
     return lens
 
 
-def tuning_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, offset: int = 0) -> torch.Tensor:
-    """A tensor of the tuning batch: zeros of ``dtype`` from element ``offset`` of a fresh buffer (1: a view off
-    16-byte alignment, for a key's ``*_aligned=False``), written as bytes.
+def tuning_tensor(device: torch.device, shape: tuple[int, ...], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+    """A tensor of the tuning batch on ``device``: zeros of ``dtype`` from element ``offset`` of a fresh buffer (1: a
+    view off 16-byte alignment, for a key's ``*_aligned=False``), written as bytes. ``partial(tuning_tensor, device)``
+    is the ``make`` of a stage's ``_inputs``.
 
     No stage branches on the values (the batch's metadata is real, built on the host), so zeros time as random
     data does, and the whole batch costs one torch kernel (a byte fill) whatever its dtypes. torch loads each of

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import Any, ClassVar
 
 import attrs
@@ -153,7 +154,7 @@ class KDAChunkGate(ChunkStage[KDAChunkGateKey]):
 
     def tuning_inputs(self, key: KDAChunkGateKey, device: torch.device) -> Mapping[str, Any]:
         batch = self.tuning_batch(device)
-        inputs = self._inputs(key, batch["tokens"], lambda shape, dtype, offset: tuning_tensor(shape, dtype, device, offset))
+        inputs = self._inputs(key, batch["tokens"], partial(tuning_tensor, device))
         return {**inputs, "cu_seqlens": batch["cu_seqlens"], "chunk_indices": batch["chunk_indices"]}
 
     @warmreg.kernel_launcher

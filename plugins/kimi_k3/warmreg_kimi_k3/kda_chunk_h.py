@@ -23,6 +23,7 @@ Grid ``(cdiv(V, BV), N, H)``: each program carries a ``[BV, K]`` tile of one sta
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import Any, ClassVar
 
 import attrs
@@ -243,12 +244,8 @@ class KDAChunkH(ChunkStage[KDAChunkHKey]):
     def tuning_inputs(self, key: KDAChunkHKey, device: torch.device) -> Mapping[str, Any]:
         batch = self.tuning_batch(device)
         seqs = batch["cu_seqlens"].shape[0] - 1
-
-        def make(shape: tuple[int, ...], dtype: torch.dtype, offset: int) -> torch.Tensor:
-            return tuning_tensor(shape, dtype, device, offset)
-
         return {
-            **self._inputs(key, batch["tokens"], seqs, make), "cu_seqlens": batch["cu_seqlens"],
+            **self._inputs(key, batch["tokens"], seqs, partial(tuning_tensor, device)), "cu_seqlens": batch["cu_seqlens"],
             "chunk_offsets": batch["chunk_offsets"], "num_chunks": batch["chunk_indices"].shape[0],
         }  # fmt: skip
 

@@ -405,8 +405,8 @@ class KDAChunkIntra(ChunkStage[KDAChunkIntraKey]):
         batch = self.tuning_batch(device)
         shape, dt = (batch["tokens"], key.num_heads, key.head_dim), getattr(torch, key.dtype)
         return {
-            "q": tuning_tensor(shape, dt, device), "k": tuning_tensor(shape, dt, device),
-            "g": tuning_tensor(shape, torch.float32, device), "beta": tuning_tensor(shape[:2], torch.float32, device),
+            "q": tuning_tensor(device, shape, dt), "k": tuning_tensor(device, shape, dt),
+            "g": tuning_tensor(device, shape, torch.float32), "beta": tuning_tensor(device, shape[:2], torch.float32),
             "cu_seqlens": batch["cu_seqlens"],
             "chunk_indices": batch["chunk_indices"], "safe_gate": key.safe_gate, "solve_precision": key.solve_precision,
         }  # fmt: skip

@@ -86,7 +86,7 @@ class KDAChunkL2Norm(ChunkStage[KDAChunkL2NormKey]):
 
     def tuning_inputs(self, key: KDAChunkL2NormKey, device: torch.device) -> Mapping[str, Any]:
         tokens = self.tuning_batch(device)["tokens"]
-        return {"x": tuning_tensor((tokens, self.num_heads, key.head_dim), getattr(torch, key.dtype), device)}
+        return {"x": tuning_tensor(device, (tokens, self.num_heads, key.head_dim), getattr(torch, key.dtype))}
 
     @warmreg.kernel_launcher
     def __call__(self, x: torch.Tensor, *, out: torch.Tensor | None = None) -> warmreg.LaunchSpec[KDAChunkL2NormKey]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import Any, ClassVar
 
 import attrs
@@ -152,11 +153,7 @@ class KDAChunkO(ChunkStage[KDAChunkOKey]):
 
     def tuning_inputs(self, key: KDAChunkOKey, device: torch.device) -> Mapping[str, Any]:
         batch = self.tuning_batch(device)
-
-        def make(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return tuning_tensor(shape, dtype, device)
-
-        inputs = self._inputs(key, batch["tokens"], batch["chunk_indices"].shape[0], make)
+        inputs = self._inputs(key, batch["tokens"], batch["chunk_indices"].shape[0], partial(tuning_tensor, device))
 
         def make_offset(shape: tuple[int, ...], dtype: torch.dtype, offset: int) -> torch.Tensor:
             flat = torch.empty(offset + math.prod(shape), dtype=dtype, device=device)

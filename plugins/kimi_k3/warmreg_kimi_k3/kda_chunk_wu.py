@@ -17,6 +17,7 @@ so that the chunk's corrected values are ``u - w S0`` for the state ``S0`` at it
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import Any, ClassVar
 
 import attrs
@@ -145,7 +146,7 @@ class KDAChunkWU(ChunkStage[KDAChunkWUKey]):
 
     def tuning_inputs(self, key: KDAChunkWUKey, device: torch.device) -> Mapping[str, Any]:
         batch = self.tuning_batch(device)
-        inputs = self._inputs(key, batch["tokens"], lambda shape, dtype, offset: tuning_tensor(shape, dtype, device, offset))
+        inputs = self._inputs(key, batch["tokens"], partial(tuning_tensor, device))
         return {**inputs, "cu_seqlens": batch["cu_seqlens"], "chunk_indices": batch["chunk_indices"]}
 
     @warmreg.kernel_launcher
