@@ -8,6 +8,9 @@
 #   ENGINE: vllm (0.33.0), vllm-0.34 (0.34.0), sglang (0.5.23); default: all three
 #   build   make DIR/ENGINE (kept if already built) with the engine, pytest, and this checkout
 #           installed editable without dependencies (warmreg, both plugins, integrations/ENGINE)
+#   prepare the part of build that takes minutes (the venv, the engine and its packages, vLLM's kernel DSLs) and
+#           not this checkout, so that it can run beside something that has this checkout's C extension loaded
+#           (CI runs it beside the suite; reinstalling the checkout rebuilds that extension in place)
 #   test    build, then run tests/engines in each venv: the config and integration tests
 #           (test_ENGINE.py, test_ENGINE_integration.py: the engine loads warmreg's plugin itself), then, in a
 #           process of their own, the differential kernel tests (test_ENGINE_kernels*.py: the engine's own
@@ -26,7 +29,7 @@ engines=("$@")
 [ ${#engines[@]} -gt 0 ] || engines=(vllm vllm-0.34 sglang)
 root=${WARMREG_ENGINE_VENVS:-$repo/build/engine-venvs}
 PY=${PYTHON:-python3}
-case "$cmd" in build|test|record) ;; *) sed -n '2,14p' "$0"; exit 2 ;; esac
+case "$cmd" in prepare|build|test|record) ;; *) sed -n '2,17p' "$0"; exit 2 ;; esac
 
 # Exactly the modules that importing the engine and building its config asked for (one
 # ModuleNotFoundError at a time), with the engine's own pins (the notes).
@@ -63,6 +66,7 @@ build() {  # ENGINE
         "${pip[@]}" attrs pluggy rich typing-extensions numpy "pytest>=8"
         echo "$stamp" > "$venv/.built"
     fi
+    [ "$cmd" != prepare ] || return 0
     # warmreg from this checkout, every time (cheap): --no-deps keeps the engine's transformers pin; the engine's
     # own integration (integrations/ENGINE: its plugin entry point) too.
     "$venv/bin/pip" install -q --no-deps -e "$repo" -e "$repo/plugins/deepseek_v4" -e "$repo/plugins/kimi_k3" \
