@@ -148,6 +148,30 @@ def test_a_refused_launch_goes_to_the_python_path_then_triton() -> None:
         assert entry.native.pack((1, 2, 3, 4), base) is None and entry.native.pack((-1,), base) is None
 
 
+def test_the_python_path_is_generated_at_its_first_use_and_no_entry_keeps_the_callers_tensors() -> None:
+    """Beside a C entry the Python guard function is not generated at build (its compile was most of a
+    warm's entry builds); the first launch the C guards refuse generates it, once. An entry holds a
+    default Triton filled in, never the tensors it was built from (a key's first launch through Triton
+    builds one from the caller's real tensors)."""
+    import gc
+    import weakref
+
+    with _triton.cross_target(H100):
+        base = _kwargs()
+        held = weakref.ref(base["x_ptr"])
+        compiled = _Compiled()
+        _triton_fast._code.cache_clear()
+        entry = _entry(base, compiled, require_cuda=True)
+        assert _triton_fast._code.cache_info().misses == 0  # nothing generated
+        assert entry.launch((2,), base) is True and _triton_fast._code.cache_info().misses == 1
+        assert entry.launch((2,), base) is True and _triton_fast._code.cache_info().misses == 1
+        assert "def launch(grid, kw):" in entry.source and compiled.calls[-1][:3] == (2, 1, 1)
+        del base
+        compiled.calls.clear()  # the stand-in launcher's record of what it was passed
+        gc.collect()
+        assert held() is None
+
+
 def test_call_shape_knobs_and_hooks_are_guarded() -> None:
     with _triton.cross_target(H100):
         base = _kwargs()
@@ -264,8 +288,11 @@ def test_gpu_ops_launch_through_the_c_path() -> None:
             q_ref, kv_ref = fused_qkv_rmsnorm_reference(x[:, :96], x[:, 96:], qw, kvw, 1e-6)
             torch.testing.assert_close(q, q_ref, atol=0, rtol=2**-7)
             torch.testing.assert_close(kv, kv_ref, atol=0, rtol=2**-7)
+        # the current stream is read per launch: on the side stream the launch waits for the sleep and the write
+        # of its input; on another stream it would read the input before it is written
         stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):  # the current stream is read per launch
+        with torch.cuda.stream(stream):
+            torch.cuda._sleep(100_000_000)
             x = proj * 7
             q, _ = op(x[:, :96], x[:, 96:], qw, kvw, 1e-6)
         stream.synchronize()

@@ -356,7 +356,7 @@ def test_an_entry_serves_only_the_jit_function_it_was_built_from() -> None:
     launched: list[tuple[int, ...]] = []
     x = torch.arange(16, dtype=torch.float16)
     key = Scale().dispatch(x=x, block=64)
-    stand_in = _triton_fast.FastLaunch(lambda grid, kw: launched.append(grid) or True, 0, "", jit=_scale_kernel)
+    stand_in = _triton_fast.FastLaunch(lambda: ("", lambda grid, kw: launched.append(grid) or True), 0, jit=_scale_kernel)
     FAST_TABLES.setdefault(Scale.name, {})[key] = stand_in
     Scale()(x, 2.0)
     assert launched == [(1,)]  # the entry's own jit: served by the entry

@@ -1,34 +1,29 @@
 """The guarded fast launch: a warmed key's compiled kernel, launched without Triton's per-call binding.
 
 Part of the Triton adapter (checked against Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0; tested in
-``tests/test_fast_launch.py``). What differs between releases comes from
-:data:`warmreg._triton.release.RELEASE`: the knobs ``JITFunction.run`` folds into a launch's options
-(3.9 adds ``fpsan_homomorphic_casts``), and from 3.8 on ``CompiledKernel.__del__`` unloads its module,
-so an entry holds its ``CompiledKernel`` (and so its module) for as long as it can launch it.
+``tests/test_fast_launch.py``). What differs between releases comes from :data:`warmreg._triton.release.RELEASE`:
+the knobs ``JITFunction.run`` folds into a launch's options (3.9 adds ``fpsan_homomorphic_casts``), and from 3.8
+on ``CompiledKernel.__del__`` unloads its module, so an entry holds its ``CompiledKernel`` while it can launch it.
 
-``JITFunction.run`` spends most of a small launch's host time on work that repeats identically for
-every call of one compile key: binding the arguments, specializing each one, formatting the cache key
-as a string, checking globals, building launch metadata and calling two empty launch-hook chains
-from C. A warmreg launch already knows its compile key, so after the first launch of a key on a device
-(which goes through ``JITFunction.run`` and therefore through the monitor, the cache and the
-compiler like any launch), :func:`build` records what Triton chose for it and returns a
-:class:`FastLaunch`: one generated function that re-checks, per call, every property of the arguments
-Triton specializes on (a tensor's dtype and 16-byte alignment; integer width, divisibility by 16
-and the value 1; the type of floats and bools; constexpr values and arguments Triton turned into
-constants) and then calls the compiled kernel's launcher directly. If any check fails, a launch hook
-is installed (a profiler), Triton's debug or instrumentation knob changed, or a global the kernel
-read has changed, it returns ``False`` and the caller
-takes Triton's ordinary path: the fast path can be slower than needed, never wrong.
+``JITFunction.run`` spends most of a small launch's host time on work that repeats identically for every call
+of one compile key: binding the arguments, specializing each one, formatting the cache key as a string,
+checking globals, building launch metadata and calling two empty launch-hook chains from C. A warmreg launch
+already knows its compile key, so after the first launch of a key on a device (which goes through
+``JITFunction.run`` and so through the monitor, the cache and the compiler like any launch), :func:`build`
+records what Triton chose for it and returns a :class:`FastLaunch`: one generated function that re-checks, per
+call, every property of the arguments Triton specializes on (a tensor's dtype and 16-byte alignment; integer
+width, divisibility by 16 and the value 1; the type of floats and bools; constexpr values and arguments Triton
+turned into constants) and then calls the compiled kernel's launcher directly. If any check fails, a launch hook
+is installed (a profiler), Triton's debug or instrumentation knob changed, or a global the kernel read has
+changed, it returns ``False`` and the caller takes Triton's ordinary path: slower than needed, never wrong.
 
-Below that Python function sits the C launch path (``warmreg/runtime/_cdispatch.c``, built at install; see
-:data:`NATIVE`): the same guards, read as a table by one C call that reads each tensor through
-torch's C shim (the AOTI ABI's ``aoti_torch_get_*``, no Python call; torch.Tensor's C getters where the shim is
-not found, see :data:`TENSOR_ABI`), packs the kernel's parameters on the stack and calls ``cuLaunchKernelEx``
-itself, without Triton's launcher (its per-call Python wrapper, argument parsing, context query and
-a driver call per pointer to validate it, which the guard's ``is_cuda`` check replaces). Both are
-generated from one list of guards (:func:`_guard`); a launch the C guards refuse goes to the Python
-function, then to Triton. Kernels that need what only Triton's launcher provides (global or profile
-scratch memory, tensor descriptors, sanitizer instrumentation) keep the Python path.
+Below it sits the C launch path (``warmreg/runtime/_cdispatch.c``, built at install; :data:`NATIVE`): the same
+guards as a table, read by one C call that reads each tensor through torch's C shim (the AOTI ABI, no Python
+call; torch.Tensor's C getters where it is not found: :data:`TENSOR_ABI`), packs the parameters on the
+stack and calls ``cuLaunchKernelEx`` itself, without Triton's launcher (its Python wrapper, argument parsing,
+context query and a driver call per pointer, which the ``is_cuda`` guard replaces). Both come from one list of
+guards (:func:`_guard`); a launch the C guards refuse goes to the Python function, then to Triton. Kernels that
+need what only Triton's launcher does (scratch memory, tensor descriptors, sanitizers) keep the Python path.
 """
 
 from __future__ import annotations
@@ -38,6 +33,7 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 import triton
 import triton.language as tl
 from triton.knobs import HookChain
@@ -55,6 +51,7 @@ except ImportError:  # built without a C compiler: the Python fast path serves a
 
 __all__ = ["NATIVE", "TENSOR_ABI", "FastLaunch", "build", "native_refusal"]
 
+_Launch = Callable[[tuple[int, ...], Mapping[str, Any]], bool]
 #: Launch through the C path where it was built and a kernel allows it. ``WARMREG_NATIVE_LAUNCH=0``
 #: in the environment (read at import) keeps the Python fast path (for comparisons and debugging).
 NATIVE: bool = _cdispatch is not None and os.environ.get("WARMREG_NATIVE_LAUNCH", "1") != "0"
@@ -70,48 +67,38 @@ _ANNOTATED_WIDTH = {"i64": "-9223372036854775808 <= {v} < 9223372036854775808", 
 
 
 class FastLaunch:
-    """A compiled kernel with the guards of one specialization.
+    """A compiled kernel with the guards of one specialization. ``made()`` returns the Python
+    guard-and-launch function's source and the function (cached: see ``python``).
 
     :ivar launch: ``launch(grid, kwargs) -> bool``: checks the guards and launches, or returns
         ``False`` without launching. The C entry's ``launch`` where there is one (its fallback is
         the Python function), else the Python function.
     :ivar device: the device id whose loaded module it launches.
-    :ivar source: the generated Python guard-and-launch function's source (for review and tests).
     :ivar jit: the ``@triton.jit`` function it was built from: a launch whose kernel serves the key
         with another one (against the contract) takes Triton's path instead.
     :ivar compiled: the ``CompiledKernel`` it launches; holding it keeps the module loaded (Triton
         3.8+ unloads a module when its ``CompiledKernel`` is collected, e.g. after the jit function's
         ``device_caches`` are cleared).
-    :ivar python: the generated Python function.
+    :ivar python: the generated Python function. Beside a C entry it is generated at its first use (the C
+        guards refused a launch, or ``python`` or ``source`` was read), not at warm: compiling its
+        source was most of an entry's build.
     :ivar native: the C entry (``warmreg.runtime._cdispatch.Entry``), or ``None`` where the kernel or the
         install has none.
     """
 
-    __slots__ = ("__weakref__", "compiled", "device", "jit", "launch", "native", "python", "source")
+    __slots__ = ("__weakref__", "_made", "compiled", "device", "jit", "launch", "native")
 
-    def __init__(
-        self,
-        launch: Callable[[tuple[int, ...], Mapping[str, Any]], bool],
-        device: int,
-        source: str,
-        jit: Any = None,
-        compiled: Any = None,
-        native: Any = None,
-    ) -> None:
-        self.python = launch
-        self.native = native
-        self.launch = native.launch if native is not None else launch
-        self.device = device
-        self.source = source
-        self.jit = jit
-        self.compiled = compiled
+    def __init__(self, made: Callable[[], tuple[str, _Launch]], device: int, jit: Any = None, compiled: Any = None, native: Any = None) -> None:
+        self._made, self.device, self.jit, self.compiled, self.native = made, device, jit, compiled, native
+        self.launch = native.launch if native is not None else self.python
+
+    python = property(lambda self: self._made()[1])
+    source = property(lambda self: self._made()[0], doc="the Python function's source (for review and tests)")
 
 
 def _device_getter() -> Callable[[], int]:
     """Triton's current-device function, or torch's C getter behind it once CUDA is initialized
     (``torch.cuda.current_device`` re-checks lazy initialization on every call)."""
-    import torch
-
     getter = _driver.active.get_current_device
     if getter is torch.cuda.current_device and torch.cuda.is_initialized():
         return torch._C._cuda_getDevice
@@ -154,7 +141,8 @@ def build(
         guard = _guard(param, ty, spec, bound[param.name])
         if guard is None:
             return None
-        guards.append((param.name, param.name not in kwargs, bound[param.name], guard))
+        absent = param.name not in kwargs  # only a default is kept: never the caller's tensors
+        guards.append((param.name, absent, bound[param.name] if absent else None, guard))
     runtime = triton.knobs.runtime
     # what else Triton's key and launch read per call: globals the kernel used, the launch hooks,
     # the debug flag and the knobs JITFunction.run folds into the options, and the current device
@@ -169,9 +157,9 @@ def build(
         group, _, attr = path.partition(".")
         env_checks.append((getattr(triton.knobs, group), attr, full[name], False, False))
     device_of, stream_of = _device_getter(), _driver.active.get_current_stream
-    source, launch = _python_launch(jit, compiled, len(kwargs), guards, env_checks, device_of, stream_of, device)
-    native = _native_launch(compiled, len(kwargs), guards, env_checks, device_of, stream_of, device, launch, require_cuda)
-    return FastLaunch(launch, int(device), source, jit, compiled, native)
+    made = functools.cache(functools.partial(_python_launch, jit, compiled, len(kwargs), guards, env_checks, device_of, stream_of, device))
+    native = _native_launch(compiled, len(kwargs), guards, env_checks, device_of, stream_of, device, lambda g, kw: made()[1](g, kw), require_cuda)
+    return FastLaunch(made, int(device), jit, compiled, native)
 
 
 def _python_launch(
@@ -267,8 +255,6 @@ TENSOR_ABI: bool = os.environ.get("WARMREG_TENSOR_ABI", "1") != "0"
 @functools.cache
 def _tensor_abi() -> bool:
     """Turn the C entries' shim reads on, once per process (``False``: the getters stay)."""
-    import torch
-
     if not TENSOR_ABI or _cdispatch is None:
         return False
     base = torch.arange(40, dtype=torch.int64)
@@ -282,8 +268,6 @@ def _tensor_abi() -> bool:
 @functools.cache
 def _dtype_code(dtype: Any) -> int:
     """torch's ScalarType number of ``dtype`` as the C entries compare it (-1: they compare the dtype object)."""
-    import torch
-
     if not isinstance(dtype, torch.dtype) or not _tensor_abi():
         return -1
     return int(_cdispatch.dtype_code(torch.empty(0, dtype=dtype)))
