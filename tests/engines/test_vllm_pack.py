@@ -107,3 +107,36 @@ def test_after_pack_install_vllms_own_compile_of_every_key_compiles_nothing(buil
     # ... and vLLM's compile(key) of each finds its binary in the cache: Triton compiles nothing
     assert out["failed"] == {} and out["compiled"] == []
     assert out["hits"] == binaries
+
+
+def test_a_compile_that_raises_on_the_pool_is_reported_with_its_cause() -> None:
+    """Triton's async compile pool (``AsyncCompileMode(ignore_errors=True)``, as vLLM's warmup runs it) drops the error
+    of a compile that raises there and leaves no binary; ``compile_keys`` reports it under the key that submitted it,
+    so a failed build names the cause instead of only the missing binary."""
+    import types
+
+    import torch
+    import triton
+    import triton.language as tl
+    from warmreg_vllm.vllm_pack import compile_keys
+
+    from warmreg import Platform, cross_target
+
+    @triton.jit
+    def _refuses_small_blocks(x_ptr, BLOCK: tl.constexpr):
+        tl.static_assert(BLOCK >= 64, "BLOCK below 64")
+        tl.store(x_ptr + tl.arange(0, BLOCK), 1.0)
+
+    x = torch.empty(128)
+
+    def compile(block: int) -> None:
+        _refuses_small_blocks.warmup(x, BLOCK=block, grid=(1,))
+
+    kernel = types.SimpleNamespace(name="test.refuses", keys=["BLOCK=32", "BLOCK=64"], vllm_keys=[32, 64],
+                                   kernel=types.SimpleNamespace(compile=compile))  # fmt: skip
+    with tempfile.TemporaryDirectory() as cache, pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_CACHE_DIR", cache)
+        with cross_target(Platform.parse("cuda:90")):
+            failed = compile_keys([kernel], workers=2)  # type: ignore[list-item]
+    assert list(failed) == ["test.refuses BLOCK=32"], failed
+    assert "BLOCK below 64" in failed["test.refuses BLOCK=32"], failed

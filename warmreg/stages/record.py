@@ -174,7 +174,8 @@ def record_pack(
             raise PackError(
                 str(out),
                 f"{len(recording.failed)} compile(s) left no binary; first: {kernel} {key}",
-                fix="fix the kernel; no pack was written",
+                fix="fix the kernel (a compile on Triton's AsyncCompileMode pool with ignore_errors=True drops its error: "
+                "compile that key without the pool to see it); no pack was written",
             )
         if not entries:
             raise PackError(

@@ -167,27 +167,51 @@ def compile_keys(
     """Compile each key of ``kernels`` with vLLM's own ``compile(key)``, on ``workers`` threads of Triton's async
     compile pool (as vLLM's own warmup does on CUDA), inside :func:`deployment` and a Triton target. ``label`` gives
     a context manager each key's compile runs in. Returns ``"<kernel> <key>": error`` for each key whose ``compile``
-    raised (a compile that fails on the pool leaves no binary instead: :func:`warmreg.record_pack` finds it).
+    raised, or whose compile on the pool raised (Triton's ``AsyncCompileMode(ignore_errors=True)`` drops that error
+    and leaves no binary: the pool keeps it under the key that submitted the compile).
     """
     import triton
 
     failed: dict[str, str] = {}
+    pool = _Pool(workers, failed) if workers > 1 else None
 
     def compile_all() -> None:
         for kernel in kernels:
             for text, key in zip(kernel.keys, kernel.vllm_keys):
                 with label(kernel, text) if label is not None else contextlib.nullcontext():
+                    if pool is not None:
+                        pool.submitter = f"{kernel.name} {text}"
                     try:
                         kernel.kernel.compile(key)
                     except Exception as e:  # one key's failure is reported, the others compile
                         failed[f"{kernel.name} {text}"] = f"{type(e).__name__}: {e}"
 
-    if workers <= 1:
+    if pool is None:
         compile_all()
     else:
-        with ThreadPoolExecutor(max_workers=workers) as pool, triton.AsyncCompileMode(pool, ignore_errors=True):
+        with pool, triton.AsyncCompileMode(pool, ignore_errors=True):
             compile_all()
     return failed
+
+
+class _Pool(ThreadPoolExecutor):
+    """Triton's async compile pool, keeping the error of each compile that raised on it under :attr:`submitter`
+    (the key whose ``compile`` submitted it; the keys are submitted from one thread)."""
+
+    def __init__(self, workers: int, failed: dict[str, str]) -> None:
+        super().__init__(max_workers=workers)
+        self.failed, self.submitter = failed, ""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        future = super().submit(fn, *args, **kwargs)
+        where = self.submitter
+        future.add_done_callback(lambda f: self._keep(where, f))
+        return future
+
+    def _keep(self, where: str, future: Any) -> None:
+        error = None if future.cancelled() else future.exception()
+        if error is not None:
+            self.failed.setdefault(where, f"{type(error).__name__}: {error}")
 
 
 def build_vllm_pack(
