@@ -60,7 +60,9 @@ print(json.dumps({{"wall": wall, "keys": r.declared, "compiled": r.compiled, "fr
 def _run(tree: Path, code: str, cache: str) -> dict:
     path = os.pathsep.join(str(tree / p) for p in ("", "plugins/deepseek_v4", "plugins/kimi_k3"))
     env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": path}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd="/")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd="/")
+    if out.returncode:  # the child's own error, not only its exit status
+        raise SystemExit(f"a warm of {tree} exited {out.returncode}:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
