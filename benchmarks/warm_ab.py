@@ -37,10 +37,10 @@ if {target!r} is None:  # an engine has CUDA up before it warms
     torch.empty(1, device="cuda")
 if {pack!r}:  # ... and prefetched the pack at start-up, installed while its weights loaded
     warmreg.prefetch(pack={pack!r})
-    from warmreg.api import warm as warmup
+    from warmreg.api.prefetch import wait_for_plugins  # as benchmarks/warm_time.py waits for the prefetch
     from warmreg._triton import cache as _triton_cache
     from warmreg.stages import pack as _packs
-    _triton_cache.wait_triton_key(); warmup._prefetched()
+    _triton_cache.wait_triton_key(); wait_for_plugins()
     for _f in list(_packs._PREFETCHED.values()): _f.exception()
 pauses, began = [], [0.0]
 def _gc(phase, info):
