@@ -77,7 +77,7 @@ def enumerate_keys(kernel: TritonKernel[K], domains: Domains) -> tuple[K, ...]:
             key.validate()
             keys.add(key)
         witnesses[key] = point
-    return tuple(sorted(keys))
+    return tuple(sorted(keys, key=lambda k: k.sort_key()))  # one sort key per key, not two per comparison
 
 
 def _show(point: Mapping[str, Any]) -> str:

@@ -149,7 +149,7 @@ def _kernel_plans(registrations: Iterable[Registration], config: WarmConfig, pla
             for key in _candidates(reg.kernel, enumerate_keys(reg.kernel, reg.kernel.domains(config, platform))):
                 owners.setdefault(key, reg.kernel)  # each key is warmed by an instance that produced it
         plugins = tuple(sorted({r.plugin for r in regs}))
-        kernels.append(KernelPlan(name=name, kernel=regs[0].kernel, keys=tuple(sorted(owners)), plugins=plugins, owners=owners))
+        kernels.append(KernelPlan(name=name, kernel=regs[0].kernel, keys=tuple(sorted(owners, key=CompileKey.sort_key)), plugins=plugins, owners=owners))
     return tuple(kernels)
 
 
