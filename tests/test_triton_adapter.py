@@ -197,6 +197,48 @@ def test_a_bound_launch_hashes_as_its_decoded_specialization_and_triton_do(trito
     assert compiled.hash == bound
 
 
+def test_binding_takes_a_decoded_specialization_as_recorded_only_where_key_and_options_agree(
+    triton_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A specialization this process decoded (a pack's install) is what binding returns for a launch with the
+    same in-memory key and parsed options, without Triton's ``_pack_args``; any other launch is specialized."""
+    from warmreg._triton import compiler as _compiler
+
+    kwargs, options = _scale_launch(27)
+    with _triton.cross_target(H100):
+        key, data = _triton.specialize(_scale_kernel, kwargs, options)
+        recorded = json.dumps(json.loads(data), indent=1)  # the same specialization, serialized elsewhere (a pack)
+        assert recorded != data
+        _triton_cache._hashes.clear(), _triton_cache._decoded.clear()
+        installed = _triton_cache.local_cache_hash(_scale_kernel, recorded, H100)  # as a pack install decodes it
+        packed: list[str] = []
+        real = _compiler.pack_bound
+        monkeypatch.setattr(_compiler, "pack_bound", lambda jit, k, bound: packed.append(k) or real(jit, k, bound))
+        assert _triton_cache.specialize_remembered(_scale_kernel, kwargs, options, H100) == (key, recorded)
+        assert packed == [] and _triton_cache.local_cache_hash(_scale_kernel, recorded, H100) == installed
+        other = _triton_cache.specialize_remembered(_scale_kernel, kwargs, {"num_warps": 4}, H100)  # another key
+        assert packed == [other[0]] != [key]
+        for entry, (text, parsed) in list(_triton_cache._decoded.items()):  # a parsed option differs: specialized again
+            _triton_cache._decoded[entry] = (text, {**parsed, "enable_fp_fusion": not parsed["enable_fp_fusion"]})
+        assert _triton_cache.specialize_remembered(_scale_kernel, kwargs, options, H100) == (key, data)
+        assert packed == [other[0], key]
+
+
+def test_a_warm_reads_the_cache_invalidating_environment_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from triton._C import libtriton
+
+    real, reads = libtriton.get_cache_invalidating_env_vars, []
+    monkeypatch.setattr(libtriton, "get_cache_invalidating_env_vars", lambda: reads.append(1) or real())
+    monkeypatch.delenv("TRITON_DISABLE_LINE_INFO", raising=False)
+    with _triton_cache.fixed_env():
+        before = _triton_cache._env()
+        monkeypatch.setenv("TRITON_DISABLE_LINE_INFO", "1")
+        with _triton_cache.fixed_env():
+            assert _triton_cache._env() == before and _triton_cache._env() == before
+    assert len(reads) == 1
+    assert "TRITON_DISABLE_LINE_INFO" in dict(_triton_cache._env()) and len(reads) == 2
+
+
 def test_a_hit_loaded_directly_is_the_kernel_tritons_warmup_finds(triton_cache: Path) -> None:
     """load_hit gives what JITFunction.warmup gives on a disk-cache hit: the same binary and metadata,
     the compilation listener told (a hit), the kernel in the jit function's in-memory cache under the key."""
@@ -223,6 +265,35 @@ def test_a_hit_loaded_directly_is_the_kernel_tritons_warmup_finds(triton_cache: 
     assert (direct.hash, direct.kernel, direct.metadata, dict(direct.asm)) == (found.hash, found.kernel, found.metadata, dict(found.asm))
     assert direct.metadata_group == found.metadata_group
     assert direct.src.signature == found.src.signature and direct.src.constants == found.src.constants
+
+
+def test_a_hit_of_an_entry_a_pack_install_published_skips_tritons_group_read(
+    triton_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The child paths an install remembered serve the hit (no ``get_group``); where they are gone, Triton's read."""
+    from triton.runtime.cache import FileCacheManager
+
+    from warmreg._triton import hits
+
+    kwargs, options = _scale_launch(29)
+    reads: list[str] = []
+    real = FileCacheManager.get_group
+    monkeypatch.setattr(FileCacheManager, "get_group", lambda self, name: reads.append(name) or real(self, name))
+    with _triton.cross_target(H100):
+        key, data = _triton_cache.specialize_remembered(_scale_kernel, kwargs, options, H100)
+        found = _triton.warmup(_scale_kernel, (1,), kwargs, options)
+        _triton.forget_compiled()
+        name = f"{found.name}.json"
+        hits.remember_group(str(triton_cache), found.hash, name, found.metadata_group)
+        reads.clear()
+        direct = load_hit(_scale_kernel, key, data, H100)
+        assert reads == [] and (direct.kernel, direct.metadata, direct.metadata_group) == (found.kernel, found.metadata, found.metadata_group)
+        assert direct.asm["ptx"] == found.asm["ptx"]
+        _triton.forget_compiled()
+        gone = {child: str(triton_cache / "removed" / child) for child in found.metadata_group}
+        hits.remember_group(str(triton_cache), found.hash, name, gone)
+        again = load_hit(_scale_kernel, key, data, H100)
+        assert reads == [name] and again.metadata_group == found.metadata_group and again.kernel == found.kernel
 
 
 def test_a_hit_takes_tritons_own_path_where_a_foreign_hook_must_see_it(triton_cache: Path) -> None:

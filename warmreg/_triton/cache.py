@@ -13,6 +13,7 @@ import os
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ __all__ = [
     "alive",
     "cache_dir",
     "check_cache_writable",
+    "fixed_env",
     "cache_subdir",
     "remove_unfinished",
     "import_jit",
@@ -246,23 +248,43 @@ def local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platf
 def hashed_source(jit: JITFunction, specialization_data: str, platform: Platform) -> tuple[str, Any]:
     """:func:`local_cache_hash` with the ``ASTSource`` it hashed, remembered for the process."""
     env = _env()
-    memo = (jit, jit.cache_key, specialization_data, platform.target, tuple(sorted(env.items())))
+    memo = (jit, jit.cache_key, specialization_data, platform.target, env)
     found = _hashes.get(memo)
     if found is None:
         parts = _sources.pop(memo, None)  # what the warm's binding specialized, not decoded again
-        found = _hashed(*parts, env) if parts is not None else _local_cache_hash(jit, specialization_data, platform, env)
+        found = _hashed(*parts, dict(env)) if parts is not None else _local_cache_hash(jit, specialization_data, platform, env)
         _bounded(_hashes)[memo] = found
     return found
 
 
 _hashes: dict[tuple[Any, ...], tuple[str, Any]] = {}
 _sources: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
+#: Specializations decoded in this process (a pack's, another rank's), by what binding computes first:
+#: ``(jit, its source hash, Triton's in-memory key, target, environment)`` -> ``(data, parsed options)``.
+_decoded: dict[tuple[Any, ...], tuple[str, dict[str, Any]]] = {}
+_fixed_env: list[tuple[tuple[str, Any], ...]] = []  # the environment while :func:`fixed_env` blocks run
 
 
-def _env() -> dict[str, Any]:
+def _env() -> tuple[tuple[str, Any], ...]:
+    """Triton's cache-invalidating environment variables that are set, sorted (read once per :func:`fixed_env` block)."""
+    if _fixed_env:
+        return _fixed_env[0]
     from triton._C.libtriton import get_cache_invalidating_env_vars
 
-    return dict(get_cache_invalidating_env_vars())
+    return tuple(sorted(get_cache_invalidating_env_vars().items()))
+
+
+@contextlib.contextmanager
+def fixed_env() -> Iterator[None]:
+    """While the block runs (a warm's binding and compiling), the cache-invalidating environment is
+    read once, not three times a key (9 us each); nested and concurrent blocks share the outermost's."""
+    with _key_lock:
+        _fixed_env.append(_env())
+    try:
+        yield
+    finally:
+        with _key_lock:
+            _fixed_env.pop()
 
 
 def _bounded(memo: dict[Any, Any]) -> dict[Any, Any]:
@@ -285,17 +307,26 @@ def specialize_remembered(jit: JITFunction, kwargs: Any, options: Any, platform:
     """:func:`warmreg._triton.specialize` of a launch a warm compiles for ``platform`` (inside its compile
     scope), remembering the source, backend and options Triton would compile from, so that
     :func:`local_cache_hash` hashes them as they are instead of decoding the specialization (it needs
-    ``triton_key()``, which binding does not wait for)."""
-    from .compiler import specialize_parts
+    ``triton_key()``, which binding does not wait for).
 
-    key, data, backend, parsed, src = specialize_parts(jit, kwargs, options)
-    memo = (jit, jit.cache_key, data, platform.target, tuple(sorted(_env().items())))
+    A specialization this process already decoded (a pack's, at its install) whose in-memory key and
+    parsed options binding gives again is returned as it was recorded, already hashed: binding skips
+    Triton's ``_pack_args`` and the serialization (0.1 ms a key on the CPU machine)."""
+    from .compiler import bind_launch, pack_bound
+
+    env = _env()
+    key, bound = bind_launch(jit, kwargs, options)
+    decoded = _decoded.get((jit, jit.cache_key, key, platform.target, env))
+    if decoded is not None and vars(bound[2].parse_options(bound[0])) == decoded[1]:
+        return key, decoded[0]  # the key fixes the signature, constants and attributes; the options are compared
+    key, data, backend, parsed, src = pack_bound(jit, key, bound)
+    memo = (jit, jit.cache_key, data, platform.target, env)
     if memo not in _hashes:
         _bounded(_sources)[memo] = (src, backend, parsed)
     return key, data
 
 
-def _local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform, env: dict[str, Any]) -> tuple[str, Any]:
+def _local_cache_hash(jit: JITFunction, specialization_data: str, platform: Platform, env: tuple[tuple[str, Any], ...]) -> tuple[str, Any]:
     import json
 
     import triton.language as tl
@@ -319,7 +350,9 @@ def _local_cache_hash(jit: JITFunction, specialization_data: str, platform: Plat
     signature = {k: convert_to_tuple_if_list(v) for k, v in data["signature"].items()}
     backend = make_backend(gpu_target(platform))
     options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in data["options"].items()})
-    return _hashed(ASTSource(jit, signature, constexprs, attrs), backend, options, env)
+    if isinstance(data.get("key"), str):
+        _bounded(_decoded)[(jit, jit.cache_key, data["key"], platform.target, env)] = (specialization_data, dict(vars(options)))
+    return _hashed(ASTSource(jit, signature, constexprs, attrs), backend, options, dict(env))
 
 
 def _registered_jit(name: str) -> Any:

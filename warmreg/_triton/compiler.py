@@ -24,7 +24,7 @@ from .launchers import is_built, launcher_source, shared_launchers
 from .release import RELEASE
 from .target import _ids_lock, current_device
 
-__all__ = ["async_compile", "builds_on_load", "cache_files", "compile_listener", "finish_load", "forget_compiled", "full_name", "in_memory", "is_future_kernel", "is_jit", "knob", "param_names", "parse_specialization_key", "preimport", "retrying_ast_race", "run_kwargs", "shared_kernel_objects", "source_hash", "specialization_key", "specialize", "specialize_parts", "touch", "warmup"]
+__all__ = ["async_compile", "bind_launch", "builds_on_load", "cache_files", "compile_listener", "finish_load", "forget_compiled", "full_name", "in_memory", "is_future_kernel", "is_jit", "knob", "pack_bound", "param_names", "parse_specialization_key", "preimport", "retrying_ast_race", "run_kwargs", "shared_kernel_objects", "source_hash", "specialization_key", "specialize", "specialize_parts", "touch", "warmup"]
 
 log = logging.getLogger("warmreg._triton")
 
@@ -43,13 +43,25 @@ def specialize(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str
 def specialize_parts(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> tuple[str, str, Any, Any, Any]:
     """:func:`specialize`'s key and data, with what ``JITFunction._do_compile`` compiles from: the
     backend, the parsed options and the ``ASTSource``."""
-    from triton.compiler.compiler import ASTSource
-    from triton.runtime.jit import serialize_specialization_data
+    return pack_bound(jit, *bind_launch(jit, kwargs, options))
 
+
+def bind_launch(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[str, Any]) -> tuple[str, Any]:
+    """The first half of :func:`specialize_parts`: Triton's in-memory key (``JITFunction.run``'s binder
+    and ``compute_cache_key``), with what :func:`pack_bound` takes to finish it."""
     full = run_kwargs(jit, kwargs, options)
     _, key_cache, target, backend, binder = jit.device_caches[current_device()]
     bound_args, specialization, opts = binder(**full)
-    key = str(compute_cache_key(key_cache, specialization, opts))
+    return str(compute_cache_key(key_cache, specialization, opts)), (full, target, backend, bound_args, specialization, opts)
+
+
+def pack_bound(jit: JITFunction, key: str, bound: Any) -> tuple[str, str, Any, Any, Any]:
+    """The rest of :func:`specialize_parts` for a :func:`bind_launch`: ``JITFunction._pack_args``, the
+    serialized specialization and the ``ASTSource``."""
+    from triton.compiler.compiler import ASTSource
+    from triton.runtime.jit import serialize_specialization_data
+
+    full, target, backend, bound_args, specialization, opts = bound
     parsed, signature, constexprs, attributes = jit._pack_args(backend, full, bound_args, specialization, opts)
     extra = (target,) if RELEASE.specialization_has_target else ()
     data = serialize_specialization_data(full_name(jit), signature, constexprs, attributes, parsed, key, *extra)

@@ -15,12 +15,24 @@ from triton.compiler.compiler import AsmDict
 from triton.runtime.jit import JITFunction
 
 from ..values.platform import Platform
-from .cache import hashed_source, metadata_filename
+from .cache import cache_dir, hashed_source, metadata_filename
 from .compiler import touch
 from .hooks import only_own_compile_hook
 from .target import current_device
 
-__all__ = ["load_hit"]
+__all__ = ["load_hit", "remember_group"]
+
+#: Cache entries a pack install published in this process, ``(cache directory, hash, metadata file) -> child paths``:
+#: a warm's hit of one reads its metadata and binary without Triton's ``get_group`` (its directory
+#: created again, the group file read, every child's existence checked: 0.08 ms a key on the CPU machine).
+_published: dict[tuple[str, str, str], dict[str, str]] = {}
+
+
+def remember_group(cache: str, binary_hash: str, name: str, children: dict[str, str]) -> None:
+    """Remember the child paths of a cache entry just published (or found whole) under ``cache``."""
+    if len(_published) >= 4096:
+        _published.clear()
+    _published[(cache, binary_hash, name)] = dict(children)
 
 
 def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str | None, platform: Platform) -> Any:
@@ -32,7 +44,8 @@ def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str 
     A warm already bound the launch and hashed its specialization; ``warmup`` would bind and hash it
     again (0.5 ms a key on the H200 host). The kernel reads its metadata and binary now, and the text of
     each intermediate representation (``kernel.asm["ptx"]`` and the like, which a launch never reads)
-    from the entry when first asked for (:class:`_LazyAsm`).
+    from the entry when first asked for (:class:`_LazyAsm`). An entry a pack install of this process published
+    (:func:`remember_group`) is read without Triton's ``get_group``; one removed since, as Triton reads it.
 
     ``None`` where Triton's own path must run: no entry, a pre- or post-compile hook other than warmreg's
     own monitor (which ignores a warm's compiles), or a knob that changes what a hit does
@@ -53,18 +66,32 @@ def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str 
     except Exception:  # Triton's own path reports it
         return None
     timer, name = CompileTimer(), metadata_filename(src)
-    group = get_cache_manager(binary_hash).get_group(name)
-    if not group or name not in group:
-        return None
     binary = f".{jit.device_caches[current_device()][3].binary_ext}"  # the backend's (cubin, hsaco)
-    later = {os.path.splitext(path)[1][1:]: path for child, path in group.items() if not child.endswith((".json", binary))}
-    kernel = CompiledKernel(src, {child: path for child, path in group.items() if child.endswith((".json", binary))}, binary_hash)
-    kernel.metadata_group, kernel.asm = group, _LazyAsm(kernel.asm, later)
+    published = _published.pop((str(Path(cache_dir())), binary_hash, name), None) if knobs.cache.manager_class is None else None
+    kernel = group = None
+    if published and all(os.path.isfile(path) for child, path in published.items() if child.endswith((".json", binary))):
+        kernel, group = _kernel(CompiledKernel, src, published, name, binary, binary_hash)
+    if kernel is None:  # not published by an install here, or removed since: read as Triton reads it
+        group = get_cache_manager(binary_hash).get_group(name)
+        if not group or name not in group:
+            return None
+        kernel, group = _kernel(CompiledKernel, src, group, name, binary, binary_hash)
     if (listener := knobs.compilation.listener) is not None:
         listener(src=src, metadata=kernel.metadata._asdict(), metadata_group=group, times=timer.end(), cache_hit=True)
     jit.device_caches[current_device()][0][triton_key] = kernel
     touch(jit)
     return kernel
+
+
+def _kernel(cls: Any, src: Any, group: dict[str, str], name: str, binary: str, binary_hash: str) -> tuple[Any, dict[str, str]]:
+    """The ``CompiledKernel`` of one cache entry's group, its IR texts read when first asked for (``None``
+    for a group without its metadata file)."""
+    if name not in group:
+        return None, group
+    later = {os.path.splitext(path)[1][1:]: path for child, path in group.items() if not child.endswith((".json", binary))}
+    kernel = cls(src, {child: path for child, path in group.items() if child.endswith((".json", binary))}, binary_hash)
+    kernel.metadata_group, kernel.asm = group, _LazyAsm(kernel.asm, later)
+    return kernel, group
 
 
 class _LazyAsm(AsmDict):

@@ -101,10 +101,10 @@ def _on_compiled(cache_hit: bool, metadata: Any) -> None:
 @contextmanager
 def compile_scope(platform: Platform) -> Iterator[None]:
     """The scope of a warm's binding and compiling: warmreg's own compiles (``IN_WARMUP``), Triton's compilation
-    listener, per-kernel objects Triton shares (``shared_kernel_objects``), for a cross target its stand-in driver."""
+    listener, per-kernel objects Triton shares (``shared_kernel_objects``), for a cross target its stand-in driver, the environment read once."""
     token = IN_WARMUP.set(True)
     try:
-        with _triton.compile_listener(_on_compiled), _triton.shared_kernel_objects(), _triton.cross_target(platform):
+        with _triton.compile_listener(_on_compiled), _triton.shared_kernel_objects(), _triton.cross_target(platform), _triton_cache.fixed_env():
             yield
     finally:
         IN_WARMUP.reset(token)

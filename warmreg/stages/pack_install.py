@@ -21,6 +21,7 @@ from typing import Any
 
 from .. import _triton
 from .._triton import cache as _triton_cache
+from .._triton.hits import remember_group
 from ..support import bounded_json as _json
 from ..values.errors import CacheError, WarmregError
 from ..values.platform import Platform
@@ -118,6 +119,7 @@ def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash:
         with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):  # a damaged group file is replaced below
             existing = _json.loads(group.read_bytes())["child_paths"]
             if all(Path(p).is_file() for p in existing.values()):
+                remember_group(str(cache), local_hash, meta_name, existing)
                 return False  # already installed (by us, another installer, or Triton itself)
     directory.mkdir(parents=True, exist_ok=True)
     writer = uuid.uuid4().hex[:12]
@@ -135,6 +137,7 @@ def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash:
             _atomic_write(final, data)
             children[name] = str(final)
         _atomic_write(group, json.dumps({"child_paths": children}).encode())
+        remember_group(str(cache), local_hash, meta_name, children)
     except BaseException:
         for path in children.values():  # a failed entry leaves none of its files (a kill may leave some)
             Path(path).unlink(missing_ok=True)
