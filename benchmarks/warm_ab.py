@@ -58,7 +58,8 @@ print(json.dumps({{"wall": wall, "keys": r.declared, "compiled": r.compiled, "fr
 
 
 def _run(tree: Path, code: str, cache: str) -> dict:
-    path = os.pathsep.join(str(tree / p) for p in ("", "plugins/deepseek_v4", "plugins/kimi_k3"))
+    # the tree first; then this process's own PYTHONPATH (another Triton release's copy, on the GPU host)
+    path = os.pathsep.join([*(str(tree / p) for p in ("", "plugins/deepseek_v4", "plugins/kimi_k3")), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = {**os.environ, "TRITON_CACHE_DIR": cache, "PYTHONPATH": path}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd="/")
     if out.returncode:  # the child's own error, not only its exit status

@@ -224,6 +224,33 @@ def test_binding_takes_a_decoded_specialization_as_recorded_only_where_key_and_o
         assert packed == [other[0], key]
 
 
+def test_a_binder_made_ahead_serves_only_its_own_target_and_binds_as_tritons_own() -> None:
+    """``prepare_binders`` (a prefetched pack's functions) makes what ``create_binder`` makes at a function's first
+    launch on a device; binding takes it for a device of that target, and Triton makes its own for any other."""
+    from warmreg._triton import compiler as _compiler
+
+    kwargs, options = _scale_launch(31)
+    sm90, sm80 = _triton.gpu_target(H100), _triton.gpu_target(Platform.parse("cuda:80"))
+    with _triton.cross_target(H100):
+        device = _triton.current_device()
+        expected = _triton.specialize(_scale_kernel, kwargs, options)  # Triton's own binder
+        saved = _scale_kernel.device_caches.pop(device)
+        try:
+            _triton.prepare_binders([_scale_kernel], sm80)
+            assert _triton.specialize(_scale_kernel, kwargs, options) == expected
+            assert (_scale_kernel, sm80) in _compiler._binders  # another target's: left alone
+            assert _scale_kernel.device_caches[device][4] is not _compiler._binders[(_scale_kernel, sm80)][1]
+            del _scale_kernel.device_caches[device]
+            _triton.prepare_binders([_scale_kernel], sm90)
+            backend, binder = _compiler._binders[(_scale_kernel, sm90)]
+            assert _triton.specialize(_scale_kernel, kwargs, options) == expected
+            assert _scale_kernel.device_caches[device][2:] == (saved[2], backend, binder)
+            assert (_scale_kernel, sm90) not in _compiler._binders
+        finally:
+            _compiler._binders.pop((_scale_kernel, sm80), None)
+            _scale_kernel.device_caches[device] = saved
+
+
 def test_a_warm_reads_the_cache_invalidating_environment_once(monkeypatch: pytest.MonkeyPatch) -> None:
     from triton._C import libtriton
 
@@ -270,15 +297,16 @@ def test_a_hit_loaded_directly_is_the_kernel_tritons_warmup_finds(triton_cache: 
 def test_a_hit_of_an_entry_a_pack_install_published_skips_tritons_group_read(
     triton_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The child paths an install remembered serve the hit (no ``get_group``); where they are gone, Triton's read."""
-    from triton.runtime.cache import FileCacheManager
+    """The child paths an install remembered serve the hit (no group file read); where they are gone, the group
+    file is read as Triton's ``get_group`` reads it (same answer for a whole entry, a child missing, a damaged file)."""
+    from triton.runtime.cache import get_cache_manager
 
     from warmreg._triton import hits
 
     kwargs, options = _scale_launch(29)
     reads: list[str] = []
-    real = FileCacheManager.get_group
-    monkeypatch.setattr(FileCacheManager, "get_group", lambda self, name: reads.append(name) or real(self, name))
+    real = hits._group
+    monkeypatch.setattr(hits, "_group", lambda binary_hash, name: reads.append(name) or real(binary_hash, name))
     with _triton.cross_target(H100):
         key, data = _triton_cache.specialize_remembered(_scale_kernel, kwargs, options, H100)
         found = _triton.warmup(_scale_kernel, (1,), kwargs, options)
@@ -294,6 +322,14 @@ def test_a_hit_of_an_entry_a_pack_install_published_skips_tritons_group_read(
         hits.remember_group(str(triton_cache), found.hash, name, gone)
         again = load_hit(_scale_kernel, key, data, H100)
         assert reads == [name] and again.metadata_group == found.metadata_group and again.kernel == found.kernel
+    manager = get_cache_manager(found.hash)
+    assert real(found.hash, name) == manager.get_group(name) == found.metadata_group
+    group_file = Path(manager.cache_dir) / f"__grp__{name}"
+    Path(found.metadata_group["_scale_kernel.ptx"]).rename(group_file.with_suffix(".moved"))
+    assert real(found.hash, name) is manager.get_group(name) is None  # a child missing
+    group_file.write_text("{not json")
+    assert real(found.hash, name) is manager.get_group(name) is None
+    assert real(found.hash, "no such kernel.json") is manager.get_group("no such kernel.json") is None
 
 
 def test_a_hit_takes_tritons_own_path_where_a_foreign_hook_must_see_it(triton_cache: Path) -> None:

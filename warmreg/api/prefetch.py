@@ -28,6 +28,8 @@ def prefetch(pack: str | os.PathLike[str] | None = None) -> None:
         verified and written as :func:`warmreg.stages.pack.install` does). A warm of that pack into that
         cache then waits for it instead of installing; it installs the pack itself if the
         prefetch failed, refused an entry, or installed it for another target or cache directory.
+        Meanwhile it also makes Triton's binder of each of the pack's functions for the pack's target (what
+        a function's first launch on a device makes), which the warm's binding takes on a GPU of that target.
 
     Call it early in an engine's start-up (before loading weights); :func:`warm` starts it too if it
     has not started, and waits for each part only where it needs it. Idempotent; returns at once.

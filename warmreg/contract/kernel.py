@@ -46,6 +46,9 @@ def meta(
         Triton sees the misalignment of an offset view.
     """
     shape = tuple(int(s) for s in shape)
+    if not offset:  # one torch call (1.3-2.3 us, a third of the path below); an empty view has an empty storage
+        strides = None if stride is None else tuple(int(s) for s in stride)
+        return torch.empty(shape, dtype=dtype, device="meta") if strides is None else torch.empty_strided(shape, strides, dtype=dtype, device="meta")
     stride = tuple(int(s) for s in (torch.empty(shape, device="meta").stride() if stride is None else stride))
     extent = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0) if all(shape) else offset
     base = torch.empty(max(extent, 1), dtype=dtype, device="meta")
