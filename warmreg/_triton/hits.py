@@ -6,7 +6,6 @@ Part of the Triton adapter, checked against Triton 3.6.0, 3.7.1, 3.8.0 and 3.9.0
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ from triton.compiler.compiler import AsmDict
 from triton.runtime.jit import JITFunction
 
 from ..values.platform import Platform
-from .cache import cache_dir, cache_subdir, hashed_source, metadata_filename
+from .cache import cache_dir, hashed_source, metadata_filename
 from .compiler import touch
 from .hooks import only_own_compile_hook
 from .target import current_device
@@ -73,7 +72,7 @@ def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str 
     if published and all(os.path.isfile(path) for child, path in published.items() if child.endswith((".json", binary))):
         kernel, group = _kernel(CompiledKernel, src, published, name, binary, binary_hash)
     if kernel is None:  # not published by an install here, or removed since: read as Triton reads it
-        group = get_cache_manager(binary_hash).get_group(name) if knobs.cache.manager_class is not None else _group(binary_hash, name)
+        group = get_cache_manager(binary_hash).get_group(name)
         if not group or name not in group:
             return None
         kernel, group = _kernel(CompiledKernel, src, group, name, binary, binary_hash)
@@ -82,20 +81,6 @@ def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str 
     jit.device_caches[current_device()][0][triton_key] = kernel
     touch(jit)
     return kernel
-
-
-def _group(binary_hash: str, name: str) -> dict[str, str] | None:
-    """``FileCacheManager(key).get_group(name)`` (Triton 3.6.0-3.9.0) without making the manager, whose
-    construction creates the entry's directory again (``os.makedirs``, 0.03 ms a hit on the CPU machine):
-    the group file's child paths if it and every child exist, else ``None``."""
-    try:
-        with open(os.path.join(cache_dir(), cache_subdir(binary_hash), f"__grp__{name}")) as f:
-            children = json.load(f).get("child_paths")
-    except Exception:  # missing or corrupted: Triton's read gives None too
-        return None
-    if not isinstance(children, dict) or not all(os.path.exists(path) for path in children.values()):
-        return None
-    return dict(children)
 
 
 def _kernel(cls: Any, src: Any, group: dict[str, str], name: str, binary: str, binary_hash: str) -> tuple[Any, dict[str, str]]:
