@@ -56,6 +56,41 @@ def test_a_pack_prefetched_is_installed_before_the_warm_and_the_warm_installs_no
     assert len(list(triton_cache.rglob("__grp__*.json"))) == 3
 
 
+def test_a_prefetched_pack_makes_the_binders_its_warm_binds_with(built: Path, triton_cache: Path) -> None:
+    """The prefetch makes Triton's binder of the pack's functions for the pack's target; the warm's binding takes it
+    (the function had none for that device), as ``create_binder`` would have made it."""
+    from tests.helpers import _scale_kernel
+    from warmreg import _triton
+    from warmreg._triton import compiler as _compiler
+    from warmreg._triton.target import _device_id
+    from warmreg.values.platform import Platform
+
+    sm90, device = _triton.gpu_target(Platform.parse("cuda:90")), _device_id(Platform.parse("cuda:90"))
+    saved = _scale_kernel.device_caches.pop(device, None)  # as in a fresh process: no binder for the device yet
+    try:
+        warmreg.prefetch(pack=built)
+        for pending in list(packs._PREFETCHED.values()):
+            pending.exception()  # the install (and the binders) done, as while an engine loads its weights
+        backend, binder = _compiler._binders[(_scale_kernel, sm90)]
+        report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, pack=built)
+        assert report.compiled == 0 and report.from_cache == 3
+        assert _scale_kernel.device_caches[device][2:] == (sm90, backend, binder) and (_scale_kernel, sm90) not in _compiler._binders
+    finally:
+        _compiler._binders.pop((_scale_kernel, sm90), None)
+        if saved is not None:
+            _scale_kernel.device_caches[device] = saved
+
+
+def test_binders_that_cannot_be_made_cost_the_prefetch_nothing(built: Path, triton_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def fail(*args: object) -> None:
+        raise RuntimeError("no binder")
+
+    monkeypatch.setattr(packs._triton, "prepare_binders", fail)
+    warmreg.prefetch(pack=built)
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, pack=built)
+    assert report.compiled == 0 and "(at prefetch)" in (report.stage("pack").get("summary") or "")
+
+
 def test_a_prefetched_pack_is_not_taken_for_another_cache_or_target(
     built: Path, triton_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

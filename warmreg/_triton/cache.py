@@ -267,8 +267,9 @@ _fixed_env: list[tuple[tuple[str, Any], ...]] = []  # the environment while :fun
 
 def _env() -> tuple[tuple[str, Any], ...]:
     """Triton's cache-invalidating environment variables that are set, sorted (read once per :func:`fixed_env` block)."""
-    if _fixed_env:
-        return _fixed_env[0]
+    fixed = _fixed_env[:1]  # one read: a block on another thread may end meanwhile
+    if fixed:
+        return fixed[0]
     from triton._C.libtriton import get_cache_invalidating_env_vars
 
     return tuple(sorted(get_cache_invalidating_env_vars().items()))

@@ -288,8 +288,10 @@ def prefetch_install(path: str | os.PathLike[str], after: threading.Thread | Non
             jits = _installed_jits(read.manifest)
             report = attrs.evolve(_install_read(read, start, all_or_nothing=False, jits=jits), prefetched=True)
             _check_cache_is(key[1])  # the install wrote where the warm will look
-            # the binders Triton makes at each function's first launch on a device, made here for the pack's target
-            _triton.prepare_binders({jits[e.jit_name] for e in read.manifest.entries if e.jit_name in jits}, _triton.gpu_target(read.platform))
+            try:  # the binders Triton makes at each function's first launch on a device, made here for the pack's target
+                _triton.prepare_binders({jits[e.jit_name] for e in read.manifest.entries if e.jit_name in jits}, _triton.gpu_target(read.platform))
+            except Exception as exc:  # only a head start: binding makes what is missing, as Triton does
+                log.debug("prefetch made no binders for %s: %r", path, exc)
             future.set_result((report, read.platform.target))
         except BaseException as exc:  # the warm installs the pack again and reports this
             log.debug("prefetch could not install %s: %r", path, exc)
