@@ -7,11 +7,12 @@ tree warms its own copy of the config (the same path inside each tree). The chec
 ``PYTHONPATH`` (its core and both plugins), so the same interpreter, Triton and torch run both. Each
 run also reports the cyclic garbage collector's pauses inside the timed warm (a full collection
 walks every object of the process, torch's included, whoever made them). Writes
-benchmarks/results/warm_ab_<tag>.json with every round's wall times, the medians and the ratios.
+benchmarks/results/warm_ab_<tag>.json with every round's wall times, the medians, their ratio and the
+median of each round's own ratio (both trees back to back: a host that drifts between rounds cancels).
 
     git worktree add /tmp/base <commit>
     python benchmarks/warm_ab.py examples/deepseek_v4_flash.json --baseline /tmp/base [--tree DIR] [--rounds 5]
-        [--target cuda:90 | --target local] [--pack PACK] [--only cold,warm_cache,from_pack]
+        [--target cuda:90 | --target local] [--pack PACK] [--only cold,warm_cache,from_pack] [--warmup 1]
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ def main() -> None:
     ap.add_argument("--pack", default=None, help="also warm from this pack (prefetched) into a fresh cache")
     ap.add_argument("--only", default="cold,warm_cache,from_pack", help="comma-separated: cold, warm_cache, from_pack")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=0, help="rounds run first and not recorded (the page cache, bytecode files)")
     ap.add_argument("--commits", default=None, help="'THIS,BASELINE' commit names where the trees are no git checkouts")
     ap.add_argument("--tag", default="cpu2core")
     args = ap.parse_args()
@@ -91,7 +93,7 @@ def main() -> None:
     rounds: dict[str, dict[str, list[float]]] = {name: {v: [] for v in only} for name in trees}
     gc_ms: dict[str, dict[str, list[float]]] = {name: {v: [] for v in only} for name in trees}
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.rounds):
+        for i in range(-args.warmup, args.rounds):
             for name, tree in trees.items():
                 runs = []
                 cache = os.path.join(tmp, f"{name}-{i}")
@@ -105,20 +107,23 @@ def main() -> None:
                     runs.append(("from_pack", _run(tree, codes[name, args.pack], cache + "-pack")))
                 for variant, run in runs:
                     assert run["core"].startswith(str(tree)), run["core"]
-                    if variant in only:
+                    if variant in only and i >= 0:
                         rounds[name][variant].append(run["wall"])
                         gc_ms[name][variant].append(run["gc_ms"])
     medians = {name: {k: statistics.median(v) for k, v in r.items()} for name, r in rounds.items()}
     ratios = {k: medians["this"][k] / medians["baseline"][k] for k in only}
+    # the ratio within each round, where both trees ran back to back: a host that drifts between rounds cancels
+    paired = {k: statistics.median(a / b for a, b in zip(rounds["this"][k], rounds["baseline"][k])) for k in only}
     commits = dict(zip(trees, args.commits.split(","))) if args.commits else {
         k: subprocess.run(["git", "-C", str(v), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() for k, v in trees.items()
     }  # fmt: skip
     results = {
         "config": args.config, "target": args.target, "pack": args.pack, "workers": workers, "trees": {k: str(v) for k, v in trees.items()},
-        "commits": commits, "rounds": rounds, "gc_ms": gc_ms, "medians": medians, "this_over_baseline": ratios,
+        "commits": commits, "warmup_rounds": args.warmup, "rounds": rounds, "gc_ms": gc_ms, "medians": medians,
+        "this_over_baseline": ratios, "this_over_baseline_paired": paired,
     }  # fmt: skip
     path = write(f"warm_ab_{args.tag}", results)
-    print(json.dumps({"medians": medians, "this_over_baseline": ratios}, indent=1), "->", path)
+    print(json.dumps({"medians": medians, "this_over_baseline": ratios, "this_over_baseline_paired": paired}, indent=1), "->", path)
 
 
 if __name__ == "__main__":
