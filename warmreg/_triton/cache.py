@@ -279,13 +279,11 @@ def _env() -> tuple[tuple[str, Any], ...]:
 def fixed_env() -> Iterator[None]:
     """While the block runs (a warm's binding and compiling), the cache-invalidating environment is
     read once, not three times a key (9 us each); nested and concurrent blocks share the outermost's."""
-    with _key_lock:
-        _fixed_env.append(_env())
+    _fixed_env.append(_env())  # (append and pop are atomic: concurrent blocks need no lock)
     try:
         yield
     finally:
-        with _key_lock:
-            _fixed_env.pop()
+        _fixed_env.pop()
 
 
 def _bounded(memo: dict[Any, Any]) -> dict[Any, Any]:
@@ -318,7 +316,8 @@ def specialize_remembered(jit: JITFunction, kwargs: Any, options: Any, platform:
     env = _env()
     key, bound = bind_launch(jit, kwargs, options)
     decoded = _decoded.get((jit, jit.cache_key, key, platform.target, env))
-    if decoded is not None and vars(bound[2].parse_options(bound[0])) == decoded[1]:
+    full, _target, backend = bound[:3]
+    if decoded is not None and vars(backend.parse_options(full)) == decoded[1]:
         return key, decoded[0]  # the key fixes the signature, constants and attributes; the options are compared
     key, data, backend, parsed, src = pack_bound(jit, key, bound)
     memo = (jit, jit.cache_key, data, platform.target, env)

@@ -68,14 +68,11 @@ def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str 
     timer, name = CompileTimer(), metadata_filename(src)
     binary = f".{jit.device_caches[current_device()][3].binary_ext}"  # the backend's (cubin, hsaco)
     published = _published.pop((str(Path(cache_dir())), binary_hash, name), None) if knobs.cache.manager_class is None else None
-    kernel = group = None
-    if published and all(os.path.isfile(path) for child, path in published.items() if child.endswith((".json", binary))):
-        kernel, group = _kernel(CompiledKernel, src, published, name, binary, binary_hash)
-    if kernel is None:  # not published by an install here, or removed since: read as Triton reads it
-        group = get_cache_manager(binary_hash).get_group(name)
-        if not group or name not in group:
-            return None
-        kernel, group = _kernel(CompiledKernel, src, group, name, binary, binary_hash)
+    whole = published and name in published and all(os.path.isfile(p) for c, p in published.items() if c.endswith((".json", binary)))
+    group = published if whole else get_cache_manager(binary_hash).get_group(name)  # else: read as Triton reads it
+    if not group or name not in group:
+        return None
+    kernel = _kernel(CompiledKernel, src, group, binary, binary_hash)
     if (listener := knobs.compilation.listener) is not None:
         listener(src=src, metadata=kernel.metadata._asdict(), metadata_group=group, times=timer.end(), cache_hit=True)
     jit.device_caches[current_device()][0][triton_key] = kernel
@@ -83,15 +80,12 @@ def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str 
     return kernel
 
 
-def _kernel(cls: Any, src: Any, group: dict[str, str], name: str, binary: str, binary_hash: str) -> tuple[Any, dict[str, str]]:
-    """The ``CompiledKernel`` of one cache entry's group, its IR texts read when first asked for (``None``
-    for a group without its metadata file)."""
-    if name not in group:
-        return None, group
+def _kernel(cls: Any, src: Any, group: dict[str, str], binary: str, binary_hash: str) -> Any:
+    """The ``CompiledKernel`` of one cache entry's group, its IR texts read when first asked for."""
     later = {os.path.splitext(path)[1][1:]: path for child, path in group.items() if not child.endswith((".json", binary))}
     kernel = cls(src, {child: path for child, path in group.items() if child.endswith((".json", binary))}, binary_hash)
     kernel.metadata_group, kernel.asm = group, _LazyAsm(kernel.asm, later)
-    return kernel, group
+    return kernel
 
 
 class _LazyAsm(AsmDict):

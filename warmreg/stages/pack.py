@@ -194,11 +194,15 @@ def install(
     return _install_read(_read_checked(path, target), start, all_or_nothing=all_or_nothing, jits=jits)
 
 
+def _jits_for(read: _Checked) -> Mapping[str, Any]:
+    """The functions an install of ``read`` may install for (:func:`_installed_jits`), after checking the cache."""
+    _triton_cache.check_cache_writable()  # before the plugins load: an unusable cache is one quick line
+    return _installed_jits(read.manifest)
+
+
 def _install_read(read: _Checked, start: float, *, all_or_nothing: bool, jits: Mapping[str, Any] | None) -> InstallReport:
     launcher_blobs = [(x, data) for x, data in read.launchers if _triton_launchers.fits_here(x.platform_key, x.file.name)]
-    if jits is None:
-        _triton_cache.check_cache_writable()  # before the plugins load: an unusable cache is one quick line
-        jits = _installed_jits(read.manifest)
+    jits = _jits_for(read) if jits is None else jits
     installed, present, refused = install_entries(read.entries, read.platform, pack=read.name, jits=jits, all_or_nothing=all_or_nothing)
     try:
         launchers = sum(_triton_launchers.install(x.cache_key, x.file.name, data) for x, data in launcher_blobs)
@@ -284,8 +288,7 @@ def prefetch_install(path: str | os.PathLike[str], after: threading.Thread | Non
             start = time.perf_counter()
             _check_cache_is(key[1])
             read = _read_checked(os.fspath(path), None)
-            _triton_cache.check_cache_writable()  # before the plugins load: an unusable cache is one quick line
-            jits = _installed_jits(read.manifest)
+            jits = _jits_for(read)
             report = attrs.evolve(_install_read(read, start, all_or_nothing=False, jits=jits), prefetched=True)
             _check_cache_is(key[1])  # the install wrote where the warm will look
             try:  # the binders Triton makes at each function's first launch on a device, made here for the pack's target
