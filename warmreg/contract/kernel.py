@@ -18,6 +18,7 @@ import attrs
 import torch
 
 from ..runtime.launch import run
+from ..support.cuda_memory import zeros as device_zeros
 from ..values.errors import KernelContractError, LaunchError
 from ..values.key import LAUNCH_OPTIONS, CompileKey
 
@@ -283,8 +284,9 @@ class TritonKernel(Generic[K]):
         """Keyword arguments of the launcher, real tensors on ``device``, that warm benchmarks the
         candidates of tuning key ``key`` (``config=None``) on: the shapes that key serves.
 
-        Default: :meth:`warmup_inputs` with each meta tensor made real: zeros (same strides) written as bytes, one
-        torch kernel for every dtype (torch loads a kernel at its first use: 5-30 ms on an H100, in a warm's rehearsal).
+        Default: :meth:`warmup_inputs` with each meta tensor made real: zeros (same strides) written as bytes by the
+        driver's memset (:func:`warmreg.support.cuda_memory.zeros`): no torch kernel, which torch loads at its first use
+        (5-30 ms on an H100, in a warm's rehearsal).
         Tuned kernels whose timing depends on the data or on sizes the key does not fix (a token count) override it.
         """
         return {name: _real(value, device) for name, value in self.warmup_inputs(key).items()}
@@ -318,7 +320,7 @@ class TritonKernel(Generic[K]):
 def _real(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
         nbytes = value.untyped_storage().nbytes() or value.element_size()
-        storage = torch.zeros(nbytes, dtype=torch.uint8, device=device).view(value.dtype)
+        storage = device_zeros(nbytes, device).view(value.dtype)
         return storage.as_strided(value.shape, value.stride(), value.storage_offset())
     if isinstance(value, (list, tuple)):
         items = [_real(v, device) for v in value]

@@ -1,1 +1,1 @@
-"""Support: bounded JSON reads, output checks, installed entry points and the version (file and metadata plumbing)."""
+"""Support: bounded JSON reads, output checks, installed entry points, zeroed device memory and the version (file, device and metadata plumbing)."""
