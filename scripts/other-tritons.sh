@@ -16,7 +16,7 @@ PY=${PYTHON:-python3}
 versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=(3.6.0 3.7.1 3.9.0)
 root=${WARMREG_VENVS:-$(mktemp -d -t warmreg-tritons-XXXX)}
-core=(tests/test_triton_adapter.py tests/test_fast_launch.py tests/test_qkv_rmsnorm.py tests/test_slot_mapping.py)
+core=(tests/test_triton_adapter.py tests/test_deferred_launcher.py tests/test_fast_launch.py tests/test_qkv_rmsnorm.py tests/test_slot_mapping.py)
 plugin_tests=(plugins/deepseek_v4/tests plugins/kimi_k3/tests)
 status=0
 for v in "${versions[@]}"; do

@@ -96,14 +96,15 @@ def test_whether_a_load_builds_a_launcher(monkeypatch: pytest.MonkeyPatch) -> No
     assert not _triton.builds_on_load(kernel)  # Triton 3.7+: one generic launcher, nothing to build
     monkeypatch.setattr(_triton.compiler, "RELEASE", attrs.evolve(_triton.RELEASE, per_signature_launcher=True))
     built = {"yes": True}
-    monkeypatch.setattr(_triton.compiler, "is_built", lambda compiled: built["yes"])
+    monkeypatch.setattr(_triton.compiler, "launcher_source", lambda compiled: ("launcher-key", "source"))
+    monkeypatch.setattr(_triton.compiler, "is_built", lambda compiled, key=None: built["yes"])
     assert not _triton.builds_on_load(kernel)
     built["yes"] = False
     assert _triton.builds_on_load(kernel)
     assert not _triton.builds_on_load(None)
     assert not _triton.builds_on_load(types.SimpleNamespace(module=object(), src=ast, metadata=cuda))  # loaded already
 
-    def lookup_fails(compiled: object) -> bool:
+    def lookup_fails(compiled: object, key: object = None) -> bool:
         raise KeyError("signature")
 
     monkeypatch.setattr(_triton.compiler, "is_built", lookup_fails)

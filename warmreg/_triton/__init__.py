@@ -3,7 +3,7 @@
 ``release`` (what each supported release does differently), ``target`` (the local GPU or a cross
 target's stand-in driver), ``compiler`` (specialization, compile-only warmup, async compiles, loads),
 ``hooks`` (the pre-compile, JIT-cache and load hooks, the autotuner's bench), ``cache`` (the disk
-cache and its key), ``hits`` (a disk-cache hit loaded without Triton's second binding), ``interp`` (the interpreter for CPU launches) and ``launchers`` (Triton 3.6's
+cache and its key), ``hits`` (a disk-cache hit loaded without Triton's second binding), ``deferred`` (Triton's launcher object made at its first use), ``interp`` (the interpreter for CPU launches) and ``launchers`` (Triton 3.6's
 per-signature C launchers, built for packs and shared within a warm). This package re-exports the
 first four's functions, so the rest of warmreg calls ``_triton.<name>``.
 
@@ -39,6 +39,7 @@ from .compiler import (
     specialize,
     warmup,
 )
+from .deferred import launcher_now
 from .hooks import (
     CompileRequest,
     HookHandle,
@@ -90,6 +91,7 @@ __all__ = [
     "install_compile_hook",
     "is_future_kernel",
     "is_jit",
+    "launcher_now",
     "knob",
     "load_hooks",
     "param_names",

@@ -18,8 +18,10 @@ from concurrent.futures import Executor
 from typing import Any
 
 import triton
+from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction, compute_cache_key
 
+from .deferred import deferring
 from .launchers import is_built, launcher_source, shared_launchers
 from .release import RELEASE
 from .target import _ids_lock, current_device
@@ -289,11 +291,26 @@ def forget_compiled() -> None:
 
 
 _launcher_locks: dict[str, threading.Lock] = {}
+#: Triton 3.6 launchers (by cache key) this process found in Triton's cache or built there
+_built: set[str] = set()
+
+
+def _launcher_cls() -> Any:
+    """The active driver's launcher class (``None`` where there is none: nothing to defer)."""
+    try:
+        return driver.active.launcher_cls
+    except (RuntimeError, AttributeError):
+        return None
+
+
+def _is_cuda(compiled: Any) -> bool:
+    return getattr(getattr(compiled.metadata, "target", None), "backend", None) == "cuda"
 
 
 def finish_load(compiled: Any) -> None:
     """Do at warm what Triton otherwise leaves to a kernel's first launch: load its binary onto the
-    device (``CompiledKernel._init_handles``), and on Triton 3.6 also build its C launcher.
+    device (``CompiledKernel._init_handles``), and on Triton 3.6 also build its C launcher where the cache lacks
+    it. Triton's launcher object (``CompiledKernel.run``) is made at its first use (:mod:`~warmreg._triton.deferred`).
 
     Triton 3.6 builds one C launcher per distinct launcher source (23 for the 71 DeepSeek-V4-Flash
     keys; constexpr values such as block sizes do not change it) and caches it on disk, but
@@ -306,14 +323,22 @@ def finish_load(compiled: Any) -> None:
         return
     src = compiled.src
     signature, constants = getattr(src, "signature", None), getattr(src, "constants", None)
-    if not RELEASE.per_signature_launcher or signature is None or constants is None:
-        compiled._init_handles()  # nothing to build, or not an ASTSource: no way to tell launchers apart
+    if not RELEASE.per_signature_launcher:
+        with deferring(compiled, _launcher_cls()):  # nothing to build: the launcher object waits
+            compiled._init_handles()
+        return
+    if signature is None or constants is None:
+        compiled._init_handles()  # not an ASTSource: no way to tell launchers apart
         return
     identity = _launcher_identity(compiled, signature, constants)
     with _ids_lock:
         lock = _launcher_locks.setdefault(identity, threading.Lock())
-    with lock:
+    # a launcher already in the cache waits for its first use; one not yet there is built now (a C compile)
+    built = identity in _built or (_is_cuda(compiled) and is_built(compiled, identity))
+    with lock, deferring(compiled, _launcher_cls()) if built else contextlib.nullcontext():
         compiled._init_handles()
+    if _is_cuda(compiled):
+        _built.add(identity)  # in the cache now: the next kernel of this launcher waits too
 
 
 def builds_on_load(compiled: Any) -> bool:
@@ -329,7 +354,8 @@ def builds_on_load(compiled: Any) -> bool:
     if getattr(getattr(getattr(compiled, "metadata", None), "target", None), "backend", None) != "cuda":
         return True
     try:
-        return not is_built(compiled)
+        key = launcher_source(compiled)[0]
+        return not (key in _built or is_built(compiled, key))
     except Exception:  # the load itself reports what is wrong with the kernel
         return True
 
@@ -338,7 +364,7 @@ def _launcher_identity(compiled: Any, signature: Any, constants: Any) -> str:
     """What tells one C launcher from another (Triton 3.6): on CUDA, Triton's own cache key for the
     launcher's source (which constexpr values such as block sizes leave unchanged); elsewhere the
     signature and constants."""
-    if getattr(getattr(compiled.metadata, "target", None), "backend", None) == "cuda":
+    if _is_cuda(compiled):
         return launcher_source(compiled)[0]
     tensordesc = getattr(compiled.metadata, "tensordesc_meta", None)
     return repr((sorted(signature.items()), sorted(constants.items(), key=repr), tensordesc))

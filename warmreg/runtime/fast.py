@@ -40,7 +40,7 @@ from triton.knobs import HookChain
 from triton.runtime.driver import driver as _driver
 from triton.runtime.jit import JITFunction
 
-from .._triton import run_kwargs
+from .._triton import launcher_now, run_kwargs
 from .._triton.release import RELEASE
 
 _cdispatch: Any
@@ -167,7 +167,7 @@ def _python_launch(
     device_of: Any, stream_of: Any, device: int,
 ) -> tuple[str, Callable[[tuple[int, ...], Mapping[str, Any]], bool]]:  # fmt: skip
     """The generated Python guard-and-launch function (source, function)."""
-    env: dict[str, Any] = {"_run": compiled.run, "_fn": compiled.function, "_packed": compiled.packed_metadata}
+    env: dict[str, Any] = {"_run": launcher_now(compiled), "_fn": compiled.function, "_packed": compiled.packed_metadata}
     env.update(_device_of=device_of, _stream_of=stream_of)
     fetch, checks, args = [], [], []
     for i, (name, absent, value, guard) in enumerate(guards):

@@ -191,6 +191,7 @@ def remember_fast_launch(
     """
     entry = _triton_fast.build(jit, kwargs, options, compiled, device)
     if entry is None:
+        _triton.launcher_now(compiled)  # its launches take Triton's launcher: made now, not at the first
         return False
     FAST_TABLES.setdefault(name, {})[key] = entry
     return True
