@@ -12,6 +12,7 @@ import os
 import shutil
 import struct
 import subprocess
+import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -194,6 +195,108 @@ def test_call_shape_knobs_and_hooks_are_guarded() -> None:
         finally:
             triton.knobs.runtime.launch_exit_hook.remove(hook)
         assert entry.native.pack((1,), base) is not None
+
+
+#: CPython lets an entry watch the bindings its environment checks read (PyDict_Watch, PyType_Watch): 3.12+, not
+#: free-threaded builds. Every test below asserts the same launches on either path; only ``watched`` differs.
+WATCHES = sys.version_info >= (3, 12) and not sysconfig.get_config_var("Py_GIL_DISABLED")
+
+
+def _bare_entry(checks: tuple[tuple[Any, str, Any, bool, bool], ...]) -> Any:
+    """An entry with no arguments, only environment checks: ``pack((1,), {})`` is ``b""`` where they pass."""
+    return cdispatch.Entry(
+        function=0, num_warps=4, num_ctas=1, shared=0, launch_pdl=False, cooperative=False, device=0, nkw=0,
+        args=(), checks=checks, get_device=lambda: 0, get_stream=lambda device: 0, fallback=None, keep=None,
+        require_cuda=False,
+    )  # fmt: skip
+
+
+def test_the_knob_and_hook_checks_are_watched_and_see_every_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Triton's knobs and launch hooks are plain attributes: on 3.12+ the entry runs their checks only after one of
+    them changed (``checks_hold`` between), and every way of changing one reaches the next launch."""
+    with _triton.cross_target(H100):
+        base = _kwargs()
+        entry = _entry(base).native
+        assert entry.watched is WATCHES
+        runtime, hook = triton.knobs.runtime, (lambda metadata: None)
+        changes = {  # (change, whether it rebinds something: a hook added to a chain's list only grows the list)
+            "an instance attribute": (lambda m: m.setattr(runtime, "debug", True), True),
+            "the class attribute behind it": (lambda m: (vars(runtime).pop("debug", None), m.setattr(type(runtime), "debug", True)), True),
+            "a launch hook added": (lambda m: runtime.launch_exit_hook.add(hook), False),
+            "a hook chain's list replaced": (lambda m: m.setattr(runtime.launch_enter_hook, "calls", [hook]), True),
+            "a hook chain replaced": (lambda m: m.setattr(runtime, "launch_enter_hook", triton.knobs.HookChain()), True),
+            "a compilation knob": (lambda m: m.setattr(triton.knobs.compilation, "instrumentation_mode", "other"), True),
+        }  # fmt: skip
+        for what, (change, rebinds) in changes.items():
+            assert entry.pack((1,), base) is not None, what
+            assert entry.checks_hold is WATCHES, what
+            with monkeypatch.context() as m:
+                change(m)
+                assert entry.checks_hold is (WATCHES and not rebinds), what
+                assert entry.pack((1,), base) is None, what
+                assert entry.pack((1,), base) is None, what  # and stays refused
+            runtime.launch_exit_hook.remove(hook)
+            assert entry.pack((1,), base) is not None, what
+
+
+def test_watched_checks_follow_bases_globals_class_changes_and_mutable_values() -> None:
+    class Base:
+        flag = 1
+
+    class Owner(Base):
+        pass
+
+    class Chain:
+        def __init__(self) -> None:
+            self.calls: list[Any] = []
+
+    owner, chain = Owner(), Chain()
+    owner.hook = chain
+    scope: dict[str, Any] = {"G": 5, "L": [1]}
+    entry = _bare_entry(((owner, "flag", 1, False, False), (scope, "G", 5, False, False), (owner, "hook", chain, True, True)))
+    assert entry.watched is WATCHES
+
+    def refused_while(change: Any, undo: Any) -> None:
+        assert entry.pack((1,), {}) == b"" and entry.checks_hold is WATCHES
+        change()
+        assert entry.pack((1,), {}) is None and entry.pack((1,), {}) is None
+        undo()
+        assert entry.pack((1,), {}) == b""
+
+    refused_while(lambda: setattr(Base, "flag", 2), lambda: setattr(Base, "flag", 1))  # a base class's attribute
+    refused_while(lambda: setattr(owner, "flag", 2), lambda: delattr(owner, "flag"))  # shadowed on the instance
+    refused_while(lambda: scope.update(G=6), lambda: scope.update(G=5))  # a global
+    refused_while(lambda: chain.calls.append(print), chain.calls.clear)  # a hook added to the list in place
+    refused_while(lambda: setattr(chain, "calls", [print]), lambda: setattr(chain, "calls", []))
+
+    class Other:
+        flag, hook = 2, chain
+
+    refused_while(lambda: setattr(owner, "__class__", Other), lambda: setattr(owner, "__class__", Owner))
+
+    # a mutable value equal to the expected one, not the same object: its contents can change without a binding
+    # changing, so this entry checks at every launch
+    mutable = _bare_entry(((scope, "L", [1], False, False),))
+    assert mutable.pack((1,), {}) == b"" and not mutable.checks_hold
+    scope["L"].append(2)
+    assert mutable.pack((1,), {}) is None
+
+
+def test_computed_attributes_keep_the_checks_at_every_launch() -> None:
+    class Computed:
+        reads = 0
+
+        @property
+        def flag(self) -> int:
+            type(self).reads += 1
+            return 1
+
+    owner = Computed()
+    entry = _bare_entry(((owner, "flag", 1, False, False),))
+    assert not entry.watched
+    for _ in range(3):
+        assert entry.pack((1,), {}) == b""
+    assert Computed.reads == 3 and not entry.checks_hold
 
 
 @pytest.mark.parametrize(

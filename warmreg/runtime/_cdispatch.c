@@ -277,7 +277,97 @@ typedef struct {
   PyObject *mapping, *name, *value;  /* mapping.get(name) == value */
   int identity;                      /* `is` instead of == */
   int empty_calls;                   /* and value.calls is empty (a HookChain) */
+  PyTypeObject *type, *value_type;   /* watched: mapping's and (empty_calls) value's types at the watch */
+  PyObject *calls;                   /* watched, empty_calls: value.calls at the last full check */
 } env_check;
+
+/* ---- watched environment checks (CPython 3.12+) -----------------------------------------------
+ * An entry's environment checks (the kernel's globals, Triton's knobs and launch hooks) read the same
+ * bindings at every launch, and those bindings change almost never. Where every binding a check reads
+ * lives in a dict or a type CPython lets us watch (PyDict_Watch, PyType_Watch), any change to any of
+ * them bumps env_epoch, and an entry runs its checks only when env_epoch moved since they last passed;
+ * between, a launch checks only what a watch cannot see: the owner's type (a __class__ assignment) and
+ * the length of each launch hook chain's list (hooks are added by list.append). A check whose result
+ * could change without its binding changing (an equality of mutable values) keeps the entry on the
+ * per-launch checks. Without watchers (before 3.12, free-threaded builds, every watcher slot taken) the
+ * checks run at every launch. */
+#if PY_VERSION_HEX >= 0x030C0000 && !defined(Py_GIL_DISABLED)
+#define WR_WATCH 1
+static int dict_watcher = -1, type_watcher = -1;
+static uint64_t env_epoch = 1;
+
+static int on_dict_event(PyDict_WatchEvent event, PyObject *dict, PyObject *key, PyObject *value) {
+  (void)event, (void)dict, (void)key, (void)value;
+  env_epoch++;
+  return 0;
+}
+
+static int on_type_event(PyTypeObject *type) {
+  (void)type;
+  env_epoch++;
+  return 0;
+}
+
+static void add_watchers(void) {
+  dict_watcher = PyDict_AddWatcher(on_dict_event);
+  type_watcher = dict_watcher < 0 ? -1 : PyType_AddWatcher(on_type_event);
+  if (dict_watcher < 0 || type_watcher < 0) {
+    PyErr_Clear(); /* every slot taken: the checks run at every launch */
+    if (dict_watcher >= 0)
+      PyDict_ClearWatcher(dict_watcher);
+    dict_watcher = type_watcher = -1;
+  }
+}
+
+/* A value whose equality with another cannot change while both stay bound (immutable built-ins). */
+static int plain(PyObject *v) {
+  return v == Py_None || PyBool_Check(v) || PyLong_CheckExact(v) || PyFloat_CheckExact(v) ||
+         PyUnicode_CheckExact(v) || PyBytes_CheckExact(v);
+}
+
+/* Watch what `owner.name` reads: owner's instance dict (made now where CPython keeps it lazily) and every
+ * type of its MRO. 1: watched; 0: the read is not a plain attribute (a descriptor, a custom getattr,
+ * no instance dict); -1: error. */
+static int watch_attribute(PyObject *owner, PyObject *name, PyTypeObject **type) {
+  PyTypeObject *tp = Py_TYPE(owner);
+  if (tp->tp_getattro != PyObject_GenericGetAttr || tp->tp_mro == NULL)
+    return 0;
+  PyObject *mro = tp->tp_mro;
+  for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(mro); i++) {
+    PyObject *base = PyTuple_GET_ITEM(mro, i);
+    PyObject *dict = PyType_GetDict((PyTypeObject *)base);
+    if (dict == NULL)
+      return -1;
+    PyObject *attr = PyDict_GetItemWithError(dict, name);
+    Py_DECREF(dict);
+    if (attr == NULL && PyErr_Occurred())
+      return -1;
+    if (attr != NULL) {
+      if (Py_TYPE(attr)->tp_descr_get != NULL)
+        return 0; /* a property, a slot, a method: computed at each read */
+      break;
+    }
+  }
+  PyObject *instance = PyObject_GenericGetDict(owner, NULL);
+  if (instance == NULL) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+      return -1;
+    PyErr_Clear();
+    return 0;
+  }
+  int rc = PyDict_Watch(dict_watcher, instance);
+  Py_DECREF(instance);
+  for (Py_ssize_t i = 0; rc == 0 && i < PyTuple_GET_SIZE(mro); i++) {
+    PyObject *base = PyTuple_GET_ITEM(mro, i);
+    if (!PyType_HasFeature((PyTypeObject *)base, Py_TPFLAGS_IMMUTABLETYPE)) /* object: never changes */
+      rc = PyType_Watch(type_watcher, base);
+  }
+  if (rc < 0)
+    return -1;
+  *type = tp;
+  return 1;
+}
+#endif
 
 typedef struct {
   PyObject_HEAD
@@ -288,6 +378,8 @@ typedef struct {
   Py_ssize_t nargs, nchecks;
   arg_spec *args;
   env_check *checks;
+  int watched;             /* every check's bindings are watched (see env_epoch) */
+  uint64_t checked_epoch;  /* env_epoch when the checks last passed in full (0: not since a change) */
   PyObject *device_obj, *get_device, *get_stream, *fallback, *keep;
 } Entry;
 
@@ -302,6 +394,7 @@ static void entry_dealloc(Entry *self) {
     Py_XDECREF(self->checks[i].mapping);
     Py_XDECREF(self->checks[i].name);
     Py_XDECREF(self->checks[i].value);
+    Py_XDECREF(self->checks[i].calls);
   }
   PyMem_Free(self->args);
   PyMem_Free(self->checks);
@@ -423,6 +516,82 @@ aligned:
   return 1;
 }
 
+/* Every environment check, in full. 1: passes; 0: fails; -1: error set. Where the entry is watched and
+ * every result is one only a binding change can change, a pass holds until env_epoch moves. */
+static int env_checks(Entry *self) {
+#ifdef WR_WATCH
+  uint64_t epoch = env_epoch; /* before the reads: a change made while they run forces the next check */
+  int stable = self->watched;
+  self->checked_epoch = 0;
+#endif
+  for (Py_ssize_t i = 0; i < self->nchecks; i++) {
+    env_check *c = &self->checks[i];
+    PyObject *v;
+    if (PyDict_Check(c->mapping)) {
+      v = PyDict_GetItemWithError(c->mapping, c->name);
+      if (v == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+      Py_INCREF(v);
+    } else {
+      v = PyObject_GetAttr(c->mapping, c->name);
+      if (v == NULL)
+        return -1;
+    }
+    int ok = c->identity ? v == c->value : PyObject_RichCompareBool(v, c->value, Py_EQ);
+#ifdef WR_WATCH
+    if (!c->identity && v != c->value && !(plain(v) && plain(c->value)))
+      stable = 0;
+#endif
+    Py_DECREF(v);
+    if (ok != 1)
+      return ok;
+    if (c->empty_calls) {
+      PyObject *calls = PyObject_GetAttr(c->value, calls_name);
+      if (calls == NULL)
+        return -1;
+      int busy = PyObject_IsTrue(calls);
+#ifdef WR_WATCH
+      if (!PyList_CheckExact(calls))
+        stable = 0;
+      Py_XSETREF(c->calls, calls);
+#else
+      Py_DECREF(calls);
+#endif
+      if (busy != 0)
+        return busy < 0 ? -1 : 0;
+    }
+  }
+#ifdef WR_WATCH
+  /* a type without a valid version tag is not notified of its next change (CPython's type cache) */
+  for (Py_ssize_t i = 0; stable && i < self->nchecks; i++) {
+    const env_check *c = &self->checks[i];
+    if ((c->type && !PyType_HasFeature(c->type, Py_TPFLAGS_VALID_VERSION_TAG)) ||
+        (c->value_type && !PyType_HasFeature(c->value_type, Py_TPFLAGS_VALID_VERSION_TAG)))
+      stable = 0;
+  }
+  self->checked_epoch = stable ? epoch : 0;
+#endif
+  return 1;
+}
+
+/* The environment checks: in full, or, where a full pass still holds (nothing watched changed since),
+ * only what a watch cannot see. */
+static inline int env_ok(Entry *self) {
+#ifdef WR_WATCH
+  if (self->checked_epoch == env_epoch) {
+    int same = 1;
+    for (Py_ssize_t i = 0; same && i < self->nchecks; i++) {
+      const env_check *c = &self->checks[i];
+      same = (c->type == NULL || Py_TYPE(c->mapping) == c->type) &&
+             (!c->empty_calls || (Py_TYPE(c->value) == c->value_type && PyList_GET_SIZE(c->calls) == 0));
+    }
+    if (same)
+      return 1;
+  }
+#endif
+  return env_checks(self);
+}
+
 /* Check every guard and pack the kernel parameters. 1: packed; 0: a guard failed; -1: error. */
 static int check_and_pack(Entry *self, PyObject *kw, uint64_t *storage, int *nparams) {
   if (!PyDict_CheckExact(kw) || PyDict_GET_SIZE(kw) != self->nkw)
@@ -488,33 +657,9 @@ static int check_and_pack(Entry *self, PyObject *kw, uint64_t *storage, int *npa
     if (ok != 1)
       return ok;
   }
-  for (Py_ssize_t i = 0; i < self->nchecks; i++) {
-    const env_check *c = &self->checks[i];
-    PyObject *v;
-    if (PyDict_Check(c->mapping)) {
-      v = PyDict_GetItemWithError(c->mapping, c->name);
-      if (v == NULL)
-        return PyErr_Occurred() ? -1 : 0;
-      Py_INCREF(v);
-    } else {
-      v = PyObject_GetAttr(c->mapping, c->name);
-      if (v == NULL)
-        return -1;
-    }
-    int ok = c->identity ? v == c->value : PyObject_RichCompareBool(v, c->value, Py_EQ);
-    Py_DECREF(v);
-    if (ok != 1)
-      return ok;
-    if (c->empty_calls) {
-      PyObject *calls = PyObject_GetAttr(c->value, calls_name);
-      if (calls == NULL)
-        return -1;
-      int busy = PyObject_IsTrue(calls);
-      Py_DECREF(calls);
-      if (busy != 0)
-        return busy < 0 ? -1 : 0;
-    }
-  }
+  int env = env_ok(self);
+  if (env != 1)
+    return env;
   PyObject *dev = PyObject_CallNoArgs(self->get_device);
   if (dev == NULL)
     return -1;
@@ -708,6 +853,20 @@ static int parse_checks(Entry *self, PyObject *checks) {
     c->name = name;
     c->value = Py_NewRef(value);
   }
+#ifdef WR_WATCH
+  /* watched only where every binding the checks read is */
+  self->watched = dict_watcher >= 0;
+  for (Py_ssize_t i = 0; self->watched && i < self->nchecks; i++) {
+    env_check *c = &self->checks[i];
+    int rc = PyDict_Check(c->mapping) ? (PyDict_Watch(dict_watcher, c->mapping) < 0 ? -1 : 1)
+                                      : watch_attribute(c->mapping, c->name, &c->type);
+    if (rc == 1 && c->empty_calls)
+      rc = watch_attribute(c->value, calls_name, &c->value_type);
+    if (rc < 0)
+      return -1;
+    self->watched = rc;
+  }
+#endif
   return 0;
 }
 
@@ -779,6 +938,31 @@ static PyMethodDef entry_methods[] = {
      "where a guard fails. Launches nothing."},
     {NULL, NULL, 0, NULL}};
 
+static PyObject *entry_watched(Entry *self, void *closure) {
+  (void)closure;
+  return PyBool_FromLong(self->watched);
+}
+
+static PyObject *entry_checks_hold(Entry *self, void *closure) {
+  (void)closure;
+#ifdef WR_WATCH
+  return PyBool_FromLong(self->checked_epoch == env_epoch);
+#else
+  (void)self;
+  Py_RETURN_FALSE;
+#endif
+}
+
+static PyGetSetDef entry_getset[] = {
+    {"watched", (getter)entry_watched, NULL,
+     "whether the environment checks run only after a watched binding changed (CPython 3.12+), not at every launch",
+     NULL},
+    {"checks_hold", (getter)entry_checks_hold, NULL,
+     "whether the environment checks' last full pass still holds: nothing watched changed since (the next launch "
+     "skips them)",
+     NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
 static PyTypeObject EntryType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "warmreg.runtime._cdispatch.Entry",
     .tp_basicsize = sizeof(Entry),
@@ -786,6 +970,7 @@ static PyTypeObject EntryType = {
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "One compile key's guarded launch (see warmreg.runtime.fast).",
     .tp_methods = entry_methods,
+    .tp_getset = entry_getset,
     .tp_new = entry_new,
 };
 
@@ -806,6 +991,9 @@ PyMODINIT_FUNC PyInit__cdispatch(void) {
   calls_name = PyUnicode_InternFromString("calls");
   if (calls_name == NULL)
     return NULL;
+#ifdef WR_WATCH
+  add_watchers();
+#endif
   PyObject *m = PyModule_Create(&module);
   if (m == NULL)
     return NULL;
