@@ -71,11 +71,14 @@ class _Bench:
 
     def __init__(self, times: dict[int, float]) -> None:
         self.times, self.calls = times, 0
+        self.runs: list[tuple[int, float, float]] = []  # (candidate, warmup_ms, rep_ms)
 
     def __call__(self, fn: Any, *, warmup_ms: float, rep_ms: float) -> float:
         fn()  # launches on CPU tensors (the interpreter), under the forced candidate
         self.calls += 1
-        return self.times[launch.FORCE_CONFIG.get() or 0]
+        index = launch.FORCE_CONFIG.get() or 0
+        self.runs.append((index, warmup_ms, rep_ms))
+        return self.times[index]
 
 
 @pytest.fixture
@@ -108,6 +111,26 @@ def test_tune_benchmarks_keeps_the_fastest_and_a_second_warm_reads_it(gpu_standi
     again = tuning.Tune()
     again.after_load(plan, _tasks(plan))
     assert gpu_standin.calls == 2 and again.choices[0].source == "kept" and launch.TUNED["tests.tuned_double"] == {base: 1}
+
+
+@pytest.mark.parametrize(
+    ("times", "finalists", "chosen"),
+    [({0: 0.030, 1: 0.010}, (1,), 1), ({0: 0.0100, 1: 0.0102}, (0, 1), 0), ({0: 0.0102, 1: 0.0100}, (0, 1), 1)],
+)
+def test_a_clearly_slower_candidate_is_only_screened(
+    gpu_standin: _Bench, times: dict[int, float], finalists: tuple[int, ...], chosen: int
+) -> None:
+    """Every candidate gets a short screen (the first with the full warmup, the GPU's clocks up after it); only those
+    within CLOSE of the screen's fastest are measured in full, and the choice is the fastest of those."""
+    gpu_standin.times = times
+    plan = _plan()
+    stage = tuning.Tune(warmup_ms=5.0, rep_ms=20.0, screen_ms=4.0)
+    stage.after_load(plan, _tasks(plan))
+    (choice,) = stage.choices
+    screens = [(0, 5.0, 4.0), (1, tuning.SETTLE_MS, 4.0)]
+    assert gpu_standin.runs == screens + [(i, tuning.SETTLE_MS, 20.0) for i in finalists if len(finalists) > 1]
+    assert choice.finalists == finalists and choice.config == chosen and choice.to_json()["finalists"] == list(finalists)
+    assert launch.TUNED["tests.tuned_double"] == {TunedKey(dtype="float32"): chosen}
 
 
 def test_a_failed_candidate_is_never_chosen(gpu_standin: _Bench) -> None:

@@ -8,7 +8,9 @@ the :class:`Tune` stage then, once every binary is loaded:
 - takes the choice kept in the cache for this device and Triton release (a second warm, or a warm
   from a pack on a host that tuned before, benchmarks nothing);
 - otherwise launches each candidate on the kernel's :meth:`~warmreg.TritonKernel.tuning_inputs`
-  (Triton's ``do_bench``, median) and keeps the fastest;
+  (Triton's ``do_bench``, median) and keeps the fastest: first a short screen of every candidate, then
+  the full measurement of those within :data:`CLOSE` of the screen's fastest (a candidate clearly
+  slower costs a screen, not a full measurement; a lone finalist is chosen from the screen);
 - records the choices in :data:`warmreg.runtime.launch.TUNED`, which every runtime launch reads, and in
   ``<Triton cache>/warmreg-tuning/<device>-triton-<release>.json`` (written atomically, merged
   under a lock, so concurrent ranks lose nothing).
@@ -46,12 +48,16 @@ if TYPE_CHECKING:  # the launch state imports torch: a pack install that only ke
     from ..pipeline.bind import Task
     from ..pipeline.planning import KernelPlan, Plan
 
-__all__ = ["Choice", "Tune", "choices_from_file", "choices_path", "keep", "pack_choices", "tuning_key"]
+__all__ = ["CLOSE", "SETTLE_MS", "Choice", "Tune", "choices_from_file", "choices_path", "keep", "pack_choices", "tuning_key"]
 
 log = logging.getLogger("warmreg.stages.tuning")
 _FORMAT = 1
 #: A choice file larger than this is not read (it holds a few hundred bytes per tuning key).
 _MAX_BYTES = 8 * 1024 * 1024
+#: Candidates whose screened time is within this fraction of the fastest's are measured in full.
+CLOSE = 0.05
+#: The warmup of each candidate after a tuning key's first: the GPU's clocks are up by then.
+SETTLE_MS = 1.0
 
 
 def tuning_key(key: CompileKey) -> CompileKey:
@@ -65,7 +71,9 @@ class Choice:
 
     :param source: ``benchmark`` (measured in this warm), ``kept`` (read from the choice file) or
         ``only`` (one candidate compiled: nothing to compare).
-    :param microseconds: the median time of each candidate benchmarked, by candidate index.
+    :param microseconds: the median time of each candidate benchmarked, by candidate index: its full
+        measurement where it was a finalist, else its screen.
+    :param finalists: the candidates measured in full (within :data:`CLOSE` of the screen's fastest).
     """
 
     kernel: str
@@ -73,11 +81,12 @@ class Choice:
     config: int
     source: str
     microseconds: dict[int, float] = attrs.field(factory=dict)
+    finalists: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         return {
             "kernel": self.kernel, "key": self.key.to_json(), "config": self.config, "source": self.source,
-            "microseconds": {str(i): us for i, us in self.microseconds.items()},
+            "microseconds": {str(i): us for i, us in self.microseconds.items()}, "finalists": list(self.finalists),
         }  # fmt: skip
 
 
@@ -199,8 +208,8 @@ class Tune(Stage):
 
     name = "tuning"
 
-    def __init__(self, *, warmup_ms: float = 5.0, rep_ms: float = 20.0) -> None:
-        self.warmup_ms, self.rep_ms = warmup_ms, rep_ms
+    def __init__(self, *, warmup_ms: float = 5.0, rep_ms: float = 20.0, screen_ms: float = 4.0) -> None:
+        self.warmup_ms, self.rep_ms, self.screen_ms = warmup_ms, rep_ms, screen_ms
         self.choices: list[Choice] = []
         self.seconds = 0.0
 
@@ -265,14 +274,25 @@ class Tune(Stage):
                 kp.name, f"tuning_inputs({base}) launch key {probe.key} ({diff})",
                 fix="make tuning_inputs build inputs whose dispatch gives back the same tuning key",
             )  # fmt: skip
-        times: dict[int, float] = {}
-        for index in compiled:
-            try:
-                with use_config(index):
-                    times[index] = _triton.benchmark(lambda: launcher(**inputs), warmup_ms=self.warmup_ms, rep_ms=self.rep_ms) * 1e3
-            except Exception as exc:  # a candidate that cannot run here is not chosen
-                log.warning("candidate %d of %s %s does not run: %s", index, kp.name, base, exc)
+        def measure(indices: list[int], rep_ms: float) -> dict[int, float]:
+            times: dict[int, float] = {}
+            for index in indices:
+                warmup = self.warmup_ms if index == compiled[0] and rep_ms == self.screen_ms else SETTLE_MS
+                try:
+                    with use_config(index):
+                        times[index] = _triton.benchmark(lambda: launcher(**inputs), warmup_ms=warmup, rep_ms=rep_ms) * 1e3
+                except Exception as exc:  # a candidate that cannot run here is not chosen
+                    log.warning("candidate %d of %s %s does not run: %s", index, kp.name, base, exc)
+            return times
+
+        times = measure(compiled, self.screen_ms)
         if not times:
             raise WarmregError(f"no candidate of {kp.name} {base} runs on this GPU", fix="check the kernel's tune_configs")
-        best = min(times, key=lambda i: (times[i], i))
-        return Choice(kernel=kp.name, key=base, config=best, source="benchmark", microseconds=times)
+        fastest = min(times.values())
+        finalists = [i for i in times if times[i] <= fastest * (1 + CLOSE)]
+        if len(finalists) > 1:
+            full = measure(finalists, self.rep_ms)
+            times.update(full)
+            finalists = list(full) or finalists
+        best = min(finalists, key=lambda i: (times[i], i))
+        return Choice(kernel=kp.name, key=base, config=best, source="benchmark", microseconds=times, finalists=tuple(finalists))
