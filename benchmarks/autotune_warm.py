@@ -52,7 +52,7 @@ keys = [{"kernel": x.kernel, "key": str(x.key), "candidate": getattr(x.key, "con
          "seconds": x.seconds, "load_seconds": x.load_seconds} for x in r.results]
 print(json.dumps({"wall": wall, "summary": r.summary(), "compiled": r.compiled, "from_cache": r.from_cache,
                   "failed": len(r.failed), "tuning": r.stage("tuning"), "pack": r.stage("pack").get("summary"),
-                  "processes": r.stage("processes").get("processes", 0), "rehearsal": r.stage("rehearsal"), "keys": keys},
+                  "processes": r.stage("processes").get("processes", 0), "processes_timeline": r.stage("processes").get("timeline", {}), "rehearsal": r.stage("rehearsal"), "keys": keys},
                  default=str))
 """
 

@@ -48,7 +48,11 @@ def test_the_misses_compile_in_processes_and_this_process_only_finds_them(
         forked = _warm(tmp_path / "forked", monkeypatch, workers=2)
     finally:
         triton.knobs.compilation.listener = previous
-    assert forked.stage("processes")["processes"] == 2 and forked.stage("processes")["seconds"] > 0
+    section = forked.stage("processes")
+    assert section["processes"] == 2 and section["seconds"] > 0
+    line = section["timeline"]  # from the stage's start, on the one monotonic clock of the parent and the children
+    assert 0 < line["forked"] < section["seconds"] and 0 < line["first_key"] <= line["last_key_start"] < line["last_key_end"] <= section["seconds"]
+    assert 0 < line["busy"] <= section["seconds"] * section["processes"]
     assert misses_here == [], "every binary this process compiled was a hit: a child had compiled it"
     statuses = {(r.kernel, r.status) for r in forked.results}
     assert statuses == {("tests.scale", "compiled"), ("tests.broken", "failed")}
@@ -153,7 +157,7 @@ def test_the_longest_sources_are_handed_to_the_children_first(tmp_path: Path, mo
     """The children take keys in order: the key likely to compile longest goes first, so it does not start last."""
     sizes: list[int] = []  # of the keys in the order handed out (the compile step here then compiles them)
     monkeypatch.setattr(
-        processes.Processes, "_fork", lambda self, misses, plan: sizes.extend(processes._source_size(t.launch[0]) for t in misses)
+        processes.Processes, "_fork", lambda self, misses, plan, start: sizes.extend(processes._source_size(t.launch[0]) for t in misses)
     )
     report = _warm(tmp_path, monkeypatch, workers=2)
     assert len(sizes) >= processes.MIN_MISSES and sizes == sorted(sizes, reverse=True) and sizes[0] > sizes[-1]

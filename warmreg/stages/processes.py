@@ -79,6 +79,7 @@ class Processes(Stage):
 
     :ivar compiled: keys a child compiled; ``processes`` the children forked (0: none were needed).
     :ivar seconds: wall time of the forked compile.
+    :ivar timeline: where that time went, in seconds from its start (:meth:`section`).
     """
 
     name = "processes"
@@ -88,6 +89,8 @@ class Processes(Stage):
         self.compiled = 0
         self.processes = 0
         self.seconds = 0.0
+        self.timeline: dict[str, float] = {}
+        self._spans: list[tuple[float, float]] = []  # each key's (start, end) in a child, perf_counter
 
     @classmethod
     def for_plan(cls, plan: Plan, workers: int) -> Processes | None:
@@ -101,8 +104,11 @@ class Processes(Stage):
         return cls(workers) if ok else None
 
     def section(self) -> dict[str, Any]:
-        """The children forked (0: none were needed), the keys they compiled and the wall time."""
-        return {"processes": self.processes, "compiled": self.compiled, "seconds": self.seconds}
+        """The children forked (0: none were needed), the keys they compiled, the wall time and its timeline:
+        ``forked`` (the children forked: the pool forks them all before any takes a key), ``first_key`` and
+        ``last_key_start`` (when a child began its first and its last key), ``last_key_end``, and ``busy`` (the
+        children's compile seconds summed, against ``seconds`` x ``processes``)."""
+        return {"processes": self.processes, "compiled": self.compiled, "seconds": self.seconds, "timeline": self.timeline}
 
     def first(self, plan: Plan, tasks: list[Task]) -> list[Task]:
         """Compile the misses among the tasks to compile first (after a distributed warm picked this
@@ -122,15 +128,21 @@ class Processes(Stage):
             start = time.perf_counter()
             self.processes = min(share, len(misses), affordable)
             try:
-                self._fork(misses, plan)
+                self._fork(misses, plan, start)
             except Exception as exc:  # e.g. a child killed (BrokenProcessPool): the compile step compiles the rest
                 log.warning(
                     "compiling in processes failed (%s: %s); the rest compiles on threads", type(exc).__name__, exc
                 )
             self.seconds = time.perf_counter() - start
+            if self._spans:  # perf_counter is CLOCK_MONOTONIC: one clock for the children and this process
+                starts, ends = [a for a, _ in self._spans], [b for _, b in self._spans]
+                self.timeline.update(
+                    first_key=min(starts) - start, last_key_start=max(starts) - start, last_key_end=max(ends) - start,
+                    busy=sum(b - a for a, b in self._spans),
+                )  # fmt: skip
         return tasks
 
-    def _fork(self, misses: list[Task], plan: Plan) -> None:
+    def _fork(self, misses: list[Task], plan: Plan, start: float) -> None:
         global _CLAIMS
         with _lock:
             _LAUNCHES[:] = [t.launch for t in misses]
@@ -147,6 +159,7 @@ class Processes(Stage):
                             "ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning
                         )
                         futures = {pool.submit(_child_compile, i): task for i, task in enumerate(misses)}
+                    self.timeline["forked"] = time.perf_counter() - start
                     self._collect(futures)
                 except BaseException:  # an interrupt, or a broken pool: no child compiles on
                     _end_children(pool)
@@ -157,12 +170,13 @@ class Processes(Stage):
                 _LAUNCHES.clear()
                 _CLAIMS = None
 
-    def _collect(self, futures: dict[Future[tuple[str | None, float]], Task]) -> None:
+    def _collect(self, futures: dict[Future[tuple[str | None, float, float]], Task]) -> None:
         """Take in each key a child compiled, as the children finish them."""
         for future in as_completed(futures):
             task = futures[future]
-            error, seconds = future.result()
+            error, began, seconds = future.result()
             task.seconds += seconds
+            self._spans.append((began, began + seconds))
             if error is not None:  # the compile step compiles it again, and reports the error
                 log.debug("a compile process could not compile %s %s: %s", task.kp.name, task.key, error)
                 continue
@@ -306,8 +320,9 @@ def _child_init(platform: Any, parent: int) -> None:
     _triton.compile_worker(platform)
 
 
-def _child_compile(index: int) -> tuple[str | None, float]:
-    """In a child: compile launch ``index`` into Triton's disk cache; ``(error or None, seconds)``."""
+def _child_compile(index: int) -> tuple[str | None, float, float]:
+    """In a child: compile launch ``index`` into Triton's disk cache; ``(error or None, start, seconds)``
+    (``start``: ``time.perf_counter()`` here, the same clock as the warm's)."""
     jit, grid, kwargs, options = _LAUNCHES[index]
     start = time.perf_counter()
     try:
@@ -315,10 +330,10 @@ def _child_compile(index: int) -> tuple[str | None, float]:
     except Exception as exc:
         from ..pipeline.bind import describe  # (bind imports torch, which the CLI's refusals never import)
 
-        return describe(exc), time.perf_counter() - start
+        return describe(exc), start, time.perf_counter() - start
     if _CLAIMS is not None:
         try:
             _triton_launchers.prebuild(compiled, _CLAIMS.claim)
         except Exception as exc:  # the warm's load builds it again, and reports a failure
             log.debug("a compile process could not build the launcher of %s: %s", _triton.full_name(jit), exc)
-    return None, time.perf_counter() - start
+    return None, start, time.perf_counter() - start
