@@ -137,6 +137,7 @@ def main() -> None:
                 warm_pack_installed_in_warm_s=v["from_pack_installed_in_warm"]["wall"],
                 warm_cache_s=v["warm_disk_cache_prefetched"]["wall"],
                 warm_cold_s=v["cold_processes_prefetched"]["wall"], warm_cold_not_prefetched_s=v["cold_processes"]["wall"],
+                warm_cold_flat_s=v["cold_processes_flat_prefetched"]["wall"],
                 warm_cold_threads_s=v["cold_threads_prefetched"]["wall"],
                 warm_again_s=v["warm_disk_cache_prefetched"]["again_wall"],
                 warm_again_was_already_warm=v["warm_disk_cache_prefetched"]["already_warm"],

@@ -37,6 +37,8 @@ if {pool!r}:  # cache hits on the compile pool too, as before warmreg.pipeline.c
     import warmreg.pipeline.compile; warmreg.pipeline.compile.INLINE_HITS = False
 if not {processes!r}:  # misses compiled on threads only, as before warmreg.stages.processes
     import warmreg.stages.processes; warmreg.stages.processes.ENABLED = False
+if {flat!r}:  # the warm forks every compile process itself, as before warmreg.stages.fork_pool's tree
+    import warmreg.stages.processes; warmreg.stages.processes.TREE = False
 if {prefetch!r}:  # ... which loads the weights (seconds) while the prefetch finishes
     from warmreg.api.prefetch import wait_for_plugins
     from warmreg._triton import cache as _triton_cache
@@ -88,11 +90,11 @@ def main() -> None:
 
         def warm(
             workers: int, cache: str, pack: str | None = None, prefetch: bool = False, pool: bool = False, processes: bool = True,
-            prefetch_pack: bool = True,
+            prefetch_pack: bool = True, flat: bool = False,
         ) -> dict:  # fmt: skip
             code = _WARM.format(
                 config=args.config, target=args.target, workers=workers, pack=pack, prefetch=prefetch, pool=pool, processes=processes,
-                prefetch_pack=prefetch_pack,
+                prefetch_pack=prefetch_pack, flat=flat,
             )  # fmt: skip
             return _run(code, cache)
 
@@ -106,6 +108,8 @@ def main() -> None:
             results["rounds"] = args.rounds
             results["variants"]["cold_processes"] = warm(cpus, fresh("procs"))
             results["variants"]["cold_processes_prefetched"] = median_of(lambda i: warm(cpus, fresh(f"procs2_{i}"), prefetch=True))
+            # the same with the warm forking every compile process itself (no tree): the tree's effect, side by side
+            results["variants"]["cold_processes_flat_prefetched"] = median_of(lambda i: warm(cpus, fresh(f"flat_{i}"), prefetch=True, flat=True))
             results["variants"]["cold_threads"] = warm(cpus, threads_cache, processes=False)
             results["variants"]["cold_threads_prefetched"] = warm(cpus, fresh("threads2"), prefetch=True, processes=False)
             results["variants"]["warm_disk_cache_prefetched"] = median_of(lambda i: warm(cpus, threads_cache, prefetch=True))

@@ -8,8 +8,10 @@ each one compiles keys missing from Triton's disk cache into it, side by side on
 compile step then finds every key in the cache: this process compiles each as a hit, so Triton's
 hooks, warmreg's listener and the loads see every key as before, and the key reports ``compiled``.
 
-A child is forked from the warming process (nothing but a key's index is sent to it, and nothing
-imported again), swaps Triton's driver for the stand-in of its target so that it never touches the
+The children fork one another (:mod:`warmreg.stages.fork_pool`: the warm forks one, which forks
+half of the rest, and so on; 16 children are born in 5 generations of forks instead of 16 forks in a
+row), and each takes keys, longest source first, as soon as its share is forked. A child is a fork
+of the warming process (nothing but a key's index is handed to it, and nothing imported again), swaps Triton's driver for the stand-in of its target so that it never touches the
 GPU (CUDA cannot be used in a child forked after it started), and writes only through Triton's own
 cache manager (atomic renames): a child that fails or is killed leaves the cache as consistent as an
 interrupted compile would, and a key a child did not compile is compiled by the compile step here,
@@ -25,14 +27,15 @@ it, and so do the compilers they run (a blocked signal stays blocked across ``ex
 would not be enough, as LLVM in the child installs handlers of its own, which ``exec`` resets to the
 default), so a Ctrl-C sent to the whole process group kills no ptxas half way (Triton would print its
 PTX with "please share the reproducer"). The warm, on its KeyboardInterrupt, ends the children at once
-(SIGTERM, without waiting for their keys) and raises on. A SIGINT that arrives while the children are
-forked is held and delivered once they are (see :func:`_interrupts_deferred`).
+(SIGTERM, without waiting for their keys) and raises on. A SIGINT that arrives while the warm forks is
+held and delivered once it has (see :func:`_interrupts_deferred`); the children fork theirs with it
+blocked and ignored.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
+import functools
 import logging
 import mmap
 import multiprocessing
@@ -43,19 +46,19 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import Future, ProcessPoolExecutor, as_completed
 from typing import TYPE_CHECKING, Any
 
 from .. import _triton
 from .._triton import cache as _triton_cache
 from .._triton import launchers as _triton_launchers
 from ..pipeline.stage import Stage
+from .fork_pool import ForkPool
 
 if TYPE_CHECKING:
     from ..pipeline.bind import Task
     from ..pipeline.planning import Plan
 
-__all__ = ["ENABLED", "FORK_BASE_MS", "FORK_BUDGET_S", "FORK_MS_PER_GIB", "MIN_MISSES", "Processes"]
+__all__ = ["ENABLED", "FORK_BASE_MS", "FORK_BUDGET_S", "FORK_MS_PER_GIB", "MIN_MISSES", "TREE", "Processes"]
 
 log = logging.getLogger("warmreg.pipeline.compile")
 
@@ -64,6 +67,8 @@ log = logging.getLogger("warmreg.pipeline.compile")
 ENABLED = True
 #: Fewer misses than this compile on threads.
 MIN_MISSES = 4
+#: The children fork one another (:mod:`warmreg.stages.fork_pool`); ``False``: the warm forks each (for comparisons).
+TREE = True
 #: A fork copies the page tables of what the warming process has resident: about 2 ms per GiB with
 #: 4 KiB pages (the CPU machine: 8 GiB resident, 15-19 ms a fork), after a few ms for any process
 #: (:data:`FORK_BASE_MS`; the H200 host with CUDA up, 0.66 GiB resident: 7 ms a fork).
@@ -77,7 +82,8 @@ FORK_BUDGET_S = 0.25
 class Processes(Stage):
     """The stage that compiles the keys missing from Triton's disk cache in forked children.
 
-    :ivar compiled: keys a child compiled; ``processes`` the children forked (0: none were needed).
+    :ivar compiled: keys a child compiled; ``processes`` the children forked (0: none were needed), ``started``
+        those that began (one that cannot start leaves its share to the others).
     :ivar seconds: wall time of the forked compile.
     :ivar timeline: where that time went, in seconds from its start (:meth:`section`).
     """
@@ -88,6 +94,7 @@ class Processes(Stage):
         self.workers = workers
         self.compiled = 0
         self.processes = 0
+        self.started = 0
         self.seconds = 0.0
         self.timeline: dict[str, float] = {}
         self._spans: list[tuple[float, float]] = []  # each key's (start, end) in a child, perf_counter
@@ -104,11 +111,11 @@ class Processes(Stage):
         return cls(workers) if ok else None
 
     def section(self) -> dict[str, Any]:
-        """The children forked (0: none were needed), the keys they compiled, the wall time and its timeline:
-        ``forked`` (the children forked: the pool forks them all before any takes a key), ``first_key`` and
+        """The children forked (0: none were needed) and started, the keys they compiled, the wall time and its
+        timeline: ``forked`` (when the last child began: they fork one another), ``first_key`` and
         ``last_key_start`` (when a child began its first and its last key), ``last_key_end``, and ``busy`` (the
         children's compile seconds summed, against ``seconds`` x ``processes``)."""
-        return {"processes": self.processes, "compiled": self.compiled, "seconds": self.seconds, "timeline": self.timeline}
+        return {"processes": self.processes, "started": self.started, "compiled": self.compiled, "seconds": self.seconds, "timeline": self.timeline}
 
     def first(self, plan: Plan, tasks: list[Task]) -> list[Task]:
         """Compile the misses among the tasks to compile first (after a distributed warm picked this
@@ -147,34 +154,32 @@ class Processes(Stage):
         with _lock:
             _LAUNCHES[:] = [t.launch for t in misses]
             _CLAIMS = _Claims() if plan.platform.is_cuda and plan.platform.local else None
+            pool = ForkPool(self.processes, len(misses), functools.partial(_child_init, plan.platform), _child_compile, tree=TREE)
             try:
-                pool = ProcessPoolExecutor(
-                    max_workers=self.processes, mp_context=multiprocessing.get_context("fork"),
-                    initializer=_child_init, initargs=(plan.platform, os.getpid()),
-                )  # fmt: skip
-                try:
-                    with _interrupts_deferred(), warnings.catch_warnings():  # the first submit forks the children
-                        # Python 3.12+ warns about forking a process that runs threads
-                        warnings.filterwarnings(
-                            "ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning
-                        )
-                        futures = {pool.submit(_child_compile, i): task for i, task in enumerate(misses)}
-                    self.timeline["forked"] = time.perf_counter() - start
-                    self._collect(futures)
-                except BaseException:  # an interrupt, or a broken pool: no child compiles on
-                    _end_children(pool)
-                    raise
-                finally:
-                    pool.shutdown(wait=True, cancel_futures=True)
+                with _interrupts_deferred(), warnings.catch_warnings():
+                    # Python 3.12+ warns about forking a process that runs threads
+                    warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
+                    pool.start()
+                self._collect(pool, misses)
+            except BaseException:  # an interrupt: no child compiles on
+                pool.terminate()
+                raise
             finally:
+                pool.close()
                 _LAUNCHES.clear()
                 _CLAIMS = None
+            self.started = len(pool.born)
+            if pool.born:
+                self.timeline["forked"] = max(pool.born) - start
+            for error in dict.fromkeys(pool.init_errors):
+                log.warning("a compile process could not start (%s); its share compiles in the others", error)
 
-    def _collect(self, futures: dict[Future[tuple[str | None, float, float]], Task]) -> None:
+    def _collect(self, pool: ForkPool, misses: list[Task]) -> None:
         """Take in each key a child compiled, as the children finish them."""
-        for future in as_completed(futures):
-            task = futures[future]
-            error, began, seconds = future.result()
+        finished = 0
+        for index, error, began, seconds in pool.results():
+            task = misses[index]
+            finished += 1
             task.seconds += seconds
             self._spans.append((began, began + seconds))
             if error is not None:  # the compile step compiles it again, and reports the error
@@ -184,6 +189,11 @@ class Processes(Stage):
             self.compiled += 1
             if self.progress is not None:
                 self.progress(task)
+        if finished < len(misses):
+            log.warning(
+                "compiling in processes left %d of %d keys (a compile process died); the rest compiles on threads",
+                len(misses) - finished, len(misses),
+            )  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -212,20 +222,6 @@ def _interrupts_deferred() -> Iterator[None]:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if noted and previous is not None:  # called, not raised again: a wakeup fd (asyncio's) had its byte
             previous(signal.SIGINT, None)
-
-
-def _end_children(pool: ProcessPoolExecutor) -> None:
-    """End the children now (SIGTERM: its default action, or LLVM's handler, which removes its temporary
-    files and dies of it), not after the keys they compile: a child killed mid-compile leaves what an
-    interrupted compile leaves, stages Triton wrote without the group file it publishes last, which no
-    warm reads."""
-    terminate = getattr(pool, "terminate_workers", None)  # Python 3.14+
-    if terminate is not None:
-        terminate()
-        return
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
-        with contextlib.suppress(OSError, ValueError):
-            process.terminate()
 
 
 def _affordable_forks() -> int:
@@ -291,10 +287,6 @@ class _Claims:
 _CLAIMS: _Claims | None = None
 
 
-#: Linux's ``prctl`` option that sends the child a signal when its parent dies.
-_PR_SET_PDEATHSIG = 1
-
-
 def _source_size(jit: Any) -> int:
     """What the children hand out first: a kernel's source length with that of the ``@triton.jit`` functions its
     source names, a stand-in for its compile time (the children take keys in order, so a long compile handed out
@@ -306,14 +298,10 @@ def _source_size(jit: Any) -> int:
     return len(src) + sum(len(v.src) for v in called)
 
 
-def _child_init(platform: Any, parent: int) -> None:
-    """A child dies with the warm (were it killed, the child would wait for work forever, holding
-    the warm's standard streams), blocks and ignores interrupts, as do the compilers it runs (the warm
-    ends the children), ends on SIGTERM without the handler an engine may have installed, and only
-    compiles."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the warm died before the line above
-        os._exit(1)
+def _child_init(platform: Any) -> None:
+    """A child blocks and ignores interrupts, as do the compilers it runs (the warm ends the children), ends on
+    SIGTERM without the handler an engine may have installed, and only compiles (it dies with the process that
+    forked it: :mod:`warmreg.stages.fork_pool`)."""
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # (born so, when forked by Processes._fork)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)

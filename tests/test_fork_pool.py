@@ -1,0 +1,145 @@
+"""The forked compile's pool (``warmreg.stages.fork_pool``): workers that fork one another, every index taken
+once and in order, results that never interleave, and no worker that outlives the warm or an interrupt."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from warmreg.stages.fork_pool import ForkPool
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and PR_SET_PDEATHSIG: Linux")
+
+
+def _whose(index: int) -> tuple[str | None, float, float]:
+    """A result naming the worker that took ``index`` and the process that forked it."""
+    return f"{os.getpid()} {os.getppid()}", time.perf_counter(), 0.0
+
+
+def _run(pool: ForkPool) -> list[tuple[int, str | None, float, float]]:
+    pool.start()
+    try:
+        return list(pool.results())
+    finally:
+        pool.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("tree", [True, False], ids=["tree", "flat"])
+@pytest.mark.parametrize("workers", [1, 2, 5, 16])
+def test_the_workers_fork_one_another_and_take_every_index_once(workers: int, tree: bool) -> None:
+    pool = ForkPool(workers, 40, lambda: None, _whose, tree=tree)
+    results = _run(pool)
+    assert sorted(r[0] for r in results) == list(range(40))
+    forked_by = dict(tuple(map(int, r[1].split())) for r in results)  # type: ignore[union-attr]
+    assert len(pool.born) == workers and len(pool.pids) == workers and set(forked_by) <= pool.pids
+    roots = [pid for pid, parent in forked_by.items() if parent == os.getpid()]
+    if tree:
+        assert len(roots) <= 1, "the warm forks one worker; the workers fork the rest"
+        assert all(parent in pool.pids or parent == os.getpid() for parent in forked_by.values())
+    else:
+        assert set(forked_by.values()) == {os.getpid()}
+    assert not any(_alive(pid) for pid in pool.pids)
+
+
+def test_one_worker_takes_the_indices_in_order() -> None:
+    assert [r[0] for r in _run(ForkPool(1, 12, lambda: None, _whose))] == list(range(12))
+
+
+def test_errors_come_back_whole_or_cut_to_one_atomic_write() -> None:
+    def work(index: int) -> tuple[str | None, float, float]:
+        if index % 3 == 0:
+            raise ValueError(f"bad {index}")
+        return (None if index % 3 == 1 else f"{index}:" + "x" * 10_000), 1.0, 2.0
+
+    results = {r[0]: r for r in _run(ForkPool(8, 300, lambda: None, work))}
+    assert sorted(results) == list(range(300))
+    for index, (_, error, start, seconds) in results.items():
+        if index % 3 == 0:
+            assert error == f"ValueError: bad {index}"
+        elif index % 3 == 1:
+            assert error is None and (start, seconds) == (1.0, 2.0)
+        else:  # many workers sending long messages at once: each one whole, cut to PIPE_BUF
+            assert error is not None and error.startswith(f"{index}:x") and 1000 < len(error) < 4096
+
+
+def test_a_worker_that_cannot_start_leaves_its_share_to_the_others() -> None:
+    def init() -> None:
+        if os.getppid() == parent:  # the first worker fails; it forks nothing, so only it runs
+            raise RuntimeError("no driver")
+
+    parent = os.getpid()
+    pool = ForkPool(4, 10, init, _whose)
+    assert _run(pool) == [] and pool.init_errors == ["RuntimeError: no driver"]
+    pool = ForkPool(4, 10, lambda: None, _whose)
+    assert len(_run(pool)) == 10 and pool.init_errors == []
+
+
+def _sleeps(index: int) -> tuple[str | None, float, float]:
+    time.sleep(60)
+    return None, 0.0, 0.0
+
+
+def _reading(pool: ForkPool, born: int) -> tuple[threading.Thread, list[Any]]:
+    """Read the pool's pipe on a thread (births and results) until ``born`` workers were born."""
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.extend(pool.results()), daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while len(pool.born) < born and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert len(pool.born) == born
+    return reader, got
+
+
+def test_terminate_ends_every_worker_mid_work() -> None:
+    pool = ForkPool(6, 100, lambda: None, _sleeps)
+    pool.start()
+    reader, got = _reading(pool, 6)
+    assert len(pool.pids) == 6 and all(_alive(pid) for pid in pool.pids)
+    pool.terminate()
+    reader.join(timeout=20)
+    assert not reader.is_alive() and got == [], "every worker gone (end of file), none finished a key"
+    pool.close()
+    assert not any(_alive(pid) for pid in pool.pids)
+
+
+def test_the_workers_die_with_the_warm() -> None:
+    """SIGKILL to the process that started the pool: every worker dies with it (the first with the warm, each
+    other with the worker that forked it)."""
+    script = textwrap.dedent(
+        """
+        import time
+        from tests.test_fork_pool import ForkPool, _reading, _sleeps
+        pool = ForkPool(6, 100, lambda: None, _sleeps)
+        pool.start()
+        _reading(pool, 6)
+        print(" ".join(map(str, sorted(pool.pids))), flush=True)
+        time.sleep(600)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    assert proc.stdout is not None
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 6 and all(_alive(p) for p in pids)
+    proc.kill()
+    proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not alive, f"workers outlived the warm: {alive}"
