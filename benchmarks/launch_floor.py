@@ -11,6 +11,8 @@ affects every path alike; each figure is microseconds per call over batches of `
   arguments: grid, stream and every argument computed once. Triton's launcher cannot go lower.
 - ``fast``: warmreg's guarded launch with the same kwargs: the C entry (``warmreg.runtime._cdispatch``).
 - ``fast_getters``: the same C entry reading each tensor through torch.Tensor's getters, not torch's C shim.
+- ``fast_unwatched``: the same C entry running its environment checks at every launch (``_cdispatch.watch(False)``
+  while it is made: as on CPython before 3.12), not only after a binding they read changed.
 - ``driver_then_pack`` / ``driver_then_context``: the driver launch, then the entry's guards and packing
   (``Entry.pack``, no launch) / torch's two Python getters: what each costs in the cache state a launch leaves
   (``paired_ratios`` subtracts the driver's time of the same round).
@@ -49,6 +51,7 @@ import warmreg.runtime.fast
 import warmreg.runtime.launch
 from warmreg.ops import FusedQKVRMSNorm, fused_qkv_rmsnorm_reference
 from warmreg.ops.qkv_rmsnorm import _fused_qkv_rmsnorm_kernel
+from warmreg.runtime import _cdispatch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,6 +155,13 @@ def main() -> None:
     with _getter_reads():
         getters = warmreg.runtime.fast.build(jit, kwargs, options, compiled, torch.cuda.current_device())
     assert getters is not None and getters.native is not None
+    # the same C entry with its environment checks run at every launch (not watched: CPython before 3.12)
+    watched = _cdispatch.watch(False)
+    try:
+        unwatched = warmreg.runtime.fast.build(jit, kwargs, options, compiled, torch.cuda.current_device())
+    finally:
+        _cdispatch.watch(watched)
+    assert unwatched is not None and unwatched.native is not None and not unwatched.native.watched
     get_device, get_stream = warmreg.runtime.fast._device_getter(), triton.runtime.driver.active.get_current_stream
     dev_index = torch.cuda.current_device()
     pack = entry.native.pack
@@ -180,6 +190,7 @@ def main() -> None:
         "floor": floor,
         "fast": lambda: native(grid, kwargs),
         "fast_getters": lambda: getters.native.launch(grid, kwargs),
+        "fast_unwatched": lambda: unwatched.native.launch(grid, kwargs),
         "driver_then_pack": driver_then_pack,
         "driver_then_context": driver_then_context,
         "fast_python": lambda: python(grid, kwargs),
@@ -203,6 +214,8 @@ def main() -> None:
         "fast_over_floor": median([f / fl for f, fl in zip(samples["fast"], samples["floor"])]),
         "fast_over_driver": median([f / d for f, d in zip(samples["fast"], samples["driver"])]),
         "fast_getters_over_driver": median([f / d for f, d in zip(samples["fast_getters"], samples["driver"])]),
+        "fast_unwatched_over_driver": median([f / d for f, d in zip(samples["fast_unwatched"], samples["driver"])]),
+        "fast_unwatched_minus_fast_us": median([u - f for u, f in zip(samples["fast_unwatched"], samples["fast"])]),
         "driver_then_pack_minus_driver_us": median([p - d for p, d in zip(samples["driver_then_pack"], samples["driver"])]),
         "driver_then_context_minus_driver_us": median([c - d for c, d in zip(samples["driver_then_context"], samples["driver"])]),
         "floor_over_driver": median([f / d for f, d in zip(samples["floor"], samples["driver"])]),

@@ -54,7 +54,7 @@ print(json.dumps({{"wall": wall, "again_wall": time.perf_counter() - t, "already
                    "rehearsed": r.stage("rehearsal").get("launched", 0), "rehearsal_seconds": r.stage("rehearsal").get("seconds", 0.0),
                    "rehearsal_synchronize_seconds": r.stage("rehearsal").get("synchronize_seconds", 0.0),
                    "rehearsal_slowest": r.stage("rehearsal").get("slowest", []),
-                   "processes": r.stage("processes").get("processes", 0), "processes_seconds": r.stage("processes").get("seconds", 0.0), "processes_timeline": r.stage("processes").get("timeline", {}),
+                   "processes": r.stage("processes").get("processes", 0), "processes_seconds": r.stage("processes").get("seconds", 0.0), "processes_timeline": r.stage("processes").get("timeline", {{}}),
                    "plan_seconds": r.plan_seconds, "keys": r.declared, "kernels": len(r.per_kernel()), "pack": r.stage("pack").get("summary"),
                    "compiled": r.compiled, "from_cache": r.from_cache, "failed": len(r.failed),
                    "load_seconds": sum(x.load_seconds for x in r.results),

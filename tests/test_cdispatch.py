@@ -471,3 +471,18 @@ def test_the_rehearsal_section_lists_the_slowest_keys_by_host_time() -> None:
     slowest = stage.section()["slowest"]
     assert len(slowest) == rehearsal.SLOWEST and [row[2] for row in slowest] == sorted((row[2] for row in slowest), reverse=True)
     assert slowest[0] == ["k9", "key", 9.0]
+
+
+def test_watching_can_be_turned_off_for_comparisons() -> None:
+    """``watch(False)``: entries made meanwhile check at every launch (the benchmark's ``fast_unwatched``)."""
+    scope: dict[str, Any] = {"G": 5}
+    previous = cdispatch.watch(False)
+    try:
+        entry = _bare_entry(((scope, "G", 5, False, False),))
+    finally:
+        assert cdispatch.watch(previous) is False
+    assert previous is WATCHES and not entry.watched
+    assert entry.pack((1,), {}) == b"" and not entry.checks_hold
+    scope["G"] = 6
+    assert entry.pack((1,), {}) is None
+    assert _bare_entry(((scope, "G", 6, False, False),)).watched is WATCHES

@@ -294,6 +294,7 @@ typedef struct {
 #if PY_VERSION_HEX >= 0x030C0000 && !defined(Py_GIL_DISABLED)
 #define WR_WATCH 1
 static int dict_watcher = -1, type_watcher = -1;
+static int watching = 1; /* entries made while it is 0 check at every launch (see watch()) */
 static uint64_t env_epoch = 1;
 
 static int on_dict_event(PyDict_WatchEvent event, PyObject *dict, PyObject *key, PyObject *value) {
@@ -855,7 +856,7 @@ static int parse_checks(Entry *self, PyObject *checks) {
   }
 #ifdef WR_WATCH
   /* watched only where every binding the checks read is */
-  self->watched = dict_watcher >= 0;
+  self->watched = watching && dict_watcher >= 0;
   for (Py_ssize_t i = 0; self->watched && i < self->nchecks; i++) {
     env_check *c = &self->checks[i];
     int rc = PyDict_Check(c->mapping) ? (PyDict_Watch(dict_watcher, c->mapping) < 0 ? -1 : 1)
@@ -974,7 +975,24 @@ static PyTypeObject EntryType = {
     .tp_new = entry_new,
 };
 
+static PyObject *watch(PyObject *module, PyObject *flag) {
+  (void)module;
+  int on = PyObject_IsTrue(flag);
+  if (on < 0)
+    return NULL;
+#ifdef WR_WATCH
+  int previous = watching;
+  watching = on;
+  return PyBool_FromLong(previous);
+#else
+  Py_RETURN_FALSE;
+#endif
+}
+
 static PyMethodDef module_methods[] = {
+    {"watch", watch, METH_O,
+     "watch(on) -> bool: whether entries made from now on watch their environment checks' bindings (CPython 3.12+; "
+     "on by default); returns the previous setting (False where watching is not built). For comparisons."},
     {"tensor_abi", tensor_abi, METH_O,
      "tensor_abi(samples) -> int: read tensors through torch's C shim from now on, where it agrees with torch's "
      "getters on every sample; the at::Tensor offset in use, or -1 (the getters stay)."},
