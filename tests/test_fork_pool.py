@@ -40,6 +40,15 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+def _all_gone(pids: set[int] | list[int], timeout: float = 10.0) -> list[int]:
+    """The pids still alive after ``timeout`` (a process closes its files, so the pipe's end of file arrives,
+    a little before it is gone)."""
+    deadline = time.monotonic() + timeout
+    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return alive
+
+
 @pytest.mark.parametrize("tree", [True, False], ids=["tree", "flat"])
 @pytest.mark.parametrize("workers", [1, 2, 5, 16])
 def test_the_workers_fork_one_another_and_take_every_index_once(workers: int, tree: bool) -> None:
@@ -54,7 +63,7 @@ def test_the_workers_fork_one_another_and_take_every_index_once(workers: int, tr
         assert all(parent in pool.pids or parent == os.getpid() for parent in forked_by.values())
     else:
         assert set(forked_by.values()) == {os.getpid()}
-    assert not any(_alive(pid) for pid in pool.pids)
+    assert not _all_gone(pool.pids)
 
 
 def test_one_worker_takes_the_indices_in_order() -> None:
@@ -116,7 +125,7 @@ def test_terminate_ends_every_worker_mid_work() -> None:
     reader.join(timeout=20)
     assert not reader.is_alive() and got == [], "every worker gone (end of file), none finished a key"
     pool.close()
-    assert not any(_alive(pid) for pid in pool.pids)
+    assert not _all_gone(pool.pids)
 
 
 def test_the_workers_die_with_the_warm() -> None:
@@ -139,7 +148,4 @@ def test_the_workers_die_with_the_warm() -> None:
     assert len(pids) == 6 and all(_alive(p) for p in pids)
     proc.kill()
     proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while (alive := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not alive, f"workers outlived the warm: {alive}"
+    assert not (alive := _all_gone(pids)), f"workers outlived the warm: {alive}"
