@@ -244,7 +244,7 @@ def test_watched_checks_follow_bases_globals_class_changes_and_mutable_values() 
         flag = 1
 
     class Owner(Base):
-        pass
+        """Reads ``flag`` from its base class."""
 
     class Chain:
         def __init__(self) -> None:

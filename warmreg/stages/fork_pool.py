@@ -107,8 +107,8 @@ class ForkPool:
         if self._read < 0:
             return
         try:
-            while os.read(self._read, 1 << 16):
-                pass
+            while os.read(self._read, 1 << 16):  # what a terminated pool still sent: dropped
+                continue
         finally:
             os.close(self._read)
             self._read = -1

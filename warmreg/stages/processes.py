@@ -11,8 +11,9 @@ hooks, warmreg's listener and the loads see every key as before, and the key rep
 The children fork one another (:mod:`warmreg.stages.fork_pool`: the warm forks one, which forks
 half of the rest, and so on; 16 children are born in 5 generations of forks instead of 16 forks in a
 row), and each takes keys, longest source first, as soon as its share is forked. A child is a fork
-of the warming process (nothing but a key's index is handed to it, and nothing imported again), swaps Triton's driver for the stand-in of its target so that it never touches the
-GPU (CUDA cannot be used in a child forked after it started), and writes only through Triton's own
+of the warming process (nothing but a key's index is handed to it, and nothing imported again),
+swaps Triton's driver for the stand-in of its target so that it never touches the GPU
+(CUDA cannot be used in a child forked after it started), and writes only through Triton's own
 cache manager (atomic renames): a child that fails or is killed leaves the cache as consistent as an
 interrupted compile would, and a key a child did not compile is compiled by the compile step here,
 which reports its error. On Triton 3.6, for the local CUDA GPU, each child also builds the C
@@ -136,7 +137,7 @@ class Processes(Stage):
             self.processes = min(share, len(misses), affordable)
             try:
                 self._fork(misses, plan, start)
-            except Exception as exc:  # e.g. a child killed (BrokenProcessPool): the compile step compiles the rest
+            except Exception as exc:  # e.g. no process could be forked: the compile step compiles the rest
                 log.warning(
                     "compiling in processes failed (%s: %s); the rest compiles on threads", type(exc).__name__, exc
                 )
