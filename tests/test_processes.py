@@ -99,8 +99,14 @@ def test_a_child_that_dies_leaves_the_rest_to_this_process(
 def test_the_children_forked_are_what_the_resident_memory_affords(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(processes, "_resident_gib", lambda: 30.0)  # 71 ms a fork: 3 fit in 0.25 s
-    assert _warm(tmp_path / "some", monkeypatch, workers=8).stage("processes")["processes"] == 3
+    monkeypatch.setattr(processes, "_resident_gib", lambda: 30.0)  # 71 ms a fork: 3 in a row fit in 0.25 s
+    # the tree: the warm forks one child, which bears the others in two generations (1 + 1 + 2)
+    assert _warm(tmp_path / "some", monkeypatch, workers=8).stage("processes")["processes"] == 4
+    monkeypatch.setattr(processes, "TREE", False)  # the warm forking each: one child a fork
+    assert _warm(tmp_path / "flat", monkeypatch, workers=8).stage("processes")["processes"] == 3
+    monkeypatch.setattr(processes, "TREE", True)
+    monkeypatch.setattr(processes, "_resident_gib", lambda: 100.0)  # 225 ms a fork: one child, not worth forking
+    assert _warm(tmp_path / "one", monkeypatch, workers=8).stage("processes").get("processes", 0) == 0
     monkeypatch.setattr(processes, "_resident_gib", lambda: 200.0)  # 445 ms a fork: none
     report = _warm(tmp_path / "none", monkeypatch, workers=8)
     assert report.stage("processes").get("processes", 0) == 0

@@ -73,8 +73,9 @@ TREE = True
 #: A fork copies the page tables of what the warming process has resident: about 2 ms per GiB with
 #: 4 KiB pages (the CPU machine: 8 GiB resident, 15-19 ms a fork), after a few ms for any process
 #: (:data:`FORK_BASE_MS`; the H200 host with CUDA up, 0.66 GiB resident: 7 ms a fork).
-#: A warm forks only as many children as fit in :data:`FORK_BUDGET_S` (an engine that keeps large
-#: host buffers, such as pinned swap space, forks fewer children, or none and compiles on threads).
+#: A warm forks only as many children as are born within :data:`FORK_BUDGET_S` of forks made one after
+#: another (in the tree, one generation a fork: an engine that keeps large host buffers, such as pinned
+#: swap space, forks fewer children, or none and compiles on threads).
 FORK_BASE_MS = 5.0
 FORK_MS_PER_GIB = 2.2
 FORK_BUDGET_S = 0.25
@@ -226,10 +227,13 @@ def _interrupts_deferred() -> Iterator[None]:
 
 
 def _affordable_forks() -> int:
-    """How many children the fork budget pays for, by this process's resident memory."""
+    """How many children the fork budget pays for, by this process's resident memory: the forks made one
+    after another until the last child is born. Forking each (``TREE`` off), one a child; in the tree, the
+    warm forks one and each generation doubles the children, so ``k`` forks in a row bear ``2 ** (k - 1)``."""
     resident = _resident_gib()
     per_fork_s = (FORK_BASE_MS + FORK_MS_PER_GIB * resident) / 1000
-    affordable = int(FORK_BUDGET_S // per_fork_s)
+    in_a_row = int(FORK_BUDGET_S // per_fork_s)
+    affordable = (1 << min(in_a_row - 1, 16) if in_a_row >= 1 else 0) if TREE else in_a_row
     if affordable < 2:
         log.info("compiling on threads: forking with %.0f GiB resident costs about %.0f ms a child", resident, per_fork_s * 1000)
     return affordable
