@@ -33,7 +33,7 @@ _I32 = torch.int32
 
 
 @triton.jit(
-    do_not_specialize=["block_table_stride"],
+    do_not_specialize=["block_table_stride", "out_len"],
     do_not_specialize_on_alignment=[
         "out_ptr",
         "slot_mapping_ptr",
@@ -52,25 +52,37 @@ def _compressed_slot_mapping_kernel(
     block_size,
     dcp_world_size,
     cp_interleave,
+    out_len,  # the whole out buffer's slots
     COMPRESS_RATIO: tl.constexpr,  # positions per compressed state
     TILE: tl.constexpr,  # tokens per loop iteration
 ):
     b = tl.program_id(0)
-    first = tl.load(query_start_loc_ptr + b)
-    qlen = tl.load(query_start_loc_ptr + b + 1) - first
-    context = tl.load(seq_lens_ptr + b) - qlen
-    row = block_table_ptr + b.to(tl.int64) * block_table_stride
-    for j0 in range(0, qlen, TILE):
-        j = j0 + tl.arange(0, TILE)
-        mask = j < qlen
-        tok = first + j
-        pos = context + j
-        own = tl.load(slot_mapping_ptr + tok, mask=mask, other=-1)
-        valid = mask & ((pos + 1) % COMPRESS_RATIO == 0) & (own != -1)
-        local = (pos // (cp_interleave * dcp_world_size)) * cp_interleave + pos % cp_interleave
-        state = local // COMPRESS_RATIO
-        block = tl.load(row + state // block_size, mask=valid, other=0).to(tl.int64)
-        tl.store(out_ptr + tok, tl.where(valid, block * block_size + state % block_size, -1), mask=mask)
+    rows = tl.num_programs(0) - 1
+    if b == rows:  # the last program: -1 in every slot no request owns (before qsl[0], from qsl[rows] on)
+        owned_from = tl.load(query_start_loc_ptr)
+        owned_to = tl.load(query_start_loc_ptr + rows)
+        for j0 in range(0, owned_from, TILE):
+            j = j0 + tl.arange(0, TILE)
+            tl.store(out_ptr + j, tl.full((TILE,), -1, tl.int64), mask=j < owned_from)
+        for j0 in range(owned_to, out_len, TILE):
+            j = j0 + tl.arange(0, TILE)
+            tl.store(out_ptr + j, tl.full((TILE,), -1, tl.int64), mask=j < out_len)
+    else:
+        first = tl.load(query_start_loc_ptr + b)
+        qlen = tl.load(query_start_loc_ptr + b + 1) - first
+        context = tl.load(seq_lens_ptr + b) - qlen
+        row = block_table_ptr + b.to(tl.int64) * block_table_stride
+        for j0 in range(0, qlen, TILE):
+            j = j0 + tl.arange(0, TILE)
+            mask = j < qlen
+            tok = first + j
+            pos = context + j
+            own = tl.load(slot_mapping_ptr + tok, mask=mask, other=-1)
+            valid = mask & ((pos + 1) % COMPRESS_RATIO == 0) & (own != -1)
+            local = (pos // (cp_interleave * dcp_world_size)) * cp_interleave + pos % cp_interleave
+            state = local // COMPRESS_RATIO
+            block = tl.load(row + state // block_size, mask=valid, other=0).to(tl.int64)
+            tl.store(out_ptr + tok, tl.where(valid, block * block_size + state % block_size, -1), mask=mask)
 
 
 @attrs.frozen(kw_only=True)
@@ -97,7 +109,9 @@ class CompressedSlotMapping(TritonKernel[CompressedSlotMappingKey]):
         lp = (p // (I * Wd)) * I + p % I;  k = lp // CR          # rank-local; lp = p when Wd == 1
         out[t] = bt[b, k // bs] * bs + k % bs  if (p + 1) % CR == 0 and slot_mapping[t] != -1  else -1
 
-    The launcher first fills the whole ``out`` buffer with -1.
+    One program a request, and a last one that writes -1 to every slot of ``out`` no request owns
+    (``[0, qsl[0])`` and ``[qsl[R], len(out))``): vLLM fills the whole buffer with torch's fill kernel first, one
+    launch more (and, in a process, the load of torch's fill kernel at its first use).
 
     :param compress_ratios: the ratios this call site serves.
     :param dcp_world_size: the DCP world this call site passes.
@@ -206,7 +220,6 @@ class CompressedSlotMapping(TritonKernel[CompressedSlotMappingKey]):
             or (out.shape[0] > 1 and out.stride(0) != 1)
         ):
             raise LaunchError(self.name, f"out must be a contiguous int64 buffer of >= {num_tokens} slots")
-        out.fill_(-1)
         key = self.dispatch(
             compress_ratio=compress_ratio,
             block_size=block_size,
@@ -216,9 +229,10 @@ class CompressedSlotMapping(TritonKernel[CompressedSlotMappingKey]):
         kwargs = dict(
             out_ptr=out, slot_mapping_ptr=slot_mapping, query_start_loc_ptr=query_start_loc, seq_lens_ptr=seq_lens,
             block_table_ptr=block_table, block_table_stride=block_table.stride(0), block_size=block_size,
-            dcp_world_size=dcp_world_size, cp_interleave=cp_interleave, COMPRESS_RATIO=key.compress_ratio, TILE=key.tile,
+            dcp_world_size=dcp_world_size, cp_interleave=cp_interleave, out_len=out.shape[0],
+            COMPRESS_RATIO=key.compress_ratio, TILE=key.tile,
         )  # fmt: skip
-        return LaunchSpec(key, (rows,) if rows else None, kwargs, out[:num_tokens])
+        return LaunchSpec(key, (rows + 1,), kwargs, out[:num_tokens])
 
 
 def compressed_slot_mapping_reference(
