@@ -179,16 +179,8 @@ def test_compressed_slot_mapping_small_batches() -> None:
     assert got.tolist() == [3 * 64 + 1]
     # A batch that starts at token 2 of a persistent buffer: the slots before and after it are reset to -1 too.
     out = torch.zeros(5, dtype=torch.int64)
-    kernel(
-        slots,
-        torch.tensor([2, 3], dtype=I32),
-        torch.tensor([8], dtype=I32),
-        table,
-        num_tokens=4,
-        block_size=64,
-        compress_ratio=4,
-        out=out,
-    )
+    kernel(slots, torch.tensor([2, 3], dtype=I32), torch.tensor([8], dtype=I32), table, num_tokens=4, block_size=64,
+           compress_ratio=4, out=out)  # fmt: skip
     assert out.tolist() == [-1, -1, 3 * 64 + 1, -1, -1]
     # T = 0: no rows; the kernel's last program alone resets a persistent buffer to -1.
     out = torch.zeros(3, dtype=torch.int64)
