@@ -32,6 +32,14 @@ _DSV4_CACHE_BLOCK_SIZE = 256
 _I32 = torch.int32
 
 
+@triton.jit
+def _unowned(out_ptr, start, stop, TILE: tl.constexpr):
+    """-1 in ``out[start:stop]``."""
+    for j0 in range(start, stop, TILE):
+        j = j0 + tl.arange(0, TILE)
+        tl.store(out_ptr + j, tl.full((TILE,), -1, tl.int64), mask=j < stop)
+
+
 @triton.jit(
     do_not_specialize=["block_table_stride", "out_len"],
     do_not_specialize_on_alignment=[
@@ -59,14 +67,8 @@ def _compressed_slot_mapping_kernel(
     b = tl.program_id(0)
     rows = tl.num_programs(0) - 1
     if b == rows:  # the last program: -1 in every slot no request owns (before qsl[0], from qsl[rows] on)
-        owned_from = tl.load(query_start_loc_ptr)
-        owned_to = tl.load(query_start_loc_ptr + rows)
-        for j0 in range(0, owned_from, TILE):
-            j = j0 + tl.arange(0, TILE)
-            tl.store(out_ptr + j, tl.full((TILE,), -1, tl.int64), mask=j < owned_from)
-        for j0 in range(owned_to, out_len, TILE):
-            j = j0 + tl.arange(0, TILE)
-            tl.store(out_ptr + j, tl.full((TILE,), -1, tl.int64), mask=j < out_len)
+        _unowned(out_ptr, 0, tl.load(query_start_loc_ptr), TILE)
+        _unowned(out_ptr, tl.load(query_start_loc_ptr + rows), out_len, TILE)
     else:
         first = tl.load(query_start_loc_ptr + b)
         qlen = tl.load(query_start_loc_ptr + b + 1) - first

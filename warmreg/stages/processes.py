@@ -233,7 +233,7 @@ def _affordable_forks() -> int:
     resident = _resident_gib()
     per_fork_s = (FORK_BASE_MS + FORK_MS_PER_GIB * resident) / 1000
     in_a_row = int(FORK_BUDGET_S // per_fork_s)
-    affordable = (1 << min(in_a_row - 1, 16) if in_a_row >= 1 else 0) if TREE else in_a_row
+    affordable = 1 << min(in_a_row - 1, 16) if TREE and in_a_row else in_a_row
     if affordable < 2:
         log.info("compiling on threads: forking with %.0f GiB resident costs about %.0f ms a child", resident, per_fork_s * 1000)
     return affordable
