@@ -18,7 +18,10 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 versions=("$@")
 [ ${#versions[@]} -gt 0 ] || versions=(3.6.0 3.7.1 3.9.0)
-root=${WARMREG_VENVS:-$(mktemp -d -t warmreg-tritons-XXXX)}
+# the venvs (about 0.8 GiB each) and each release's check folder go on exit, unless WARMREG_VENVS keeps the venvs
+scratch=()
+trap 'rm -rf "${scratch[@]}"' EXIT
+if [ -n "${WARMREG_VENVS:-}" ]; then root=$WARMREG_VENVS; else root=$(mktemp -d -t warmreg-tritons-XXXX); scratch+=("$root"); fi
 core=(tests/test_triton_adapter.py tests/test_deferred_launcher.py tests/test_fast_launch.py tests/test_qkv_rmsnorm.py tests/test_slot_mapping.py)
 plugin_tests=(plugins/deepseek_v4/tests plugins/kimi_k3/tests)
 status=0
@@ -30,6 +33,7 @@ for v in "${versions[@]}"; do
     PYTHON="$vpy" TRITON="$v" bash scripts/setup.sh
     "$vpy" -c "import triton, sys; sys.exit(triton.__version__ != '$v')" || { echo "Triton $v did not install"; exit 1; }
     work=$(mktemp -d -t warmreg-check-XXXX)
+    scratch+=("$work")
     export TRITON_CACHE_DIR="$work/cache"
     tests=("${core[@]}")
     skip=()

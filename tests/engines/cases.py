@@ -233,10 +233,3 @@ def with_serving(config: dict[str, Any], changes: dict[str, Any]) -> dict[str, A
         else:
             out["serving"][key] = value
     return out
-
-
-def scratch() -> Path:
-    """A folder for the model config.json files (under $TMPDIR)."""
-    import tempfile
-
-    return Path(tempfile.mkdtemp(prefix="warmreg-engines-", dir=os.environ.get("TMPDIR")))

@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -62,12 +61,12 @@ def last_json(stdout: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def built() -> dict[str, Any]:
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``warmreg-vllm build`` of :data:`SMALL` for the H200 profile: the pack and its JSON report."""
     sys.path.insert(0, str(HERE))
     import cases
 
-    root = Path(tempfile.mkdtemp(prefix="warmreg-vllm-kimi-"))
+    root = tmp_path_factory.mktemp("warmreg-vllm-kimi")
     engine = ["--model", cases.model_dir(root, "kimi_k3"), *SMALL]
     pack, report = root / "kimi-small-h200.tar.gz", root / "report.json"
     run(

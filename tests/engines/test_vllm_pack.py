@@ -49,12 +49,12 @@ def run(args: list[str], cache: Path, *, timeout: int = 300) -> str:
 
 
 @pytest.fixture(scope="module")
-def built() -> dict[str, Any]:
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``warmreg-vllm build`` of :data:`SMALL` for the H200 profile: the pack, its JSON report and the printed one."""
     sys.path.insert(0, str(HERE))
     import cases
 
-    root = Path(tempfile.mkdtemp(prefix="warmreg-vllm-pack-"))
+    root = tmp_path_factory.mktemp("warmreg-vllm-pack")
     engine = ["--model", cases.model_dir(root, "deepseek_v4_flash"), *SMALL]
     pack, report = root / "flash-small-h200.tar.gz", root / "report.json"
     printed = run(

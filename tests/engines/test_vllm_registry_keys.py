@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -102,14 +103,16 @@ def test_unknown_missing_and_malformed_profiles_are_refused() -> None:
 # -- 2. vLLM behaving as on the profiled GPU ---------------------------------------------------------------------------
 def run_vllm(body: str, *, timeout: int = 240) -> dict[str, Any]:
     """Run ``body`` in a fresh process of this venv's Python, with vLLM's CPU-machine environment, from ``/`` (a
-    ``warmreg/`` folder in the working directory would shadow the installed package); it prints one JSON line last."""
+    ``warmreg/`` folder in the working directory would shadow the installed package); it prints one JSON line last.
+    ``scratch`` names a temporary folder there for model configs, removed when the process ends."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("needs vLLM: run in build/engine-venvs/vllm or vllm-0.34")
-    script = f"import json, sys\nsys.path.insert(0, {str(HERE)!r})\n" + textwrap.dedent(body)
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "CUDA_VISIBLE_DEVICES": ""}
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd="/", env=env, capture_output=True, text=True, timeout=timeout
-    )
+    with tempfile.TemporaryDirectory(prefix="warmreg-vllm-") as scratch:  # the body's model folders, removed after
+        script = f"import json, sys\nsys.path.insert(0, {str(HERE)!r})\nscratch = {scratch!r}\n" + textwrap.dedent(body)
+        done = subprocess.run(
+            [sys.executable, "-c", script], cwd="/", env=env, capture_output=True, text=True, timeout=timeout
+        )
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
@@ -134,7 +137,7 @@ def test_vllm_answers_as_the_profiled_gpu_and_builds_the_gpus_config() -> None:
                 "fp8": str(current_platform.fp8_dtype()), "name": current_platform.get_device_name(),
                 "memory": current_platform.get_device_total_memory(), "triton": HAS_TRITON,
             }
-            vc = cases.build_vllm("flash", pathlib.Path(tempfile.mkdtemp()))
+            vc = cases.build_vllm("flash", pathlib.Path(tempfile.mkdtemp(dir=scratch)))
             config = {
                 # vLLM 0.34 has only Model Runner V2 (its V1 GPU runner is gone, and the property with it)
                 "v2": getattr(vc, "use_v2_model_runner", True), "worker": vc.parallel_config.worker_cls,
@@ -195,7 +198,7 @@ def registrations(profile: str) -> dict[str, Any]:
         from warmreg_vllm.profile import GpuProfile, TritonTarget
         from warmreg_vllm.registry_keys import registered_kernels
         h200 = GpuProfile.named("h200")
-        model = cases.model_dir(pathlib.Path(tempfile.mkdtemp()), "deepseek_v4_flash")
+        model = cases.model_dir(pathlib.Path(tempfile.mkdtemp(dir=scratch)), "deepseek_v4_flash")
         found = registered_kernels(EngineArgs(model=model, skip_tokenizer_init=True, **{SMALL_FLASH}), {profile})
         print(json.dumps({{"kernels": [k.to_dict() for k in found.kernels], "per_kind": found.keys_per_kind()}}))
         """,
