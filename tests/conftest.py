@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,23 @@ def triton_cache(warmreg_isolated: Path) -> Path:
     """A fresh, empty Triton cache directory (TRITON_CACHE_DIR) for each test, and warmreg's state
     reset around it (the public ``warmreg_isolated`` fixture)."""
     return warmreg_isolated
+
+
+@pytest.fixture(autouse=True)
+def process_signals_kept() -> Iterator[None]:
+    """A test leaves SIGINT as it found it (its handler, and its mask on this thread, which every process this one
+    starts inherits: a warm subprocess of a later test would ignore Ctrl-C), and ends in the process it began in
+    (a forked child that returned into the test would go on running the suite)."""
+    pid, handler, mask = os.getpid(), signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield
+    if os.getpid() != pid:
+        os.write(2, f"a forked child ({os.getpid()}) of {pid} returned into the test; it exits\n".encode())
+        os._exit(70)
+    now_handler, now_mask = signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    signal.signal(signal.SIGINT, handler)  # put back, so that one test's leak fails that test alone
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    assert now_handler is handler, f"the test left SIGINT's handler {now_handler!r} (it found {handler!r})"
+    assert now_mask == mask, f"the test left this thread's signal mask {sorted(now_mask)} (it found {sorted(mask)})"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import site
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -16,6 +18,26 @@ import triton
 import triton.language as tl
 
 import warmreg
+
+#: The start of a warm subprocess's script in the interrupt tests: SIGINT as a terminal's process has it, whatever
+#: this process passes on (a suite started in the background, ``cmd &`` without job control, runs with SIGINT
+#: ignored, and its children inherit that; a warm so started rightly ignores Ctrl-C).
+SIGINT_AS_IN_A_TERMINAL = (
+    "import signal\nsignal.signal(signal.SIGINT, signal.default_int_handler)\n"
+    "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})\n"
+)
+
+
+@contextlib.contextmanager
+def sigint_as_in_a_terminal() -> Iterator[None]:
+    """:data:`SIGINT_AS_IN_A_TERMINAL` for this process while the block runs (main thread), then as it was."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    mask = signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 @triton.jit

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import warmreg
-from tests.helpers import CONFIG, Plugin, Scale
+from tests.helpers import CONFIG, SIGINT_AS_IN_A_TERMINAL, Plugin, Scale
 
 ROOT = Path(__file__).resolve().parents[2]
 FLASH = str(ROOT / "examples" / "deepseek_v4_flash.json")
@@ -31,8 +31,9 @@ def _whole_entries_only(cache: Path) -> int:
 
 
 def _start_warm(cache: Path) -> subprocess.Popen[str]:
+    cli = SIGINT_AS_IN_A_TERMINAL + "import sys\nfrom warmreg.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
     return subprocess.Popen(
-        [sys.executable, "-m", "warmreg", "warm", FLASH, "--target", "cuda:90", "--quiet", "--workers", "2"],
+        [sys.executable, "-c", cli, "warm", FLASH, "--target", "cuda:90", "--quiet", "--workers", "2"],
         env={**os.environ, "TRITON_CACHE_DIR": str(cache)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

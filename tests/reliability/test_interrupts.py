@@ -25,7 +25,7 @@ import pytest
 import triton
 
 import warmreg
-from tests.helpers import CONFIG, Broken, Plugin, Scale
+from tests.helpers import CONFIG, SIGINT_AS_IN_A_TERMINAL, Broken, Plugin, Scale, sigint_as_in_a_terminal
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc: Linux")
 
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 KIMI = str(ROOT / "examples" / "kimi_k3.json")
 
 #: The CLI, with an at-fork hook that sends this process SIGINT at its first fork when asked to.
-_CLI = """
+_CLI = SIGINT_AS_IN_A_TERMINAL + """
 import os, signal, sys
 if os.environ.get("WARMREG_TEST_INTERRUPT_AT_FORK"):
     fired = []
@@ -231,7 +231,7 @@ def test_an_interrupt_while_forking_reaches_the_caller(tmp_path: Path, monkeypat
 
     _ARMED.append(True)
     try:
-        with pytest.raises(KeyboardInterrupt):
+        with sigint_as_in_a_terminal(), pytest.raises(KeyboardInterrupt):
             warm()
     finally:
         _ARMED.clear()
