@@ -40,11 +40,8 @@ CONFIG, PACK, TARGET = json.loads(sys.argv[1])
 warmreg.prefetch(pack=PACK)
 if TARGET is None:
     torch.empty(1, device="cuda")
-from warmreg.api.prefetch import wait_for_plugins
-from warmreg._triton import cache as _triton_cache
-from warmreg.stages import pack as _packs
-_triton_cache.wait_triton_key(); wait_for_plugins()
-for _f in list(_packs._PREFETCHED.values()): _f.exception()
+from warmreg.api.prefetch import wait_for_prefetch
+wait_for_prefetch()
 t = time.perf_counter()
 r = warmreg.warm(CONFIG, target=TARGET, on_error="continue", pack=PACK, progress=False)
 wall = time.perf_counter() - t

@@ -38,7 +38,7 @@ import warmreg
 import warmreg.pipeline.bind as wb
 import warmreg.api.warm as ww
 from warmreg.api import session as _session
-from warmreg.api.prefetch import wait_for_plugins
+from warmreg.api.prefetch import wait_for_prefetch
 from warmreg import _triton
 from warmreg.stages import pack_install as _pack_install
 from warmreg._triton import cache as _triton_cache
@@ -53,7 +53,7 @@ if PREFETCH:
 if torch.cuda.is_available():
     torch.empty(1, device="cuda")
 if PREFETCH:  # the rest of an engine's start-up (loading weights) takes longer than the prefetch
-    _triton_cache.wait_triton_key(); wait_for_plugins()
+    wait_for_prefetch()
 events = []
 lock = threading.Lock()
 

@@ -2,7 +2,8 @@
 
 Each round runs both, alternating (A, B, A, B, ...), each in a fresh process: a cold warm into an
 empty Triton cache, then a warm from that cache, and with ``--pack`` a warm from that pack into
-another empty cache after ``warmreg.prefetch(pack=...)`` has installed it, as an engine starts. Each
+another empty cache; each after ``warmreg.prefetch()`` (``prefetch(pack=...)``, which installs the pack)
+has finished, as an engine starts (its weights load meanwhile). Each
 tree warms its own copy of the config (the same path inside each tree). The checkout is chosen by
 ``PYTHONPATH`` (its core and both plugins), so the same interpreter, Triton and torch run both. Each
 run also reports the cyclic garbage collector's pauses inside the timed warm (a full collection
@@ -12,7 +13,7 @@ median of each round's own ratio (both trees back to back: a host that drifts be
 
     git worktree add /tmp/base <commit>
     python benchmarks/warm_ab.py examples/deepseek_v4_flash.json --baseline /tmp/base [--tree DIR] [--rounds 5]
-        [--target cuda:90 | --target local] [--pack PACK] [--only cold,warm_cache,from_pack] [--warmup 1]
+        [--target cuda:90 | --target local] [--pack PACK] [--only cold,warm_cache,from_pack] [--warmup 1] [--gpu-targets 90]
 """
 
 from __future__ import annotations
@@ -36,9 +37,16 @@ import gc, json, time, torch, warmreg
 from warmreg import warm  # the pipeline (and torch) imported before the timer, as in an engine
 if {target!r} is None:  # an engine has CUDA up before it warms
     torch.empty(1, device="cuda")
-if {pack!r}:  # ... and prefetched the pack at start-up, installed while its weights loaded
-    warmreg.prefetch(pack={pack!r})
-    from warmreg.api.prefetch import wait_for_plugins  # as benchmarks/warm_time.py waits for the prefetch
+if {gpu_targets!r}:  # --gpu-targets: what the prefetch reads off a GPU host's NVML, on a machine with none
+    import warmreg._triton as _t
+    from triton.backends.compiler import GPUTarget
+    _t.local_targets = lambda: [GPUTarget("cuda", arch, 32) for arch in {gpu_targets!r}]
+warmreg.prefetch(pack={pack!r})  # ... and prefetched at start-up (with its pack), done while its weights loaded
+try:  # as benchmarks/warm_time.py waits for the prefetch
+    from warmreg.api.prefetch import wait_for_prefetch
+    wait_for_prefetch()
+except ImportError:  # a baseline from before wait_for_prefetch
+    from warmreg.api.prefetch import wait_for_plugins
     from warmreg._triton import cache as _triton_cache
     from warmreg.stages import pack as _packs
     _triton_cache.wait_triton_key(); wait_for_plugins()
@@ -79,15 +87,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=0, help="rounds run first and not recorded (the page cache, bytecode files)")
     ap.add_argument("--commits", default=None, help="'THIS,BASELINE' commit names where the trees are no git checkouts")
+    ap.add_argument("--gpu-targets", default="", help="e.g. 90: the local GPUs' targets the prefetch makes binders for "
+                    "(on a CPU machine, as NVML reports them on a GPU host; a tree without the prefetch's binders ignores it)")
     ap.add_argument("--tag", default="cpu2core")
     args = ap.parse_args()
     workers = len(os.sched_getaffinity(0))
     target = None if args.target == "local" else args.target
+    gpu_targets = [int(a) for a in args.gpu_targets.split(",") if a]
     only = [v for v in ("cold", "warm_cache", "from_pack") if v in args.only.split(",") and (v != "from_pack" or args.pack)]
     trees = {"this": Path(args.tree).resolve(), "baseline": Path(args.baseline).resolve()}
     relative = Path(args.config).resolve().relative_to(ROOT)  # each tree warms its own copy of the config
     codes = {
-        (name, pack): _WARM.format(config=str(tree / relative), target=target, workers=workers, pack=pack)
+        (name, pack): _WARM.format(config=str(tree / relative), target=target, workers=workers, pack=pack, gpu_targets=gpu_targets)
         for name, tree in trees.items() for pack in (None, args.pack)
     }  # fmt: skip
     rounds: dict[str, dict[str, list[float]]] = {name: {v: [] for v in only} for name in trees}
@@ -118,7 +129,7 @@ def main() -> None:
         k: subprocess.run(["git", "-C", str(v), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() for k, v in trees.items()
     }  # fmt: skip
     results = {
-        "config": args.config, "target": args.target, "pack": args.pack, "workers": workers, "trees": {k: str(v) for k, v in trees.items()},
+        "config": args.config, "target": args.target, "pack": args.pack, "gpu_targets": gpu_targets, "workers": workers, "trees": {k: str(v) for k, v in trees.items()},
         "commits": commits, "warmup_rounds": args.warmup, "rounds": rounds, "gc_ms": gc_ms, "medians": medians,
         "this_over_baseline": ratios, "this_over_baseline_paired": paired,
     }  # fmt: skip

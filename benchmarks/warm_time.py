@@ -40,11 +40,8 @@ if not {processes!r}:  # misses compiled on threads only, as before warmreg.stag
 if {flat!r}:  # the warm forks every compile process itself, as before warmreg.stages.fork_pool's tree
     import warmreg.stages.processes; warmreg.stages.processes.TREE = False
 if {prefetch!r}:  # ... which loads the weights (seconds) while the prefetch finishes
-    from warmreg.api.prefetch import wait_for_plugins
-    from warmreg._triton import cache as _triton_cache
-    _triton_cache.wait_triton_key(); wait_for_plugins()
-    from warmreg.stages import pack as _packs
-    for _f in list(_packs._PREFETCHED.values()): _f.exception()  # the pack installed meanwhile
+    from warmreg.api.prefetch import wait_for_prefetch
+    wait_for_prefetch()  # Triton's key, the plugins, the local GPU's binders, the pack installed meanwhile
 t = time.perf_counter()
 r = warmreg.warm({config!r}, target={target!r}, workers={workers}, on_error="continue", pack={pack!r}, progress=False)
 wall = time.perf_counter() - t

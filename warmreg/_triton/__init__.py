@@ -61,6 +61,7 @@ from .target import (
     current_device,
     device_name,
     gpu_target,
+    local_targets,
     set_device,
     torch_device,
 )
@@ -94,6 +95,7 @@ __all__ = [
     "knob",
     "launcher_now",
     "load_hooks",
+    "local_targets",
     "param_names",
     "parse_specialization_key",
     "preimport",

@@ -53,6 +53,8 @@ def bind_launch(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[st
     and ``compute_cache_key``), with what :func:`pack_bound` takes to finish it."""
     full = run_kwargs(jit, kwargs, options)
     device = current_device()
+    if not _binding.is_set():
+        _binding.set()
     if _binders and device not in jit.device_caches:
         _take_binder(jit, device)
     _, key_cache, target, backend, binder = jit.device_caches[device]
@@ -62,19 +64,24 @@ def bind_launch(jit: JITFunction, kwargs: Mapping[str, Any], options: Mapping[st
 
 #: Binders made ahead of a warm (:func:`prepare_binders`), by jit function and ``GPUTarget``: ``(backend, binder)``.
 _binders: dict[tuple[JITFunction, Any], tuple[Any, Any]] = {}
+_binding = threading.Event()  # set at the first binding of this process (:func:`bind_launch`)
 
 
-def prepare_binders(jits: Iterable[JITFunction], target: Any) -> None:
+def prepare_binders(jits: Iterable[JITFunction], target: Any, *, until_binding: bool = False) -> None:
     """Make Triton's binder of each function for ``target`` (a ``GPUTarget``) ahead of a warm, as
-    ``JITFunction.create_binder`` makes it at a function's first launch on a device (0.3 ms each on the
+    ``JITFunction.create_binder`` makes it at a function's first launch on a device (0.3-0.7 ms each on the
     CPU machine: its Python source generated and compiled), without asking the device anything: a
-    prefetched pack's functions, on the prefetch thread. :func:`bind_launch` takes one for a function
-    that has none yet for the current device, if that device's target is ``target``.
+    prefetched pack's functions, or every plugin function for the local GPUs, on a prefetch thread.
+    :func:`bind_launch` takes one for a function that has none yet for the current device, if that
+    device's target is ``target``. ``until_binding``: stop once a warm has started binding (the rest
+    would only take the GIL from it; binding makes what it needs, as Triton does).
     ``create_binder`` is the same in 3.6.0, 3.7.1, 3.8.0 and 3.9.0."""
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
 
     for jit in jits:
+        if until_binding and _binding.is_set():
+            return
         own = getattr(type(jit), "create_binder", None) is JITFunction.create_binder  # not a subclass's own binder
         if own and (jit, target) not in _binders and len(_binders) < 4096:
             backend = make_backend(target)

@@ -23,7 +23,7 @@ from ..values.platform import Platform
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["benchmark", "compile_worker", "cross_target", "current_device", "device_name", "gpu_target", "set_device", "torch_device"]
+__all__ = ["benchmark", "compile_worker", "cross_target", "current_device", "device_name", "gpu_target", "local_targets", "set_device", "torch_device"]
 
 log = logging.getLogger("warmreg._triton")
 
@@ -125,6 +125,19 @@ def compile_worker(platform: Platform) -> None:
 def current_device() -> int:
     """The device id Triton's ``JITFunction.run`` uses right now."""
     return int(_driver.active.get_current_device())
+
+
+def local_targets() -> list[GPUTarget]:
+    """The targets this host's GPUs compile for, without starting CUDA here: Triton's driver where torch has
+    started it already, else each distinct compute capability NVML lists (:mod:`warmreg.support.nvml`);
+    empty where neither answers (no GPU, a ROCm host before torch starts it)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        return [_driver.active.get_current_target()]
+    from ..support.nvml import capabilities
+
+    return [GPUTarget("cuda", major * 10 + minor, 32) for major, minor in sorted(capabilities())]
 
 
 def device_name() -> str:

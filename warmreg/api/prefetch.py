@@ -10,7 +10,7 @@ from .. import _triton
 from .._triton import cache as _triton_cache
 from ..stages.pack import prefetch_install
 
-__all__ = ["prefetch", "wait_for_plugins"]
+__all__ = ["prefetch", "wait_for_plugins", "wait_for_prefetch"]
 
 log = logging.getLogger("warmreg.api.prefetch")
 
@@ -21,7 +21,11 @@ def prefetch(pack: str | os.PathLike[str] | None = None) -> None:
     H200 host, the largest single cost of a warm from a warm cache or a pack), importing the
     installed plugins with their kernels (~0.4 s there: the first plan's cost), then the modules
     Triton imports at its first specialization and each kernel's source hash, and the CUDA driver's
-    utility module Triton compiles into a fresh cache (0.4-0.9 s of a warm from a pack there).
+    utility module Triton compiles into a fresh cache (0.4-0.9 s of a warm from a pack there). Then,
+    until a warm starts binding, Triton's binder of each plugin function for the local GPUs' target
+    (what a function's first launch on a device makes: 0.3-0.7 ms each on the CPU machine, 21 of them
+    in the DeepSeek-V4-Flash example), the target read without starting CUDA (NVML, or Triton's driver
+    where torch has started CUDA already).
 
     :param pack: a pack the engine will warm with: installed too, once the plugins are imported,
         into the cache directory ``TRITON_CACHE_DIR`` names now, for the pack's own target (read,
@@ -41,18 +45,34 @@ def prefetch(pack: str | os.PathLike[str] | None = None) -> None:
             _plugins_thread = threading.Thread(target=_import_plugins, name="warmreg-plugins", daemon=True)
             _plugins_thread.start()
     if pack is not None:
-        prefetch_install(pack, after=_plugins_thread)
+        prefetch_install(pack, after=_plugins_imported)
 
 
 _plugins_lock = threading.Lock()
 _plugins_thread: threading.Thread | None = None
+_plugins_imported = threading.Event()  # set when the plugins thread has imported and hashed (the binders come after)
 
 
 def wait_for_plugins() -> None:
-    """Start :func:`prefetch` if the engine did not, and wait for its import of the plugins."""
+    """Start :func:`prefetch` if the engine did not, and wait for its import of the plugins (not for the binders
+    it makes after: a warm that starts binding stops them)."""
     prefetch()
+    _plugins_imported.wait()  # one import of the plugins, not two racing
+
+
+def wait_for_prefetch() -> None:
+    """Wait for every part of :func:`prefetch` started so far: Triton's hash of its installation, the plugins, the
+    binders for the local GPUs and the packs being installed; what an engine's weight loading gives the prefetch
+    time for (the benchmarks wait for it before their timer starts). Errors are not raised here: the warm meets
+    them again and reports them."""
+    from ..stages.pack import prefetched
+
+    _triton_cache.wait_triton_key()
+    wait_for_plugins()
     assert _plugins_thread is not None
-    _plugins_thread.join()  # one import of the plugins, not two racing
+    _plugins_thread.join()
+    for pending in prefetched():
+        pending.exception()
 
 
 def _import_plugins() -> None:
@@ -62,18 +82,26 @@ def _import_plugins() -> None:
         jits = loaded_jits()  # the installed plugins imported, and their kernels' jit functions
     except Exception as exc:  # the warm's own plan loads them again and reports the problem
         log.debug("prefetch could not import the plugins: %r", exc)
+        _plugins_imported.set()
         return
-    # what the first warm of a process computes once, whatever the config: the warm's own modules
-    # (imported at its first call otherwise), the modules Triton imports at its first specialization,
-    # and each kernel's source hash (an AST walk of its callees)
-    from ..pipeline import run  # noqa: F401
-    from ..stages import compose  # noqa: F401
-    from . import session  # noqa: F401
+    try:
+        # what the first warm of a process computes once, whatever the config: the warm's own modules
+        # (imported at its first call otherwise), the modules Triton imports at its first specialization,
+        # and each kernel's source hash (an AST walk of its callees)
+        from ..pipeline import run  # noqa: F401
+        from ..stages import compose  # noqa: F401
+        from . import session  # noqa: F401
 
-    _triton.preimport()
-    for jit in jits.values():
-        try:
-            _triton.source_hash(jit)
-        except Exception as exc:  # the warm computes it again and reports the kernel that fails
-            log.debug("prefetch could not hash %s: %r", _triton.full_name(jit), exc)
-
+        _triton.preimport()
+        for jit in jits.values():
+            try:
+                _triton.source_hash(jit)
+            except Exception as exc:  # the warm computes it again and reports the kernel that fails
+                log.debug("prefetch could not hash %s: %r", _triton.full_name(jit), exc)
+    finally:
+        _plugins_imported.set()
+    try:
+        for target in _triton.local_targets():
+            _triton.prepare_binders(jits.values(), target, until_binding=True)
+    except Exception as exc:  # only a head start: binding makes what is missing, as Triton does
+        log.debug("prefetch made no binders for the local GPUs: %r", exc)

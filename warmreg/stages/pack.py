@@ -53,7 +53,7 @@ from .pack_wheel import installed_for, skip
 # check needs them, so that a pack refused for what it is costs no torch import.
 
 __all__ = [
-    "FORMAT", "InstallReport", "Manifest", "PackError", "PackInstall", "PackLauncher", "entry_from_result", "entry_keys", "inspect_pack", "install", "install_entries", "installed_for", "loaded_jits", "plugin_packages", "prefetch_install", "verify",
+    "FORMAT", "InstallReport", "Manifest", "PackError", "PackInstall", "PackLauncher", "entry_from_result", "entry_keys", "inspect_pack", "install", "install_entries", "installed_for", "loaded_jits", "plugin_packages", "prefetch_install", "prefetched", "verify",
 ]
 
 log = logging.getLogger("warmreg.stages.pack")
@@ -269,10 +269,10 @@ _PREFETCHED: dict[tuple[str, str], Future[tuple[InstallReport, str]]] = {}
 _prefetch_lock = threading.Lock()
 
 
-def prefetch_install(path: str | os.PathLike[str], after: threading.Thread | None = None) -> None:
+def prefetch_install(path: str | os.PathLike[str], after: threading.Event | None = None) -> None:
     """Install the pack at ``path`` into the current cache directory on a background thread, for its
-    own target and the kernels of the installed plugins (after ``after``, the thread importing
-    them), so that a warm with that pack finds it installed (see :func:`warmreg.prefetch`). Errors
+    own target and the kernels of the installed plugins (once ``after`` is set: they are imported),
+    so that a warm with that pack finds it installed (see :func:`warmreg.prefetch`). Errors
     are not raised here: the warm then installs the pack itself and reports them."""
     key = (os.path.realpath(path), _triton_cache.cache_dir())
     with _prefetch_lock:
@@ -284,7 +284,7 @@ def prefetch_install(path: str | os.PathLike[str], after: threading.Thread | Non
     def run() -> None:
         try:
             if after is not None:
-                after.join()
+                after.wait()
             start = time.perf_counter()
             _check_cache_is(key[1])
             read = _read_checked(os.fspath(path), None)
@@ -303,6 +303,12 @@ def prefetch_install(path: str | os.PathLike[str], after: threading.Thread | Non
     # not a daemon: an interpreter exiting waits for the entries being published (~0.1 s) rather
     # than leave temporary files in the cache
     threading.Thread(target=run, name="warmreg-pack-prefetch").start()
+
+
+def prefetched() -> list[Future[tuple[InstallReport, str]]]:
+    """The installs :func:`prefetch_install` started that no warm has taken yet (to wait for them)."""
+    with _prefetch_lock:
+        return list(_PREFETCHED.values())
 
 
 def _check_cache_is(directory: str) -> None:
