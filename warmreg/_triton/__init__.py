@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from .compiler import (
     async_compile,
+    binding_started,
     builds_on_load,
     cache_files,
     compile_listener,
@@ -75,6 +76,7 @@ __all__ = [
     "add_load_hook",
     "async_compile",
     "benchmark",
+    "binding_started",
     "builds_on_load",
     "cache_files",
     "check_version",

@@ -26,7 +26,7 @@ from .launchers import is_built, launcher_source, shared_launchers
 from .release import RELEASE
 from .target import _ids_lock, current_device
 
-__all__ = ["async_compile", "bind_launch", "builds_on_load", "cache_files", "compile_listener", "finish_load", "forget_compiled", "full_name", "in_memory", "is_future_kernel", "is_jit", "knob", "pack_bound", "param_names", "parse_specialization_key", "preimport", "prepare_binders", "retrying_ast_race", "run_kwargs", "shared_kernel_objects", "source_hash", "specialization_key", "specialize", "specialize_parts", "touch", "warmup"]
+__all__ = ["async_compile", "bind_launch", "binding_started", "builds_on_load", "cache_files", "compile_listener", "finish_load", "forget_compiled", "full_name", "in_memory", "is_future_kernel", "is_jit", "knob", "pack_bound", "param_names", "parse_specialization_key", "preimport", "prepare_binders", "retrying_ast_race", "run_kwargs", "shared_kernel_objects", "source_hash", "specialization_key", "specialize", "specialize_parts", "touch", "warmup"]
 
 log = logging.getLogger("warmreg._triton")
 
@@ -67,6 +67,11 @@ _binders: dict[tuple[JITFunction, Any], tuple[Any, Any]] = {}
 _binding = threading.Event()  # set at the first binding of this process (:func:`bind_launch`)
 
 
+def binding_started() -> bool:
+    """Whether a warm of this process has started binding (:func:`bind_launch`): work done ahead of it stops there."""
+    return _binding.is_set()
+
+
 def prepare_binders(jits: Iterable[JITFunction], target: Any, *, until_binding: bool = False) -> None:
     """Make Triton's binder of each function for ``target`` (a ``GPUTarget``) ahead of a warm, as
     ``JITFunction.create_binder`` makes it at a function's first launch on a device (0.3-0.7 ms each on the
@@ -80,7 +85,7 @@ def prepare_binders(jits: Iterable[JITFunction], target: Any, *, until_binding: 
     from triton.runtime.jit import create_function_from_signature
 
     for jit in jits:
-        if until_binding and _binding.is_set():
+        if until_binding and binding_started():
             return
         own = getattr(type(jit), "create_binder", None) is JITFunction.create_binder  # not a subclass's own binder
         if own and (jit, target) not in _binders and len(_binders) < 4096:

@@ -8,6 +8,7 @@ import threading
 
 from .. import _triton
 from .._triton import cache as _triton_cache
+from ..stages import remember
 from ..stages.pack import prefetch_install
 
 __all__ = ["prefetch", "wait_for_plugins", "wait_for_prefetch"]
@@ -25,7 +26,8 @@ def prefetch(pack: str | os.PathLike[str] | None = None) -> None:
     until a warm starts binding, Triton's binder of each plugin function for the local GPUs' target
     (what a function's first launch on a device makes: 0.3-0.7 ms each on the CPU machine, 21 of them
     in the DeepSeek-V4-Flash example), the target read without starting CUDA (NVML, or Triton's driver
-    where torch has started CUDA already).
+    where torch has started CUDA already), and the specializations the last warms into this cache kept
+    (:mod:`warmreg.stages.remember`), decoded and hashed as a prefetched pack's are.
 
     :param pack: a pack the engine will warm with: installed too, once the plugins are imported,
         into the cache directory ``TRITON_CACHE_DIR`` names now, for the pack's own target (read,
@@ -101,7 +103,9 @@ def _import_plugins() -> None:
     finally:
         _plugins_imported.set()
     try:
-        for target in _triton.local_targets():
+        targets = _triton.local_targets()
+        for target in targets:
             _triton.prepare_binders(jits.values(), target, until_binding=True)
-    except Exception as exc:  # only a head start: binding makes what is missing, as Triton does
-        log.debug("prefetch made no binders for the local GPUs: %r", exc)
+        remember.decode(jits, targets, stop=_triton.binding_started)  # what the last warms of this cache specialized
+    except Exception as exc:  # only a head start: binding makes and specializes what is missing, as Triton does
+        log.debug("prefetch made no binders or specializations for the local GPUs: %r", exc)

@@ -3,8 +3,9 @@
 A warm installs packs (:class:`~warmreg.stages.pack.PackInstall`), shards the keys over the ranks of a
 torch.distributed job (:class:`~warmreg.stages.distributed.Shard`), compiles the misses in forked
 processes (:class:`~warmreg.stages.processes.Processes`), chooses autotune candidates on the GPU
-(:class:`~warmreg.stages.tuning.Tune`) and launches each key once there
-(:class:`~warmreg.stages.rehearsal.Rehearse`); a build compiles (processes) and tunes, nothing else.
+(:class:`~warmreg.stages.tuning.Tune`), launches each key once there
+(:class:`~warmreg.stages.rehearsal.Rehearse`) and keeps what it specialized in its cache for the next process's
+prefetch (:class:`~warmreg.stages.remember.Remember`); a build compiles (processes) and tunes, nothing else.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .distributed import Shard
 from .pack import PackInstall
 from .processes import Processes
 from .rehearsal import Rehearse
+from .remember import Remember
 from .seed import Seed
 from .tuning import Tune
 
@@ -38,7 +40,7 @@ def for_warm(
     """The stages of a warm of ``plan``, in the order they run."""
     stages = (
         PackInstall.for_plan(plan, pack), shard, Processes.for_plan(plan, workers), Tune.for_plan(plan),
-        Rehearse.for_plan(plan) if rehearse else None,
+        Rehearse.for_plan(plan) if rehearse else None, Remember.for_plan(plan),
     )  # fmt: skip
     return [s for s in stages if s is not None]
 

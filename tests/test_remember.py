@@ -1,0 +1,93 @@
+"""What a cache's warms specialized, kept in it (``warmreg.stages.remember``): written once per new specialization,
+decoded by the next process's prefetch for the local GPUs' targets, taken by binding in place of Triton's argument
+packing, and never in the way: an unreadable or unwritable file costs the warm nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import warmreg
+from tests.helpers import CONFIG, Plugin, Scale, _scale_kernel
+from warmreg import _triton
+from warmreg._triton import cache as _triton_cache
+from warmreg._triton import compiler as _compiler
+from warmreg.stages import remember
+from warmreg.values.platform import Platform
+
+SM90, SM80 = _triton.gpu_target(Platform.parse("cuda:90")), _triton.gpu_target(Platform.parse("cuda:80"))
+NAME = _triton.full_name(_scale_kernel)
+
+
+def _warm() -> warmreg.WarmReport:
+    warmreg.reset_state()
+    return warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, workers=1)
+
+
+def _entries(cache: Path) -> list[list[str]]:
+    return json.loads(remember.index_path(str(cache)).read_text())["entries"]  # type: ignore[no-any-return]
+
+
+def _forget_decoded() -> None:
+    """As in a fresh process: nothing decoded, hashed or read yet (the memos only save work)."""
+    for memo in (_triton_cache._decoded, _triton_cache._hashes, _triton_cache._sources, remember._known):
+        memo.clear()
+
+
+def test_a_warm_keeps_its_specializations_once(triton_cache: Path) -> None:
+    first = _warm()
+    assert first.compiled == 3 and first.stage("remember") == {"added": 3}
+    assert _entries(triton_cache) == [["cuda:90", NAME, r.specialization_data] for r in first.results]
+    written = remember.index_path(str(triton_cache)).stat().st_mtime_ns
+    again = _warm()  # from the disk cache, the same keys: nothing new to keep
+    assert again.from_cache == 3 and again.stage("remember") == {}
+    assert remember.index_path(str(triton_cache)).stat().st_mtime_ns == written
+    assert not list(remember.index_path(str(triton_cache)).parent.glob("*.tmp.*"))
+
+
+def test_the_prefetch_decodes_them_and_binding_takes_them(triton_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first = _warm()
+    _forget_decoded()
+    assert remember.decode({NAME: _scale_kernel}, [SM80], stop=lambda: False) == 0  # another target's GPUs
+    assert remember.decode({NAME: _scale_kernel}, [SM90], stop=lambda: True) == 0  # a warm started binding
+    assert remember.decode({"other.kernel": _scale_kernel}, [SM90], stop=lambda: False) == 0  # no such function here
+    assert remember.decode({NAME: _scale_kernel}, [SM90], stop=lambda: False) == 3
+
+    def packed(*args: Any) -> Any:
+        pytest.fail("binding packed and serialized a launch the cache's file held")
+
+    monkeypatch.setattr(_compiler, "pack_bound", packed)
+    again = _warm()
+    assert again.from_cache == 3 and again.stage("remember") == {}
+    assert [r.specialization_data for r in again.results] == [r.specialization_data for r in first.results]
+
+
+def test_an_unreadable_file_is_ignored_and_written_anew(triton_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = remember.index_path(str(triton_cache))
+    path.parent.mkdir()
+    for text in ("{not json", json.dumps({"format": 99, "entries": []}), json.dumps({"format": 1, "entries": [[1, 2]]})):
+        path.write_text(text)
+        _forget_decoded()
+        assert remember.decode({NAME: _scale_kernel}, [SM90], stop=lambda: False) == 0
+    report = _warm()
+    assert report.compiled == 3 and len(_entries(triton_cache)) == 3
+
+
+def test_a_file_that_cannot_be_written_costs_the_warm_nothing(triton_cache: Path) -> None:
+    (triton_cache / "warmreg").write_text("a file where the folder goes")
+    report = _warm()
+    assert report.ok and report.compiled == 3 and report.stage("remember") == {}
+    assert (triton_cache / "warmreg").read_text() == "a file where the folder goes"
+
+
+def test_past_its_limit_the_file_keeps_the_last_warms_then_the_earliest(triton_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = remember.index_path(str(triton_cache))
+    path.parent.mkdir()
+    older = [["cuda:80", f"old.kernel{i}", f"{{\"key\": \"{i}\"}}"] for i in range(5)]
+    path.write_text(json.dumps({"format": 1, "entries": older}))
+    monkeypatch.setattr(remember, "LIMIT", 4)
+    report = _warm()
+    assert _entries(triton_cache) == [older[0], *(["cuda:90", NAME, r.specialization_data] for r in report.results)]
