@@ -128,9 +128,11 @@ def test_a_launcher_is_claimed_once_across_forked_children(monkeypatch: pytest.M
     children = []
     for _ in range(4):
         pid = os.fork()
-        if pid == 0:  # a child: how many of the keys it was the first to claim
-            os.write(write, bytes([sum(claims.claim(k) for k in keys)]))
-            os._exit(0)
+        if pid == 0:  # a child: how many of the keys it was the first to claim (it never returns into the suite)
+            try:
+                os.write(write, bytes([sum(claims.claim(k) for k in keys)]))
+            finally:
+                os._exit(0)
         children.append(pid)
     for pid in children:
         os.waitpid(pid, 0)
