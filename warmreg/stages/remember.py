@@ -3,7 +3,8 @@
 A warm from a prefetched pack takes the pack's own specializations, decoded and hashed while the engine loads its
 weights (:func:`warmreg._triton.cache.specialize_remembered`); a warm from the disk cache had to run Triton's
 argument packing, serialize each key's specialization and hash it on the warm's own path. After a warm this stage
-keeps each key's specialization in ``<cache>/warmreg/specializations.json`` (by target and jit function), and
+keeps each key's specialization in ``<cache>/warmreg/specializations.json`` (by target and jit function; written
+on a thread, off the warm's path), and
 :func:`warmreg.prefetch` decodes those of the local GPUs' targets on its thread (:func:`decode`), where binding
 finds them. Binding takes a decoded specialization only where Triton's in-memory key and the parsed options it
 computes agree with it, so a stale entry (a changed kernel, another environment) costs its decode and nothing
@@ -17,6 +18,7 @@ import contextlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from ..pipeline.bind import Task
     from ..pipeline.planning import Plan
 
-__all__ = ["LIMIT", "Remember", "decode", "index_path"]
+__all__ = ["LIMIT", "Remember", "decode", "index_path", "wait"]
 
 log = logging.getLogger("warmreg.stages.remember")
 
@@ -59,12 +61,12 @@ def _read(directory: str) -> list[_Entry]:
 
 
 class Remember(Stage):
-    """Keeps the warm's specializations in its cache's file (see the module)."""
+    """Hands the warm's specializations to its cache's file (see the module), written on a thread of its own."""
 
     name: ClassVar[str] = "remember"
 
     def __init__(self) -> None:
-        self.added = 0
+        self.kept = 0
 
     @classmethod
     def for_plan(cls, plan: Plan) -> Remember:
@@ -75,34 +77,61 @@ class Remember(Stage):
         found = [(target, t.jit_name, t.specialization_data) for t in tasks if t.status != "failed" and t.jit_name and t.specialization_data]
         directory = _triton_cache.cache_dir()
         known = _known.setdefault(directory, set())
-        if known.issuperset(found):
+        new = [e for e in found if e not in known]
+        if not new:
             return
-        entries = dict.fromkeys(_read(directory))
-        before = len(entries)
-        entries.update(dict.fromkeys(found))
-        kept = list(entries)
-        if len(kept) > LIMIT:  # the last warm's, then the earliest read
+        known.update(new)  # handed over: a later warm of this process does not write them again
+        self.kept = len(new)
+        # Off the warm's path (reading, merging and writing the file: milliseconds, a warm from a pack takes tens).
+        # Not a daemon: an interpreter exiting waits for the file to be renamed into place.
+        writer = threading.Thread(target=_keep, args=(directory, found), name="warmreg-remember")
+        with _writers_lock:
+            _writers[:] = [w for w in _writers if w.is_alive()] + [writer]
+        writer.start()
+
+    def section(self) -> dict[str, Any] | None:
+        """How many of this warm's specializations its cache's file lacked (``kept``; none: nothing to write)."""
+        return {"kept": self.kept} if self.kept else None
+
+
+_lock = threading.Lock()  # one writer of this process at a time
+_writers_lock = threading.Lock()
+_writers: list[threading.Thread] = []
+
+
+def wait() -> None:
+    """Wait for the files the warms of this process are writing."""
+    with _writers_lock:
+        writers = list(_writers)
+    for writer in writers:
+        writer.join()
+
+
+def _keep(directory: str, found: list[_Entry]) -> None:
+    """Merge ``found`` (one warm's) into the file of the cache ``directory`` and write it whole."""
+    with _lock:
+        entries = list(dict.fromkeys([*_read(directory), *found]))
+        if len(entries) > LIMIT:  # the last warm's, then the earliest read
             mine = set(found)
-            kept = [*(e for e in kept if e not in mine)][: max(0, LIMIT - len(mine))] + [e for e in kept if e in mine]
+            entries = [e for e in entries if e not in mine][: max(0, LIMIT - len(mine))] + list(dict.fromkeys(found))
         path = index_path(directory)
         tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
         try:
             path.parent.mkdir(exist_ok=True)
-            tmp.write_text(json.dumps({"format": _FORMAT, "entries": kept}))
+            for stale in path.parent.glob(f"{path.name}.tmp.*"):  # a writer that was killed mid-write
+                pid = stale.suffix[1:]
+                if pid.isdigit() and not _triton_cache.alive(int(pid)):
+                    stale.unlink(missing_ok=True)
+            tmp.write_text(json.dumps({"format": _FORMAT, "entries": entries}))
             os.replace(tmp, path)
-        except OSError as exc:  # only a head start for the next process: the warm goes on, leaving nothing behind
+        except (OSError, ValueError) as exc:  # only a head start for the next process: nothing left behind
             with contextlib.suppress(OSError):
                 tmp.unlink()
             with contextlib.suppress(OSError):
                 path.parent.rmdir()  # only where it is empty
             log.debug("could not keep the warm's specializations in %s: %r", path, exc)
             return
-        known.update(kept)
-        self.added = len(entries) - before
-
-    def section(self) -> dict[str, Any] | None:
-        """The specializations this warm added to its cache's file (none: nothing)."""
-        return {"added": self.added} if self.added else None
+        _known.setdefault(directory, set()).update(entries)
 
 
 def decode(jits: Mapping[str, Any], targets: list[Any], *, stop: Callable[[], bool]) -> int:
