@@ -29,7 +29,6 @@ def _warm() -> warmreg.WarmReport:
 
 
 def _entries(cache: Path) -> list[list[str]]:
-    remember.wait()  # the file is written on a thread of its own
     return json.loads(remember.index_path(str(cache)).read_text())["entries"]  # type: ignore[no-any-return]
 
 
@@ -45,7 +44,6 @@ def test_a_warm_keeps_its_specializations_once(triton_cache: Path) -> None:
     assert _entries(triton_cache) == [["cuda:90", NAME, r.specialization_data] for r in first.results]
     written = remember.index_path(str(triton_cache)).stat().st_mtime_ns
     again = _warm()  # from the disk cache, the same keys: nothing new to keep
-    remember.wait()
     assert again.from_cache == 3 and again.stage("remember") == {}
     assert remember.index_path(str(triton_cache)).stat().st_mtime_ns == written
     assert not list(remember.index_path(str(triton_cache)).parent.glob("*.tmp.*"))
@@ -53,7 +51,6 @@ def test_a_warm_keeps_its_specializations_once(triton_cache: Path) -> None:
 
 def test_the_prefetch_decodes_them_and_binding_takes_them(triton_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     first = _warm()
-    remember.wait()
     _forget_decoded()
     assert remember.decode({NAME: _scale_kernel}, [SM80], stop=lambda: False) == 0  # another target's GPUs
     assert remember.decode({NAME: _scale_kernel}, [SM90], stop=lambda: True) == 0  # a warm started binding
@@ -83,8 +80,7 @@ def test_an_unreadable_file_is_ignored_and_written_anew(triton_cache: Path, monk
 def test_a_file_that_cannot_be_written_costs_the_warm_nothing(triton_cache: Path) -> None:
     (triton_cache / "warmreg").write_text("a file where the folder goes")
     report = _warm()
-    remember.wait()
-    assert report.ok and report.compiled == 3 and report.stage("remember") == {"kept": 3}
+    assert report.ok and report.compiled == 3 and report.stage("remember") == {}
     assert (triton_cache / "warmreg").read_text() == "a file where the folder goes"
 
 
@@ -107,3 +103,19 @@ def test_past_its_limit_the_file_keeps_the_last_warms_then_the_earliest(triton_c
     monkeypatch.setattr(remember, "LIMIT", 4)
     report = _warm()
     assert _entries(triton_cache) == [older[0], *(["cuda:90", NAME, r.specialization_data] for r in report.results)]
+
+
+def test_a_warm_from_a_pack_leaves_its_specializations_to_the_pack(tmp_path: Path, triton_cache: Path) -> None:
+    from warmreg.stages import build as packs_build
+
+    pack = tmp_path / "scale.tar"
+    packs_build.build(CONFIG, pack, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False)
+    warmreg.reset_state()
+    _forget_decoded()  # the pack built in another process
+    warmreg.prefetch(pack=pack)  # as an engine starts: the pack's specializations decoded before the warm binds
+    from warmreg.api.prefetch import wait_for_prefetch
+
+    wait_for_prefetch()
+    report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, pack=pack)
+    assert report.from_cache == 3 and report.stage("remember") == {}
+    assert not remember.index_path(str(triton_cache)).exists()

@@ -42,6 +42,7 @@ __all__ = [
     "memory_kernel",
     "metadata_filename",
     "portable_specialization",
+    "decoded_specializations",
     "specialize_remembered",
     "prefetch_triton_key",
     "ptxas_version",
@@ -263,6 +264,11 @@ _sources: dict[tuple[Any, ...], tuple[Any, Any, Any]] = {}
 #: ``(jit, its source hash, Triton's in-memory key, target, environment)`` -> ``(data, parsed options)``.
 _decoded: dict[tuple[Any, ...], tuple[str, dict[str, Any]]] = {}
 _fixed_env: list[tuple[tuple[str, Any], ...]] = []  # the environment while :func:`fixed_env` blocks run
+
+
+def decoded_specializations() -> set[str]:
+    """The serialized specializations this process decoded (a pack's, another rank's, a cache's kept ones)."""
+    return {data for data, _ in list(_decoded.values())}
 
 
 def _env() -> tuple[tuple[str, Any], ...]:

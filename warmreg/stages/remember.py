@@ -3,8 +3,8 @@
 A warm from a prefetched pack takes the pack's own specializations, decoded and hashed while the engine loads its
 weights (:func:`warmreg._triton.cache.specialize_remembered`); a warm from the disk cache had to run Triton's
 argument packing, serialize each key's specialization and hash it on the warm's own path. After a warm this stage
-keeps each key's specialization in ``<cache>/warmreg/specializations.json`` (by target and jit function; written
-on a thread, off the warm's path), and
+keeps each key's specialization in ``<cache>/warmreg/specializations.json`` (by target and jit function; not
+those it took from a pack or from this file, decoded in this process: the pack holds them), and
 :func:`warmreg.prefetch` decodes those of the local GPUs' targets on its thread (:func:`decode`), where binding
 finds them. Binding takes a decoded specialization only where Triton's in-memory key and the parsed options it
 computes agree with it, so a stale entry (a changed kernel, another environment) costs its decode and nothing
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..pipeline.bind import Task
     from ..pipeline.planning import Plan
 
-__all__ = ["LIMIT", "Remember", "decode", "index_path", "wait"]
+__all__ = ["LIMIT", "Remember", "decode", "index_path"]
 
 log = logging.getLogger("warmreg.stages.remember")
 
@@ -61,7 +61,7 @@ def _read(directory: str) -> list[_Entry]:
 
 
 class Remember(Stage):
-    """Hands the warm's specializations to its cache's file (see the module), written on a thread of its own."""
+    """Keeps the warm's specializations in its cache's file (see the module)."""
 
     name: ClassVar[str] = "remember"
 
@@ -73,42 +73,27 @@ class Remember(Stage):
         return cls()
 
     def after_load(self, plan: Plan, tasks: list[Task]) -> None:
-        target = plan.platform.target
-        found = [(target, t.jit_name, t.specialization_data) for t in tasks if t.status != "failed" and t.jit_name and t.specialization_data]
-        directory = _triton_cache.cache_dir()
+        target, directory = plan.platform.target, _triton_cache.cache_dir()
         known = _known.setdefault(directory, set())
-        new = [e for e in found if e not in known]
-        if not new:
-            return
-        known.update(new)  # handed over: a later warm of this process does not write them again
-        self.kept = len(new)
-        # Off the warm's path (reading, merging and writing the file: milliseconds, a warm from a pack takes tens).
-        # Not a daemon: an interpreter exiting waits for the file to be renamed into place.
-        writer = threading.Thread(target=_keep, args=(directory, found), name="warmreg-remember")
-        with _writers_lock:
-            _writers[:] = [w for w in _writers if w.is_alive()] + [writer]
-        writer.start()
+        recorded = _triton_cache.decoded_specializations()  # a pack's (it holds them) or this file's: not written
+        found = [
+            (target, t.jit_name, t.specialization_data) for t in tasks
+            if t.status != "failed" and t.jit_name and t.specialization_data and t.specialization_data not in recorded
+        ]  # fmt: skip
+        new = len(set(found) - known)
+        if new and _keep(directory, found):
+            self.kept = new
 
     def section(self) -> dict[str, Any] | None:
-        """How many of this warm's specializations its cache's file lacked (``kept``; none: nothing to write)."""
+        """How many of this warm's specializations its cache's file lacked and now holds (none: nothing written)."""
         return {"kept": self.kept} if self.kept else None
 
 
 _lock = threading.Lock()  # one writer of this process at a time
-_writers_lock = threading.Lock()
-_writers: list[threading.Thread] = []
 
 
-def wait() -> None:
-    """Wait for the files the warms of this process are writing."""
-    with _writers_lock:
-        writers = list(_writers)
-    for writer in writers:
-        writer.join()
-
-
-def _keep(directory: str, found: list[_Entry]) -> None:
-    """Merge ``found`` (one warm's) into the file of the cache ``directory`` and write it whole."""
+def _keep(directory: str, found: list[_Entry]) -> bool:
+    """Merge ``found`` (one warm's) into the file of the cache ``directory`` and write it whole; whether it did."""
     with _lock:
         entries = list(dict.fromkeys([*_read(directory), *found]))
         if len(entries) > LIMIT:  # the last warm's, then the earliest read
@@ -130,8 +115,9 @@ def _keep(directory: str, found: list[_Entry]) -> None:
             with contextlib.suppress(OSError):
                 path.parent.rmdir()  # only where it is empty
             log.debug("could not keep the warm's specializations in %s: %r", path, exc)
-            return
+            return False
         _known.setdefault(directory, set()).update(entries)
+        return True
 
 
 def decode(jits: Mapping[str, Any], targets: list[Any], *, stop: Callable[[], bool]) -> int:
