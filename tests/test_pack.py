@@ -69,8 +69,8 @@ def test_a_prefetched_pack_makes_the_binders_its_warm_binds_with(built: Path, tr
     saved = _scale_kernel.device_caches.pop(device, None)  # as in a fresh process: no binder for the device yet
     try:
         warmreg.prefetch(pack=built)
-        for pending in list(packs._PREFETCHED.values()):
-            pending.exception()  # the install (and the binders) done, as while an engine loads its weights
+        for pending in list(packs._PREFETCHED.values()):  # the install (and the binders) done, as while an engine loads
+            assert pending.exception() is None, f"the prefetch did not install the pack: {pending.exception()!r}"
         backend, binder = _compiler._binders[(_scale_kernel, sm90)]
         report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, pack=built)
         assert report.compiled == 0 and report.from_cache == 3
