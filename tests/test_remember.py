@@ -16,6 +16,7 @@ from tests.helpers import CONFIG, Plugin, Scale, _scale_kernel
 from warmreg import _triton
 from warmreg._triton import cache as _triton_cache
 from warmreg._triton import compiler as _compiler
+from warmreg.stages import pack_install as _pack_install
 from warmreg.stages import remember
 from warmreg.values.platform import Platform
 
@@ -39,6 +40,7 @@ def _forget_decoded() -> None:
 
 
 def test_a_warm_keeps_its_specializations_once(triton_cache: Path) -> None:
+    _forget_decoded()  # as in a fresh process
     first = _warm()
     assert first.compiled == 3 and first.stage("remember") == {"kept": 3}
     assert _entries(triton_cache) == [["cuda:90", NAME, r.specialization_data] for r in first.results]
@@ -67,9 +69,11 @@ def test_the_prefetch_decodes_them_and_binding_takes_them(triton_cache: Path, mo
 
 
 def test_an_unreadable_file_is_ignored_and_written_anew(triton_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _forget_decoded()  # as in a fresh process
     path = remember.index_path(str(triton_cache))
     path.parent.mkdir()
-    for text in ("{not json", json.dumps({"format": 99, "entries": []}), json.dumps({"format": 1, "entries": [[1, 2]]})):
+    deep = json.dumps({"format": 1, "entries": [[[[["x"]]]]]})  # nested past a file of entries: not parsed
+    for text in ("{not json", json.dumps({"format": 99, "entries": []}), json.dumps({"format": 1, "entries": [[1, 2]]}), deep):
         path.write_text(text)
         _forget_decoded()
         assert remember.decode({NAME: _scale_kernel}, [SM90], stop=lambda: False) == 0
@@ -85,10 +89,12 @@ def test_a_file_that_cannot_be_written_costs_the_warm_nothing(triton_cache: Path
 
 
 def test_a_writer_killed_mid_write_leaves_a_file_the_next_write_removes(triton_cache: Path) -> None:
+    _forget_decoded()  # as in a fresh process
     path = remember.index_path(str(triton_cache))
     path.parent.mkdir()
-    dead = path.with_name(f"{path.name}.tmp.{2**22 + 7}")  # above Linux's default pid_max: no such process
-    mine = path.with_name(f"{path.name}.tmp.{os.getpid()}x")  # not a pid: left alone
+    host = _pack_install._HOST
+    dead = path.with_name(f"{path.name}.tmp.{host}-{2**22 + 7}.0")  # above Linux's default pid_max: no such process
+    mine = path.with_name(f"{path.name}.tmp.{host}-{os.getpid()}x.0")  # not a pid: left alone
     dead.write_text("{")
     mine.write_text("{")
     _warm()
@@ -96,6 +102,7 @@ def test_a_writer_killed_mid_write_leaves_a_file_the_next_write_removes(triton_c
 
 
 def test_past_its_limit_the_file_keeps_the_last_warms_then_the_earliest(triton_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _forget_decoded()  # as in a fresh process
     path = remember.index_path(str(triton_cache))
     path.parent.mkdir()
     older = [["cuda:80", f"old.kernel{i}", f"{{\"key\": \"{i}\"}}"] for i in range(5)]
@@ -119,3 +126,13 @@ def test_a_warm_from_a_pack_leaves_its_specializations_to_the_pack(tmp_path: Pat
     report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False, pack=pack)
     assert report.from_cache == 3 and report.stage("remember") == {}
     assert not remember.index_path(str(triton_cache)).exists()
+
+
+def test_a_warm_whose_specializations_the_file_holds_does_not_write_it(triton_cache: Path) -> None:
+    _forget_decoded()  # as in a fresh process
+    _warm()
+    written = remember.index_path(str(triton_cache)).stat().st_mtime_ns
+    remember._known.clear()  # another process, which read nothing ahead (no local GPU, say)
+    again = _warm()
+    assert again.from_cache == 3 and again.stage("remember") == {}
+    assert remember.index_path(str(triton_cache)).stat().st_mtime_ns == written

@@ -155,7 +155,7 @@ def test_crash_mid_install_leaves_no_half_written_entry_and_a_rerun_completes(
     built: Path, triton_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """a crash mid-install leaves no half-written entry visible (others, published in parallel, are whole), and a re-run completes"""
-    real_write = _pack_install._atomic_write
+    real_write = _pack_install.atomic_write
     calls = {"n": 0}
 
     def dying_write(path: Path, data: bytes) -> None:
@@ -164,7 +164,7 @@ def test_crash_mid_install_leaves_no_half_written_entry_and_a_rerun_completes(
             raise OSError("simulated crash")
         real_write(path, data)
 
-    monkeypatch.setattr(_pack_install, "_atomic_write", dying_write)
+    monkeypatch.setattr(_pack_install, "atomic_write", dying_write)
     with pytest.raises(warmreg.CacheError, match="simulated crash"):
         packs.install(built)
     # entries are published in parallel: others may be whole and visible, the one that died is not
@@ -173,7 +173,7 @@ def test_crash_mid_install_leaves_no_half_written_entry_and_a_rerun_completes(
     for group in groups:  # every entry Triton can see is whole
         children = json.loads(group.read_text())["child_paths"]
         assert children and all(Path(p).is_file() for p in children.values())
-    monkeypatch.setattr(_pack_install, "_atomic_write", real_write)
+    monkeypatch.setattr(_pack_install, "atomic_write", real_write)
     rerun = packs.install(built)
     assert rerun.installed == 3 - len(groups) and rerun.present == len(groups)
     report = warmreg.warm(CONFIG, target="cuda:90", plugins=[Plugin(Scale())], entry_points=False)

@@ -106,6 +106,7 @@ def _import_plugins() -> None:
         targets = _triton.local_targets()
         for target in targets:
             _triton.prepare_binders(jits.values(), target, until_binding=True)
-        remember.decode(jits, targets, stop=_triton.binding_started)  # what the last warms of this cache specialized
+        if targets:  # what the last warms of this cache specialized, for these GPUs
+            remember.decode(jits, targets, stop=_triton.binding_started)
     except Exception as exc:  # only a head start: binding makes and specializes what is missing, as Triton does
         log.debug("prefetch made no binders or specializations for the local GPUs: %r", exc)

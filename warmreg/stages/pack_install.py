@@ -27,7 +27,7 @@ from ..values.errors import CacheError, WarmregError
 from ..values.platform import Platform
 from .pack_format import PackEntry, PackError, _one_line, check_name
 
-__all__ = ["entry_label", "install_entries", "local_hash"]
+__all__ = ["atomic_write", "entry_label", "install_entries", "local_hash", "sweep_temporaries"]
 
 
 def install_entries(
@@ -114,7 +114,7 @@ def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash:
         raise PackError(f"entry {entry.kernel}", "has no .json metadata file", fix="rebuild the pack")
     group = directory / f"__grp__{meta_name}"
     if directory.is_dir():
-        _sweep_temporaries(directory)
+        sweep_temporaries(directory)
     if group.exists():
         with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):  # a damaged group file is replaced below
             existing = _json.loads(group.read_bytes())["child_paths"]
@@ -134,9 +134,9 @@ def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash:
                 data = json.dumps(meta).encode()
             stem, _, ext = name.rpartition(".")
             final = directory / f"{stem}.{writer}.{ext}"
-            _atomic_write(final, data)
+            atomic_write(final, data)
             children[name] = str(final)
-        _atomic_write(group, json.dumps({"child_paths": children}).encode())
+        atomic_write(group, json.dumps({"child_paths": children}).encode())
         remember_group(str(cache), local_hash, meta_name, children)
     except BaseException:
         for path in children.values():  # a failed entry leaves none of its files (a kill may leave some)
@@ -150,7 +150,9 @@ def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash:
 _HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``path`` whole or not at all: a temporary file beside it (named for this host and process), synced,
+    then renamed over it; a failure or an interrupt removes the temporary file."""
     tmp = path.with_name(f"{path.name}.tmp.{_HOST}-{os.getpid()}.{uuid.uuid4().hex[:12]}")
     try:
         with open(tmp, "wb") as f:
@@ -163,8 +165,9 @@ def _atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def _sweep_temporaries(directory: Path) -> None:
-    """Remove temporary files that installs on this host left when their process died (SIGKILL)."""
+def sweep_temporaries(directory: Path) -> None:
+    """Remove the temporary files :func:`atomic_write` calls on this host left in ``directory`` when their process
+    died (SIGKILL); those of other hosts and of live processes stay."""
     for tmp in directory.glob(f"*.tmp.{_HOST}-*"):
         pid = tmp.name.rpartition(f".tmp.{_HOST}-")[2].partition(".")[0]
         if pid.isdigit() and not _triton_cache.alive(int(pid)):

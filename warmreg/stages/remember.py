@@ -8,8 +8,8 @@ those it took from a pack or from this file, decoded in this process: the pack h
 :func:`warmreg.prefetch` decodes those of the local GPUs' targets on its thread (:func:`decode`), where binding
 finds them. Binding takes a decoded specialization only where Triton's in-memory key and the parsed options it
 computes agree with it, so a stale entry (a changed kernel, another environment) costs its decode and nothing
-else; an unreadable file is ignored and written anew. The file is written whole (a temporary file renamed over
-it) and only when a warm specialized something it does not hold.
+else; an unreadable file is ignored and written anew. The file is written whole (as a pack install writes:
+:func:`~warmreg.stages.pack_install.atomic_write`) and only when a warm specialized something it does not hold.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -26,7 +25,9 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from .. import _triton
 from .._triton import cache as _triton_cache
 from ..pipeline.stage import Stage
+from ..support import bounded_json
 from ..values.platform import Platform
+from .pack_install import atomic_write, sweep_temporaries
 
 if TYPE_CHECKING:
     from ..pipeline.bind import Task
@@ -38,6 +39,7 @@ log = logging.getLogger("warmreg.stages.remember")
 
 #: Entries a cache's file keeps: past it, the last warm's and then the earliest read.
 LIMIT = 4096
+_ENTRY_BYTES = 16 * 1024  # a specialization is 1-3 KB (the Flash example's 75: 157 KB in all)
 _FORMAT = 1
 _Entry = tuple[str, str, str]  # (target, jit function's full name, serialized specialization)
 #: Per cache directory, the entries this process read from its file or wrote to it.
@@ -50,9 +52,11 @@ def index_path(directory: str) -> Path:
 
 
 def _read(directory: str) -> list[_Entry]:
-    """The file's entries, in order; none if it is missing or unreadable."""
+    """The file's entries, in order; none if it is missing, unreadable or over the bounds of a file of
+    :data:`LIMIT` entries (read as any untrusted JSON: :mod:`warmreg.support.bounded_json`)."""
     try:
-        data = json.loads(index_path(directory).read_text())
+        raw = bounded_json.read_regular_file(index_path(directory), limit=LIMIT * _ENTRY_BYTES)
+        data = bounded_json.loads(raw, max_depth=4, max_values=4 * LIMIT + 8)
         if data.get("format") != _FORMAT:
             return []
         return [(str(t), str(n), str(d)) for t, n, d in data["entries"]]
@@ -93,25 +97,23 @@ _lock = threading.Lock()  # one writer of this process at a time
 
 
 def _keep(directory: str, found: list[_Entry]) -> bool:
-    """Merge ``found`` (one warm's) into the file of the cache ``directory`` and write it whole; whether it did."""
+    """Merge ``found`` (one warm's) into the file of the cache ``directory`` and write it whole, unless the file
+    holds them all already; whether it wrote."""
     with _lock:
-        entries = list(dict.fromkeys([*_read(directory), *found]))
+        held = _read(directory)
+        _known.setdefault(directory, set()).update(held)
+        if _known[directory].issuperset(found):  # another process (or an earlier read) wrote them: nothing to do
+            return False
+        entries = list(dict.fromkeys([*held, *found]))
         if len(entries) > LIMIT:  # the last warm's, then the earliest read
             mine = set(found)
             entries = [e for e in entries if e not in mine][: max(0, LIMIT - len(mine))] + list(dict.fromkeys(found))
         path = index_path(directory)
-        tmp = path.with_name(f"{path.name}.tmp.{os.getpid()}")
         try:
             path.parent.mkdir(exist_ok=True)
-            for stale in path.parent.glob(f"{path.name}.tmp.*"):  # a writer that was killed mid-write
-                pid = stale.suffix[1:]
-                if pid.isdigit() and not _triton_cache.alive(int(pid)):
-                    stale.unlink(missing_ok=True)
-            tmp.write_text(json.dumps({"format": _FORMAT, "entries": entries}))
-            os.replace(tmp, path)
-        except (OSError, ValueError) as exc:  # only a head start for the next process: nothing left behind
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+            sweep_temporaries(path.parent)  # a writer that was killed mid-write
+            atomic_write(path, json.dumps({"format": _FORMAT, "entries": entries}).encode())
+        except OSError as exc:  # only a head start for the next process: nothing left behind
             with contextlib.suppress(OSError):
                 path.parent.rmdir()  # only where it is empty
             log.debug("could not keep the warm's specializations in %s: %r", path, exc)
