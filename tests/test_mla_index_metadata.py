@@ -209,6 +209,33 @@ def test_compressed_slot_mapping_small_batches() -> None:
         )
 
 
+@pytest.mark.gpu
+def test_compressed_slot_mapping_compiled_on_the_gpu_matches_reference() -> None:
+    """The compiled kernel (not the interpreter): every request row's program and the last program's -1 fill of the
+    unowned slots run side by side on the GPU, over batches that start past token 0 of a persistent buffer."""
+    gen = torch.Generator().manual_seed(2026)
+    dev = torch.device("cuda")
+    cases = [(cr, w, i) for cr, w, i in [(4, 1, 1), (128, 1, 1), (4, 2, 8), (4, 1, 4), (1, 1, 1)] for _ in range(5)]
+    for cr, dcp_world, interleave in cases:
+        block_size = 64 if cr == 1 else 256 // cr
+        decodes, prefills = (int(x) for x in torch.randint(0, 40, (2,), generator=gen))
+        qsl, seq_lens = _batch(gen, decodes=decodes, prefills=prefills + 1, max_model_len=4096, max_prefill=700)
+        lead = int(torch.randint(0, 9, (), generator=gen))  # the batch starts at token `lead` of the buffer
+        qsl = qsl + lead
+        num_tokens = int(qsl[-1])
+        slots = torch.randint(0, 10**6, (num_tokens + 5,), generator=gen)
+        slots[torch.rand(num_tokens + 5, generator=gen) < 0.2] = -1
+        table = _rand(gen, (decodes + prefills + 1, block_table_width(4096, block_size * cr)))
+        kw = dict(num_tokens=num_tokens, block_size=block_size, compress_ratio=cr, dcp_world_size=dcp_world,
+                  cp_interleave=interleave)  # fmt: skip
+        out = torch.full((num_tokens + 300,), 7, dtype=torch.int64, device=dev)
+        kernel = CompressedSlotMapping(compress_ratios=(cr,), cache_block_size=block_size * max(cr, 1))
+        got = kernel(slots.to(dev), qsl.to(dev), seq_lens.to(dev), table.to(dev), out=out, **kw)
+        want = compressed_slot_mapping_reference(slots, qsl, seq_lens, table, **kw)
+        assert got.is_cuda and torch.equal(got.cpu(), want), (cr, dcp_world, interleave, decodes, prefills, lead)
+        assert bool((out[num_tokens:] == -1).all()) and bool((out[:lead] == -1).all())
+
+
 def test_compressed_slot_mapping_ratio_one_is_the_kernel_page_slot() -> None:
     """Ratio 1 (Kimi-K3.1's DSA indexer): every token with a slot gets ``table[b, p // bs] * bs + p % bs`` of its
     kernel-page table; PAD slots stay -1."""
