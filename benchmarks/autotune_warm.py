@@ -81,6 +81,18 @@ def _child(code: str, payload: list[Any]) -> dict[str, Any]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _check_choices(pack: str) -> None:
+    """``kimi_full_pack_s`` is a warm that takes its tuning choices from the pack: refuse, before anything runs, a
+    pack without them (a cross build, ``--target``, records none; the warm from it would benchmark every candidate)."""
+    from warmreg.stages.pack import inspect_pack
+
+    if not inspect_pack(pack).tuning:
+        raise SystemExit(
+            f"--pack {pack}: the pack carries no autotune choices, so a warm from it would benchmark; build it on this "
+            "GPU without --target (warmreg build CONFIG -o PACK), or pass --tuning with a cross build"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("config", nargs="?", default="examples/kimi_k3_full.json")
@@ -88,6 +100,8 @@ def main() -> None:
     ap.add_argument("--tag", default="h200")
     ap.add_argument("--target", default=None, help="cross-compile for this target (a check of the benchmark without a GPU)")
     args = ap.parse_args()
+    if args.pack:
+        _check_choices(args.pack)
     cold = _child(_WARM, [args.config, None, args.target])
     by_kernel: dict[str, dict[str, Any]] = {}
     for k in cold["keys"]:

@@ -24,7 +24,12 @@ The entry holds the medians the issue names (microseconds, seconds) and the file
 ``benchmarks/render_results.py`` renders the README's summary table from it.
 
 Without ``--fresh`` a run updates the figures of the steps it ran and keeps the entry's others (a release's steps
-split over several commands); with it the entry starts empty (a new summary of record: run every step).
+split over several commands; ``steps`` names the command and time each step's figures came from); with it the entry
+starts empty (a new summary of record: run every step).
+
+The Flash pack may be a cross build (``warmreg build examples/deepseek_v4_flash.json --target cuda:90 -o PACK``); the
+Kimi-K3 pack must carry its tuning choices, so build it on this GPU without ``--target`` (``autotune_warm.py`` refuses
+one without them).
 
     python benchmarks/summary.py --pack flash-cuda90.tar.gz [--kimi-pack kimi-full-cuda90.tar.gz] [--only launch,first,keys,warm,autotune,sweep] [--fresh]
 """
@@ -89,6 +94,8 @@ def main() -> None:
     entry: dict[str, Any] = {} if args.fresh else dict(summary.get(release, {}))
     entry.update(machine=machine(), command=" ".join([Path(sys.executable).name, *sys.argv]), time=time.strftime("%Y-%m-%dT%H:%M:%S"))
     files = dict(entry.get("files", {}))
+    steps = dict(entry.get("steps", {}))  # each step's figures: the command and time of the run that took them
+    this_run = {"command": entry["command"], "time": entry["time"]}
     py = sys.executable
     with tempfile.TemporaryDirectory() as tmp:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONDONTWRITEBYTECODE", "OUT")}
@@ -159,7 +166,8 @@ def main() -> None:
                 sum(k.get("launches", 0) for k in c["kernels"].values()) for c in sweep["configs"]
             )  # fmt: skip
             files["sweep"] = f"{stem}.json"
-    entry["files"] = files
+    steps.update({step: this_run for step in ("launch", "first", "keys", "warm", "autotune", "sweep") if step in only})
+    entry["files"], entry["steps"] = files, steps
     summary[release] = entry
     SUMMARY.write_text(json.dumps(summary, indent=1, default=str))
     if os.environ.get("OUT"):
