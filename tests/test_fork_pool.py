@@ -128,6 +128,42 @@ def test_terminate_ends_every_worker_mid_work() -> None:
     assert not _all_gone(pool.pids)
 
 
+def test_close_without_waiting_returns_with_every_result_and_reaps_the_workers_later() -> None:
+    """Once every index's result is in, ``close(wait=False)`` leaves the workers' exits to a thread: here the second
+    worker is still starting (its ``init`` takes a second) when the first has done every index; the first waits
+    for it before it exits, and the thread reaps the first (no zombie is left in /proc)."""
+    warm = os.getpid()
+
+    def init() -> None:
+        if os.getppid() != warm:  # the worker the first one forks
+            time.sleep(1.0)
+
+    pool = ForkPool(2, 3, init, _whose)
+    pool.start()
+    assert sorted(r[0] for r in pool.results()) == [0, 1, 2]
+    start = time.monotonic()
+    pool.close(wait=False)
+    assert time.monotonic() - start < 0.5
+    first = next(pid for pid in pool.pids if Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1] == str(warm))
+    assert _alive(first), "the first worker waits for the one it forked"
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{first}").exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not Path(f"/proc/{first}").exists(), "the first worker was reaped"
+    assert not _all_gone(pool.pids)
+    pool.close()  # already closed: nothing to do
+
+
+def test_close_without_waiting_waits_where_a_result_is_missing() -> None:
+    """A worker that died took its keys' results with it: the pool is not complete, so ``close(wait=False)`` waits for
+    the end of file as ``close()`` does (the warm then compiles the rest itself)."""
+    pool = ForkPool(1, 4, lambda: None, lambda index: os._exit(3) if index == 2 else _whose(index))
+    pool.start()
+    assert [r[0] for r in pool.results()] == [0, 1]
+    pool.close(wait=False)
+    assert not _all_gone(pool.pids, timeout=0.5)
+
+
 def test_the_workers_die_with_the_warm() -> None:
     """SIGKILL to the process that started the pool: every worker dies with it (the first with the warm, each
     other with the worker that forked it)."""

@@ -10,7 +10,8 @@ forks, each on its own process, and each takes work as soon as its share is fork
 Work is the indices ``0 .. count - 1``, taken in order from a counter in shared memory (so the first
 index handed out is the first taken); each result comes back on one pipe as one write of at most
 ``PIPE_BUF`` bytes (atomic: the workers' messages never interleave). The pipe's end of file says every
-worker is gone. A worker dies with the process that forked it (``PR_SET_PDEATHSIG``): the warm's
+worker is gone; once every index's result is in, the warm need not wait for it (:meth:`ForkPool.close` with
+``wait=False``: a thread reads to it and reaps the workers). A worker dies with the process that forked it (``PR_SET_PDEATHSIG``): the warm's
 workers with the warm (SIGKILL, as before), a worker's workers with it (SIGTERM, so that a compiler's
 handler removes its temporary files). :meth:`ForkPool.terminate` sends SIGTERM to every worker that
 reported its pid; one that had not yet dies with its forker.
@@ -26,6 +27,7 @@ import os
 import select
 import signal
 import struct
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -62,6 +64,8 @@ class ForkPool:
         self._read = self._write = -1
         self._root = self._warm = 0
         self._firsts: list[int] = []  # without the tree: the other workers this process forked
+        self._buffer = b""  # what was read of the pipe and not yet parsed
+        self._complete = False  # every index's result came back
 
     def start(self) -> None:
         """Fork the first worker, which forks the others (call with SIGINT blocked: they are born so)."""
@@ -77,24 +81,35 @@ class ForkPool:
             os.close(self._write)  # this process never writes: end of file once every worker is gone
 
     def results(self) -> Iterator[Result]:
-        """Each result as a worker sends it, until every worker is gone."""
-        buffer = b""
-        while chunk := os.read(self._read, 1 << 16):
-            buffer += chunk
-            while len(buffer) >= _HEADER.size:
-                index, length, start, seconds = _HEADER.unpack_from(buffer)
+        """Each result as a worker sends it, until every index has its result or every worker is gone."""
+        received = 0
+        for result in self._messages(self._read):
+            yield result
+            received += 1
+            if received == self.count:
+                self._complete = True
+                return
+
+    def _messages(self, read: int, *, more: bool = True) -> Iterator[Result]:
+        """The results on the pipe ``read`` until its end of file (``more=False``: only those already read); births
+        and failed starts are noted on the way."""
+        while True:  # what an earlier reader left in the buffer first, then what comes
+            while len(self._buffer) >= _HEADER.size:
+                index, length, start, seconds = _HEADER.unpack_from(self._buffer)
                 size = _HEADER.size + (0 if index == _BIRTH else length)  # a birth's length is its pid
-                if len(buffer) < size:
+                if len(self._buffer) < size:
                     break
+                message, self._buffer = self._buffer[:size], self._buffer[size:]
                 if index == _BIRTH:
                     self.pids.add(length)
                     self.born.append(start)
                 elif index == _INIT_FAILED:
-                    self.init_errors.append(buffer[_HEADER.size : size].decode("utf-8", "replace"))
+                    self.init_errors.append(message[_HEADER.size :].decode("utf-8", "replace"))
                 else:
-                    error = buffer[_HEADER.size : size].decode("utf-8", "replace") if length else None
-                    yield index, error, start, seconds
-                buffer = buffer[size:]
+                    yield index, message[_HEADER.size :].decode("utf-8", "replace") if length else None, start, seconds
+            if not more or not (chunk := os.read(read, 1 << 16)):
+                return
+            self._buffer += chunk
 
     def terminate(self) -> None:
         """SIGTERM to every worker now (their default action, or a compiler's handler, which cleans up and dies)."""
@@ -102,16 +117,33 @@ class ForkPool:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGTERM)
 
-    def close(self) -> None:
-        """Wait for every worker to be gone (the pipe's end of file), reap the first, close the pipe."""
+    def close(self, *, wait: bool = True) -> None:
+        """Wait for every worker to be gone (the pipe's end of file), reap the first, close the pipe.
+
+        :param wait: ``False``, once :meth:`results` gave every index's result: return at once and leave that
+            to a thread. The workers have nothing left to do but exit, and the exits (each worker waits for the
+            workers it forked) took 9 / 18 / 34 ms after the last result with 2 / 4 / 8 workers on the 2-core
+            machine: time a warm need not wait. A worker born after the last result only exits.
+        """
         if self._read < 0:
             return
+        if not wait and self._complete:
+            self._read, read = -1, self._read
+            for _ in self._messages(read, more=False):  # the births read with the last result
+                continue
+            threading.Thread(target=self._reap, args=(read,), name="warmreg-fork-pool-reap", daemon=True).start()
+            return
+        read, self._read = self._read, -1
+        self._reap(read)
+
+    def _reap(self, read: int) -> None:
+        """Read the pipe to its end of file (births still noted; results a terminated pool still sent dropped),
+        close it, and reap the workers this process forked."""
         try:
-            while os.read(self._read, 1 << 16):  # what a terminated pool still sent: dropped
+            for _ in self._messages(read):
                 continue
         finally:
-            os.close(self._read)
-            self._read = -1
+            os.close(read)
             for pid in [self._root, *self._firsts] if self._root else []:
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, 0)

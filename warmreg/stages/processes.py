@@ -85,7 +85,8 @@ class Processes(Stage):
     """The stage that compiles the keys missing from Triton's disk cache in forked children.
 
     :ivar compiled: keys a child compiled; ``processes`` the children forked (0: none were needed), ``started``
-        those that began (one that cannot start leaves its share to the others).
+        those that had begun when the last key came back (one that cannot start leaves its share to the others;
+        the stage does not wait for the children's exits once every key is back: a thread reaps them).
     :ivar seconds: wall time of the forked compile.
     :ivar timeline: where that time went, in seconds from its start (:meth:`section`).
     """
@@ -157,17 +158,19 @@ class Processes(Stage):
             _LAUNCHES[:] = [t.launch for t in misses]
             _CLAIMS = _Claims() if plan.platform.is_cuda and plan.platform.local else None
             pool = ForkPool(self.processes, len(misses), functools.partial(_child_init, plan.platform), _child_compile, tree=TREE)
+            collected = False
             try:
                 with _interrupts_deferred(), warnings.catch_warnings():
                     # Python 3.12+ warns about forking a process that runs threads
                     warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
                     pool.start()
                 self._collect(pool, misses)
+                collected = True
             except BaseException:  # an interrupt: no child compiles on
                 pool.terminate()
                 raise
             finally:
-                pool.close()
+                pool.close(wait=not collected)  # every key back: the children's exits are not the warm's to wait for
                 _LAUNCHES.clear()
                 _CLAIMS = None
             self.started = len(pool.born)
