@@ -146,7 +146,14 @@ def _c4_topk(seed: int, positions: torch.Tensor, topk: int) -> torch.Tensor:
         (4, 24, 1, 0, False),  # one request of one token or more
     ],
 )
-def test_combine_matches_reference(ratio: int, topk: int, prefills: int, skip: int, replay: bool) -> None:
+@pytest.mark.parametrize("max_tile", [None, 32], ids=["one_tile", "tiles_of_32"])
+def test_combine_matches_reference(
+    ratio: int, topk: int, prefills: int, skip: int, replay: bool, max_tile: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Exact against the reference; with tiles of 32 columns every row (128 or 256) takes 4 or 8 loop steps, the
+    top-k and the window crossing tile boundaries (a C128 row at a 1M context is 9 steps of 1,024)."""
+    if max_tile is not None:
+        monkeypatch.setattr(combine_indices, "_MAX_TILE", max_tile)
     s = _step(
         ratio + prefills,
         decodes=0,
@@ -170,10 +177,14 @@ def test_combine_matches_reference(ratio: int, topk: int, prefills: int, skip: i
     else:
         topk_indices = None
     kw: dict[str, Any] = dict(num_tokens=tokens.stop - tokens.start, compress_ratio=ratio, M=M, N=n_rows)
-    got = CombineTopkSwaIndices(window_size=WINDOW, workers=3)(topk_indices, qsl, seq, gather, **kw)
+    op = CombineTopkSwaIndices(window_size=WINDOW, workers=3)
+    got = op(topk_indices, qsl, seq, gather, **kw)
     want = combine_topk_swa_indices_reference(topk_indices, qsl, seq, gather, **kw, window_size=WINDOW)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert got[0].shape[1] == triton.cdiv(topk + WINDOW, 128) * 128
+    key = op.dispatch(top_k=topk, compress_ratio=ratio, image_width=0)
+    assert key.tile == min(triton.next_power_of_2(key.width), max_tile or 1024)
+    assert (key.width > key.tile) == (max_tile is not None)
     # every SWA column points into the request's gathered rows [N, N + gather_len)
     req_of_row = torch.repeat_interleave(torch.arange(prefills), (qsl[1:] - qsl[:-1]).long())
     rows = got[0].long() - (M * req_of_row)[:, None]

@@ -74,7 +74,7 @@ def _combine_topk_swa_indices_kernel(
     WINDOW_SIZE: tl.constexpr,  # the sliding window: a model constant
     HAS_IMAGE: tl.constexpr,  # the batch has image spans: read the visibility counts (else None)
     WIDTH: tl.constexpr,  # row width round_up(TOP_K + WINDOW_SIZE + image_width, 128)
-    PADDED_TOP_K: tl.constexpr,  # next_pow2(WIDTH): one tile covers a row
+    TILE: tl.constexpr,  # columns one loop step writes: min(next_pow2(WIDTH), _MAX_TILE)
 ):
     b = tl.program_id(0)
     base_q = tl.load(query_start_loc_ptr)
@@ -83,7 +83,7 @@ def _combine_topk_swa_indices_kernel(
     seq = tl.load(seq_lens_ptr + b)
     gather_start = seq - tl.load(gather_lens_ptr + b)
     base = b.to(tl.int64) * M
-    c = tl.arange(0, PADDED_TOP_K)
+    c = tl.arange(0, TILE)
     i = tl.program_id(1)
     while i < qlen:  # workers stride over the request's tokens
         t = (q0 - base_q + i).to(tl.int64)
@@ -97,13 +97,15 @@ def _combine_topk_swa_indices_kernel(
             right = 0
         swa_start = tl.maximum(pos - (WINDOW_SIZE - 1) - left_add, gather_start)
         swa_len = pos + right - swa_start + 1
-        vals = tl.full((PADDED_TOP_K,), -1, tl.int64)
-        if TOP_K > 0:
-            local = tl.load(topk_ptr + t * topk_stride + c, mask=c < topk_len, other=-1)
-            vals = tl.where(local >= 0, local + base, -1)
-        s = c - topk_len
-        vals = tl.where((s >= 0) & (s < swa_len), base + N + (swa_start - gather_start) + s, vals)
-        tl.store(out_ptr + t * out_stride + c, vals.to(tl.int32), mask=c < WIDTH)
+        for c0 in range(0, WIDTH, TILE):
+            col = c0 + c
+            vals = tl.full((TILE,), -1, tl.int64)
+            if TOP_K > 0:
+                local = tl.load(topk_ptr + t * topk_stride + col, mask=col < topk_len, other=-1)
+                vals = tl.where(local >= 0, local + base, -1)
+            s = col - topk_len
+            vals = tl.where((s >= 0) & (s < swa_len), base + N + (swa_start - gather_start) + s, vals)
+            tl.store(out_ptr + t * out_stride + col, vals.to(tl.int32), mask=col < WIDTH)
         tl.store(lens_ptr + t, (topk_len + swa_len).to(tl.int32))
         i += tl.num_programs(1)
 
@@ -118,8 +120,14 @@ class CombineTopkSwaIndicesKey(warmreg.CompileKey):
     image_width: int  # row widening (a vision model's vision_max_n_token)
     has_image: bool  # visibility counts are read (a batch with image spans)
     width: int
-    padded_top_k: int
+    tile: int
     num_warps: int
+
+
+#: The widest column tile: a row of a C128 layer at DeepSeek-V4's 1M context is 8,320 columns, which as one tile
+#: (16,384 int64 lanes, 128 a thread at 4 warps) took 0.7-0.9 s to compile, the slowest key of the Flash example
+#: on the H100 host (Triton 3.8.0, 16 compiles at once); tiles of 1,024 lanes loop over the row instead.
+_MAX_TILE = 1024
 
 
 def _combine_width(top_k: int, window_size: int, image_width: int) -> int:
@@ -152,7 +160,7 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
             image_width=image_width,
             has_image=has_image,
             width=width,
-            padded_top_k=warmreg.next_pow2(width),
+            tile=min(warmreg.next_pow2(width), _MAX_TILE),
             num_warps=4,
         )
 
@@ -258,7 +266,7 @@ class CombineTopkSwaIndices(warmreg.TritonKernel[CombineTopkSwaIndicesKey]):
             left_visible_ptr=left_visible if has_image else None, right_visible_ptr=right_visible if has_image else None,
             out_ptr=indices, lens_ptr=lens, topk_stride=topk.stride(0) if topk is not None else 0,
             out_stride=indices.stride(0), M=M, N=N, TOP_K=key.top_k, COMPRESS_RATIO=key.compress_ratio,
-            WINDOW_SIZE=key.window_size, HAS_IMAGE=key.has_image, WIDTH=key.width, PADDED_TOP_K=key.padded_top_k,
+            WINDOW_SIZE=key.window_size, HAS_IMAGE=key.has_image, WIDTH=key.width, TILE=key.tile,
         )  # fmt: skip
         grid = (n, self.workers) if n and num_tokens else None
         return warmreg.LaunchSpec(key, grid, kwargs, (indices, lens))
