@@ -136,3 +136,24 @@ def test_a_warm_whose_specializations_the_file_holds_does_not_write_it(triton_ca
     again = _warm()
     assert again.from_cache == 3 and again.stage("remember") == {}
     assert remember.index_path(str(triton_cache)).stat().st_mtime_ns == written
+
+
+def test_writers_in_two_processes_lose_none_of_each_others_entries(triton_cache: Path) -> None:
+    """Ranks on one host share a cache: each read, merge and write holds the directory's lock, so what one process
+    merged is never replaced by the other's rename of an older read (40 entries each, one write per entry, at once)."""
+    _forget_decoded()
+    remember.index_path(str(triton_cache)).parent.mkdir()
+    mine = [("cuda:90", f"tests.k{i}", f'{{"key": "{i}"}}') for i in range(80)]
+    pids = []
+    for half in (mine[:40], mine[40:]):
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                remember._known.clear()
+                code = 0 if all(remember._keep(str(triton_cache), [e]) for e in half) else 2
+            finally:
+                os._exit(code)
+        pids.append(pid)
+    assert [os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) for pid in pids] == [0, 0]
+    assert sorted(map(tuple, _entries(triton_cache))) == sorted(mine)

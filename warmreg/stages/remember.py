@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -28,6 +29,7 @@ from ..pipeline.stage import Stage
 from ..support import bounded_json
 from ..values.platform import Platform
 from .pack_install import atomic_write, sweep_temporaries
+from .pack_reader import lock
 
 if TYPE_CHECKING:
     from ..pipeline.bind import Task
@@ -100,17 +102,21 @@ def _keep(directory: str, found: list[_Entry]) -> bool:
     """Merge ``found`` (one warm's) into the file of the cache ``directory`` and write it whole, unless the file
     holds them all already; whether it wrote."""
     with _lock:
-        held = _read(directory)
-        _known.setdefault(directory, set()).update(held)
+        _known.setdefault(directory, set()).update(_read(directory))
         if _known[directory].issuperset(found):  # another process (or an earlier read) wrote them: nothing to do
             return False
-        entries = list(dict.fromkeys([*held, *found]))
-        if len(entries) > LIMIT:  # the last warm's, then the earliest read
-            mine = set(found)
-            entries = [e for e in entries if e not in mine][: max(0, LIMIT - len(mine))] + list(dict.fromkeys(found))
         path = index_path(directory)
+        fd = None
         try:
             path.parent.mkdir(exist_ok=True)
+            # the ranks of a job on one host share a cache: one read, merge and write at a time, or the last
+            # rename would drop what the others merged (flock on the directory: no lock file is made)
+            fd = lock(path.parent, shared=False)
+            held = _read(directory)
+            entries = list(dict.fromkeys([*held, *found]))
+            if len(entries) > LIMIT:  # the last warm's, then the earliest read
+                mine = set(found)
+                entries = [e for e in entries if e not in mine][: max(0, LIMIT - len(mine))] + list(dict.fromkeys(found))
             sweep_temporaries(path.parent)  # a writer that was killed mid-write
             atomic_write(path, json.dumps({"format": _FORMAT, "entries": entries}).encode())
         except OSError as exc:  # only a head start for the next process: nothing left behind
@@ -118,7 +124,10 @@ def _keep(directory: str, found: list[_Entry]) -> bool:
                 path.parent.rmdir()  # only where it is empty
             log.debug("could not keep the warm's specializations in %s: %r", path, exc)
             return False
-        _known.setdefault(directory, set()).update(entries)
+        finally:
+            if fd is not None:
+                os.close(fd)
+        _known[directory].update(entries)
         return True
 
 
