@@ -209,3 +209,23 @@ def test_pack_install_names_each_refused_entry_whole() -> None:
     what = "warmreg.ops.indexer_prefill_chunk_metadata " + ", ".join(f"field_{i}=value_{i}" for i in range(12))
     (line,) = _refusal_lines([(what, "source hash differs")])
     assert what in line and line.endswith("source hash differs") and len(what) > 120
+
+
+@pytest.mark.parametrize(("example", "note"), [("kimi_k3_full.json", True), ("kimi_k3.json", False)])
+def test_a_build_without_autotune_choices_says_what_a_warm_from_it_does(
+    example: str, note: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A cross build of a plan with tuned kernels records no choices unless given ``--tuning``: the build says that a
+    warm from the pack will benchmark, and how to build one that carries them."""
+    from types import SimpleNamespace
+
+    import triton
+
+    from warmreg.stages import build as builds
+
+    built = SimpleNamespace(entries=(), launchers=(), tuning=(), target="cuda:90", triton_version=triton.__version__)
+    monkeypatch.setattr(builds, "build", lambda config, output, **kw: built)
+    path = str(Path(__file__).resolve().parents[1] / "examples" / example)
+    assert main(["build", path, "--target", "cuda:90", "-o", str(tmp_path / "p.tar"), "--quiet"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert ("no autotune choices for its 5 tuned kernels" in printed and "without --target" in printed) == note

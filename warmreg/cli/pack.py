@@ -39,7 +39,20 @@ def _cmd_build(args: argparse.Namespace) -> int:
         out.print(f"  no C launchers needed: Triton {manifest.triton_version} builds none per kernel")
     if manifest.tuning:
         out.print(f"  with {len(manifest.tuning)} autotune choices made on {', '.join(sorted({c.device for c in manifest.tuning}))}")
+    elif tuned := _tuned_kernels(config, args.target):
+        out.print(
+            f"  [yellow]no autotune choices[/] for its {len(tuned)} tuned kernels ({', '.join(tuned)}): a warm from it "
+            "benchmarks their candidates on the GPU; build it there without --target, or pass --tuning with the "
+            "choice file a warm on that GPU model kept"
+        )
     return 0
+
+
+def _tuned_kernels(config: Any, target: str | None) -> list[str]:
+    """The kernels with autotune candidates in the plan a build of ``config`` compiled (planning again: ~10 ms)."""
+    from ..api.warm import plan
+
+    return [k.name for k in plan(config, target=target).kernels if k.kernel.tune_configs]
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
