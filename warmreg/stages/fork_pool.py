@@ -11,8 +11,8 @@ Work is the indices ``0 .. count - 1``, taken in order from a counter in shared 
 index handed out is the first taken); each result comes back on one pipe as one write of at most
 ``PIPE_BUF`` bytes (atomic: the workers' messages never interleave). The pipe's end of file says every
 worker is gone; once every index's result is in, the warm need not wait for it (:meth:`ForkPool.close` with
-``wait=False``: a thread reads to it and reaps the workers). A worker dies with the process that forked it (``PR_SET_PDEATHSIG``): the warm's
-workers with the warm (SIGKILL, as before), a worker's workers with it (SIGTERM, so that a compiler's
+``wait=False``: a thread reads to it and reaps the workers). A worker dies with the process that forked it
+(``PR_SET_PDEATHSIG``): the warm's workers with the warm (SIGKILL, as before), a worker's workers with it (SIGTERM, so that a compiler's
 handler removes its temporary files). :meth:`ForkPool.terminate` sends SIGTERM to every worker that
 reported its pid; one that had not yet dies with its forker.
 """

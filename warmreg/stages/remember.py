@@ -102,9 +102,6 @@ def _keep(directory: str, found: list[_Entry]) -> bool:
     """Merge ``found`` (one warm's) into the file of the cache ``directory`` and write it whole, unless the file
     holds them all already; whether it wrote."""
     with _lock:
-        _known.setdefault(directory, set()).update(_read(directory))
-        if _known[directory].issuperset(found):  # another process (or an earlier read) wrote them: nothing to do
-            return False
         path = index_path(directory)
         fd = None
         try:
@@ -113,6 +110,10 @@ def _keep(directory: str, found: list[_Entry]) -> bool:
             # rename would drop what the others merged (flock on the directory: no lock file is made)
             fd = lock(path.parent, shared=False)
             held = _read(directory)
+            known = _known.setdefault(directory, set())
+            known.update(held)
+            if known.issuperset(found):  # another process (or an earlier read) wrote them: nothing to do
+                return False
             entries = list(dict.fromkeys([*held, *found]))
             if len(entries) > LIMIT:  # the last warm's, then the earliest read
                 mine = set(found)
@@ -127,7 +128,7 @@ def _keep(directory: str, found: list[_Entry]) -> bool:
         finally:
             if fd is not None:
                 os.close(fd)
-        _known[directory].update(entries)
+        known.update(entries)
         return True
 
 
