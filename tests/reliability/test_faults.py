@@ -15,7 +15,7 @@ import pytest
 
 import warmreg
 from tests.helpers import CONFIG, SIGINT_AS_IN_A_TERMINAL, Plugin, Scale
-from warmreg.stages import remember
+from warmreg.stages import fork_pool, remember
 
 ROOT = Path(__file__).resolve().parents[2]
 FLASH = str(ROOT / "examples" / "deepseek_v4_flash.json")
@@ -135,8 +135,20 @@ def test_read_only_cache_directory(small_mount, monkeypatch: pytest.MonkeyPatch)
     assert "TRITON_CACHE_DIR" in str(info.value)
 
 
-def test_full_disk(small_mount, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
-    """a full disk under the cache gives a clear error per key and leaves only whole entries"""
+@pytest.mark.parametrize("slow_exits", [False, True], ids=["exits-at-once", "slow-exits"])
+def test_full_disk(small_mount, monkeypatch: pytest.MonkeyPatch, slow_exits: bool) -> None:  # type: ignore[no-untyped-def]
+    """a full disk under the cache gives a clear error per key and leaves only whole entries (also where the
+    compile processes take their time to exit, as on a loaded machine: their failed writes' temporary
+    directories are theirs while they live)"""
+    if slow_exits:
+        live = fork_pool.ForkPool._live
+
+        def live_then_linger(self: fork_pool.ForkPool, lo: int, hi: int, forker: int) -> int:
+            code = live(self, lo, hi, forker)
+            time.sleep(0.5)
+            return code
+
+        monkeypatch.setattr(fork_pool.ForkPool, "_live", live_then_linger)
     cache = small_mount("size=48k")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))
     with pytest.raises(warmreg.CompileFailed) as info:

@@ -158,19 +158,21 @@ class Processes(Stage):
             _LAUNCHES[:] = [t.launch for t in misses]
             _CLAIMS = _Claims() if plan.platform.is_cuda and plan.platform.local else None
             pool = ForkPool(self.processes, len(misses), functools.partial(_child_init, plan.platform), _child_compile, tree=TREE)
-            collected = False
+            collected = False  # every key came back, and none failed
             try:
                 with _interrupts_deferred(), warnings.catch_warnings():
                     # Python 3.12+ warns about forking a process that runs threads
                     warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning)
                     pool.start()
-                self._collect(pool, misses)
-                collected = True
+                collected = self._collect(pool, misses)
             except BaseException:  # an interrupt: no child compiles on
                 pool.terminate()
                 raise
             finally:
-                pool.close(wait=not collected)  # every key back: the children's exits are not the warm's to wait for
+                # every key back and compiled: the children's exits are not the warm's to wait for. A key that failed
+                # is compiled again, and what its child's failed write left is removed then, only once that child is
+                # gone (remove_unfinished spares a live process's temporary directories)
+                pool.close(wait=not collected)
                 _LAUNCHES.clear()
                 _CLAIMS = None
             self.started = len(pool.born)
@@ -179,15 +181,16 @@ class Processes(Stage):
             for error in dict.fromkeys(pool.init_errors):
                 log.warning("a compile process could not start (%s); its share compiles in the others", error)
 
-    def _collect(self, pool: ForkPool, misses: list[Task]) -> None:
-        """Take in each key a child compiled, as the children finish them."""
-        finished = 0
+    def _collect(self, pool: ForkPool, misses: list[Task]) -> bool:
+        """Take in each key a child compiled, as the children finish them; whether every key came back compiled."""
+        finished = failed = 0
         for index, error, began, seconds in pool.results():
             task = misses[index]
             finished += 1
             task.seconds += seconds
             self._spans.append((began, began + seconds))
             if error is not None:  # the compile step compiles it again, and reports the error
+                failed += 1
                 log.debug("a compile process could not compile %s %s: %s", task.kp.name, task.key, error)
                 continue
             task.precompiled = True
@@ -199,6 +202,7 @@ class Processes(Stage):
                 "compiling in processes left %d of %d keys (a compile process died); the rest compiles on threads",
                 len(misses) - finished, len(misses),
             )  # fmt: skip
+        return finished == len(misses) and not failed
 
 
 @contextlib.contextmanager
