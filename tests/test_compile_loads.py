@@ -55,6 +55,8 @@ def test_a_warm_of_hits_loads_each_right_after_its_hit_and_launcher_builds_on_th
             load(task)
             if not task.compiled.startswith("build"):  # loaded by the time load() returns, on the calling thread
                 assert loads[task.compiled] == threading.current_thread().name
+        # the builds wait for the block's end (a compile process may be building that launcher still)
+        assert not [name for name in loads if name.startswith("build")]
     assert set(loads) == set(NAMES)  # every load done when the step ends
     for name in ("build0", "build1"):  # a load that runs the C compiler goes wide
         assert loads[name].startswith("warmreg-load_"), name

@@ -15,6 +15,7 @@ import triton.language as tl
 
 import warmreg
 from tests.helpers import CONFIG, Broken, Plugin, Scale
+from warmreg.pipeline import compile as compile_module
 from warmreg.stages import processes
 
 pytestmark = pytest.mark.skipif(
@@ -63,6 +64,29 @@ def test_the_misses_compile_in_processes_and_this_process_only_finds_them(
     threads = _warm(tmp_path / "threads", monkeypatch, workers=2)
     assert threads.stage("processes").get("processes", 0) == 0
     assert _outcomes(forked) == _outcomes(threads), "the same keys, statuses and binaries as a warm on threads"
+
+
+def test_each_key_is_finished_here_as_its_child_reports_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """this process compiles a key from the cache as soon as a child reports it, while the children still compile
+    the rest (not all after the last), and the compile step then has nothing left of those keys"""
+    events: list[str] = []
+    results, compile_one = processes.ForkPool.results, compile_module._compile
+
+    def reported(self: processes.ForkPool) -> Any:
+        for result in results(self):
+            events.append("reported")
+            yield result
+
+    def compiled_here(task: Any, platform: Any) -> None:
+        events.append("hit" if task.in_cache else "compile")
+        compile_one(task, platform)
+
+    monkeypatch.setattr(processes.ForkPool, "results", reported)
+    monkeypatch.setattr(compile_module, "_compile", compiled_here)
+    report = _warm(tmp_path / "cache", monkeypatch, workers=2, plugins=[Plugin(Scale(sizes=(1, 16, 17), block=64), Scale(block=128))])
+    assert report.stage("processes")["compiled"] == len(report.results) == report.compiled >= processes.MIN_MISSES
+    assert events.count("reported") == events.count("hit") == len(report.results) and "compile" not in events
+    assert events == ["reported", "hit"] * len(report.results), "each hit right after its report, before the next"
 
 
 def test_nothing_is_forked_for_a_warm_cache_or_a_handful_of_misses(

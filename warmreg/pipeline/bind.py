@@ -86,18 +86,12 @@ class Task:
         # attribute reads to result(), which would wait here (on a pool thread: for itself)
         compiled = None if _triton.is_future_kernel(self.compiled) else self.compiled
         return KeyResult(
-            kernel=self.kp.name,
-            key=self.key,
-            status=self.status.value,  # type: ignore[arg-type]
-            seconds=self.seconds,
-            load_seconds=self.load_seconds,
-            error=self.error,
-            triton_key=self.triton_key,
-            binary_hash=self.binary_hash or getattr(compiled, "hash", None),
-            jit_name=self.jit_name,
+            kernel=self.kp.name, key=self.key, status=self.status.value,  # type: ignore[arg-type]
+            seconds=self.seconds, load_seconds=self.load_seconds, error=self.error, triton_key=self.triton_key,
+            binary_hash=self.binary_hash or getattr(compiled, "hash", None), jit_name=self.jit_name,
             specialization_data=self.specialization_data,
             cache_files=_triton.cache_files(compiled) if compiled is not None and self.status != "failed" else {},
-        )
+        )  # fmt: skip
 
 
 class _Binder:

@@ -27,7 +27,7 @@ from ..support.threads import quiet_pool
 from ..values.platform import Platform
 from .bind import OnError, Status, Task, cancel_rest, describe
 
-__all__ = ["INLINE_HITS", "compile_scope", "compile_tasks", "prepare_fast_launches", "remove_failed"]
+__all__ = ["INLINE_HITS", "compile_scope", "compile_tasks", "finishing", "prepare_fast_launches", "remove_failed"]
 
 log = logging.getLogger("warmreg.pipeline.compile")
 _tls = threading.local()
@@ -94,7 +94,7 @@ class _TimedExecutor(Executor):
 def _on_compiled(cache_hit: bool, metadata: Any) -> None:
     """Triton produced (or found in its disk cache) the binary of the task compiling on this thread."""
     if (task := getattr(_tls, "task", None)) is not None:
-        task.to(Status.DISK_CACHE if cache_hit else Status.COMPILED)
+        task.to(Status.DISK_CACHE if cache_hit and not task.precompiled else Status.COMPILED)  # (precompiled: for this warm)
         task.binary_hash = metadata.get("hash") if isinstance(metadata, dict) else None
 
 
@@ -134,9 +134,20 @@ def compile_tasks(
                 pool.shutdown(wait=True, cancel_futures=True)
             for task in todo:  # and the hits Triton's async mode found inline
                 load(task)
-    for task in todo:
-        if task.precompiled and task.status == "disk_cache":
-            task.to(Status.COMPILED)
+
+
+@contextmanager
+def finishing(platform: Platform, workers: int, on_done: Callable[[Task], None] | None = None) -> Iterator[Callable[[Task], None]]:
+    """``finish(task)``: the compile step of one key a stage has just put in Triton's disk cache, while it still works
+    (a hit; loaded with its fast launch on the local GPU). A load that builds a C launcher waits for the end."""
+    with _loading(platform, workers, True) as load:
+        def finish(task: Task) -> None:
+            task.in_cache = True
+            _run_serial([task], platform, "continue", on_done, load)
+            if getattr(task.compiled, "module", None) is not None:  # loaded here
+                prepare_fast_launches([task])
+
+        yield finish
 
 
 def remove_failed(tasks: list[Task], platform: Platform) -> None:
@@ -185,29 +196,34 @@ def _run_async(tasks: list[Task], platform: Platform, executor: Executor, on_err
 def _loading(platform: Platform, workers: int, hits: bool) -> Iterator[Callable[[Task], None]]:
     """Local GPU: ``load(task)`` loads a compiled key on a pool (while the next key compiles), not at its first
     launch; every load is done on exit; off the local GPU it does nothing. If every key is a hit, each loads
-    right after its hit, on the calling thread (a loading thread only contends with the hits for the GIL), those
-    that build a C launcher on the pool."""
+    right after its hit, on the calling thread (a loading thread only contends with the hits for the GIL), but
+    those that build a C launcher: on the pool, once the block is done."""
     if not platform.local:
         yield lambda task: None
         return
-    device, futures = _triton.current_device(), []
+    device, futures, builds = _triton.current_device(), list[Future[None]](), list[Task]()
+
+    def load(task: Task) -> None:
+        if not hits:
+            futures.append(pool.submit(contextvars.copy_context().run, _load, task, task.compiled, device))
+        elif task.compiled is not None and task.status != "failed" and _triton.builds_on_load(task.compiled):
+            builds.append(task)
+        else:
+            _load(task, task.compiled, device)
+
     with quiet_pool(workers, "warmreg-load") as pool:
         try:
-            yield lambda task: futures.append(
-                _load(task, task.compiled, device, pool) if hits else pool.submit(contextvars.copy_context().run, _load, task, task.compiled, device)
-            )
+            yield load
+            futures += [pool.submit(contextvars.copy_context().run, _load, t, t.compiled, device) for t in builds]
         finally:
-            for future in filter(None, futures):
+            for future in futures:
                 future.result()
 
 
-def _load(task: Task, compiled: Any, device: int, wide: Executor | None = None) -> Future[Any] | None:
-    """Build the launcher and load the module of one compiled kernel (idempotent), timed; with
-    ``wide``, a load that builds a C launcher moves to that pool (the future of it is returned)."""
+def _load(task: Task, compiled: Any, device: int) -> None:
+    """Build the launcher and load the module of one compiled kernel (idempotent), timed."""
     if compiled is None or task.status == "failed":
-        return None
-    if wide is not None and _triton.builds_on_load(compiled):
-        return wide.submit(contextvars.copy_context().run, _load, task, compiled, device)
+        return
     _triton.set_device(device)  # the CUDA current device is per thread
     start = time.perf_counter()
     try:
@@ -215,7 +231,6 @@ def _load(task: Task, compiled: Any, device: int, wide: Executor | None = None) 
     except Exception as exc:
         task.fail(describe(exc))
     task.load_seconds += time.perf_counter() - start
-    return None
 
 
 def prepare_fast_launches(tasks: list[Task]) -> None:

@@ -155,12 +155,9 @@ class WarmReport:
         for name in ("plugins", "skipped", "plugin_problems"):
             data[name] = list(data[name])
         data["summary"] = {
-            "declared": self.declared,
-            "compiled": self.compiled,
-            "from_cache": self.from_cache,
-            "failed": len(self.failed),
+            "declared": self.declared, "compiled": self.compiled, "from_cache": self.from_cache, "failed": len(self.failed),
             "per_kernel": self.per_kernel(),
-        }
+        }  # fmt: skip
         return data
 
     def dumps(self) -> str:

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from .._triton import cache as _triton_cache
 from ..values.errors import WarmregError
 from .bind import OnError, Task, bind_all, check_on_error
-from .compile import compile_scope, compile_tasks, prepare_fast_launches, remove_failed
+from .compile import compile_scope, compile_tasks, finishing, prepare_fast_launches, remove_failed
 from .planning import Plan
 from .report import KeyResult
 from .stage import Stage
@@ -67,13 +67,14 @@ def run(
     show = sys.stderr.isatty() if progress is None else progress
     with _progress(show, f"[bold]{verb}[/] {plan.platform} ({workers} workers)", len(tasks)) as on_done, compile_scope(plan.platform):
         bind_all(tasks, plan.platform, on_error, on_done)
-        for stage in stages:
-            stage.progress = on_done
-        for stage in stages:  # every stage runs even after a stop: ranks meet in their collectives
-            stage.before_compile(plan, tasks)
-        first = tasks
-        for stage in stages:
-            first = stage.first(plan, first)
+        with finishing(plan.platform, workers, on_done) as finish:
+            for stage in stages:
+                stage.progress, stage.finish = on_done, finish
+            for stage in stages:  # every stage runs even after a stop: ranks meet in their collectives
+                stage.before_compile(plan, tasks)
+            first = tasks
+            for stage in stages:
+                first = stage.first(plan, first)
         compile_tasks(first, platform=plan.platform, workers=workers, on_error=on_error, on_done=on_done)
         for stage in stages:
             stage.after_first(plan, tasks)

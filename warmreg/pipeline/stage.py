@@ -25,10 +25,13 @@ class Stage:
     :ivar name: the stage's section in the warm report (:attr:`warmreg.WarmReport.stages`).
     :ivar progress: set by the pipeline before the first call: the warm's per-key progress callback
         (``None`` when none is shown), for a stage that finishes keys itself; a key counts once.
+    :ivar finish: set too, for :meth:`first`: the compile step of one key the stage put in Triton's disk cache (the
+        forked compile), so that its work here (a hit, a load, a fast launch) overlaps the compiles still running.
     """
 
     name: ClassVar[str] = ""
     progress: Callable[[Task], None] | None = None
+    finish: Callable[[Task], None] | None = None
 
     def before_compile(self, plan: Plan, tasks: list[Task]) -> None:
         """After every key is bound, before any cache lookup (e.g. a pack install)."""

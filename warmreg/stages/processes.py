@@ -4,9 +4,10 @@ Triton's frontend (the AST walk that generates each kernel's IR) is Python and h
 compile pool of threads runs it one key at a time: a cold DeepSeek-V4-Flash warm on 16 threads took
 2.3-4.9 s on H200 hosts, 1.2-2.6 s with this stage (Triton 3.6.0 and 3.8.0, the README's Results).
 This stage forks up to ``workers`` children right before the compile step;
-each one compiles keys missing from Triton's disk cache into it, side by side on every core. The
-compile step then finds every key in the cache: this process compiles each as a hit, so Triton's
-hooks, warmreg's listener and the loads see every key as before, and the key reports ``compiled``.
+each one compiles keys missing from Triton's disk cache into it, side by side on every core. As a child
+reports a key, this process compiles it from the cache (a hit: :attr:`~warmreg.pipeline.stage.Stage.finish`),
+loads it and prepares its fast launch while the other keys still compile, so Triton's hooks, warmreg's
+listener and the loads see every key as before, and the key reports ``compiled``.
 
 The children fork one another (:mod:`warmreg.stages.fork_pool`: the warm forks one, which forks
 half of the rest, and so on; 16 children are born in 5 generations of forks instead of 16 forks in a
@@ -195,7 +196,9 @@ class Processes(Stage):
                 continue
             task.precompiled = True
             self.compiled += 1
-            if self.progress is not None:
+            if self.finish is not None:  # this process's part of the key (its hit, load, fast launch) now
+                self.finish(task)
+            elif self.progress is not None:
                 self.progress(task)
         if finished < len(misses):
             log.warning(
