@@ -1,5 +1,5 @@
 """Warm time side by side: serial, threads only (Triton async compile), processes (the default:
-misses compiled by forked children, ``warmreg.pipeline.compile.PROCESSES``), warm disk cache, pack.
+misses compiled by forked children, ``warmreg.stages.processes``), warm disk cache, pack.
 
 Each variant runs in a fresh subprocess with its own empty Triton cache, so in-memory state never
 leaks between them. A prefetched variant starts as an engine does: ``warmreg.prefetch()`` (with a
@@ -7,7 +7,9 @@ pack variant's pack: ``prefetch(pack=...)``, which installs it meanwhile; ``from
 leaves the install to the warm), CUDA up, the prefetch done while the weights load; the timer
 starts at ``warm()``, and the pack note says how long the install took and where. With ``--quick
 --rounds N`` the prefetched cold, warm-cache and pack variants run N times each (a fresh process, and
-for cold and pack a fresh cache, each time) and report the median run with every round's wall.
+for cold and pack a fresh cache, each time) and report the median run with every round's wall, and
+each round's parts in the order they ran (``round_parts``: plan, compile, load, rehearsal, forked
+compile, and the garbage collector's pauses inside the timed warm). Every run records those pauses.
 Writes benchmarks/results/warm_time_<machine>.json.
 
     python benchmarks/warm_time.py examples/deepseek_v4_flash.json [--target cuda:90] [--pack PACK] [--tag NAME] [--quick [--rounds N]]
@@ -42,9 +44,16 @@ if {flat!r}:  # the warm forks every compile process itself, as before warmreg.s
 if {prefetch!r}:  # ... which loads the weights (seconds) while the prefetch finishes
     from warmreg.api.prefetch import wait_for_prefetch
     wait_for_prefetch()  # Triton's key, the plugins, the local GPU's binders, the pack installed meanwhile
+import gc
+pauses, began = [], [0.0]
+def _gc(phase, info):  # the collector's pauses inside the timed warm (a round's spread may be one of them)
+    if phase == "start": began[0] = time.perf_counter()
+    else: pauses.append((info["generation"], time.perf_counter() - began[0]))
+gc.callbacks.append(_gc)
 t = time.perf_counter()
 r = warmreg.warm({config!r}, target={target!r}, workers={workers}, on_error="continue", pack={pack!r}, progress=False)
 wall = time.perf_counter() - t
+gc.callbacks.remove(_gc)
 t = time.perf_counter()
 again = warmreg.warm({config!r}, target={target!r}, workers={workers}, on_error="continue", progress=False)
 print(json.dumps({{"wall": wall, "again_wall": time.perf_counter() - t, "already_warm": again.already_warm,
@@ -56,6 +65,7 @@ print(json.dumps({{"wall": wall, "again_wall": time.perf_counter() - t, "already
                    "compiled": r.compiled, "from_cache": r.from_cache, "failed": len(r.failed),
                    "load_seconds": sum(x.load_seconds for x in r.results),
                    "compile_seconds": sum(x.seconds for x in r.results),
+                   "gc_ms": sum(p for _, p in pauses) * 1e3, "gc_full": sum(1 for g, _ in pauses if g == 2),
                    "per_key_seconds": sorted(x.seconds for x in r.results)}}))
 """
 
@@ -96,9 +106,12 @@ def main() -> None:
             return _run(code, cache)
 
         def median_of(make: Callable[[int], dict]) -> dict:
-            """``args.rounds`` runs of a variant (each in a fresh process): the median one, with every wall."""
-            runs = sorted((make(i) for i in range(args.rounds)), key=lambda r: r["wall"])
-            return {**runs[(len(runs) - 1) // 2], "rounds": [r["wall"] for r in runs]}
+            """``args.rounds`` runs of a variant (each in a fresh process): the median one, with every wall and, in the
+            order they ran, where each round's time went (``round_parts``: a spread of rounds tells its cause)."""
+            ran = [make(i) for i in range(args.rounds)]
+            runs = sorted(ran, key=lambda r: r["wall"])
+            parts = ("wall", "plan_seconds", "compile_seconds", "load_seconds", "rehearsal_seconds", "processes_seconds", "gc_ms", "gc_full")
+            return {**runs[(len(runs) - 1) // 2], "rounds": [r["wall"] for r in runs], "round_parts": [{k: r[k] for k in parts} for r in ran]}
 
         threads_cache = fresh("threads")
         if args.quick:
