@@ -89,6 +89,31 @@ def test_each_key_is_finished_here_as_its_child_reports_it(tmp_path: Path, monke
     assert events == ["reported", "hit"] * len(report.results), "each hit right after its report, before the next"
 
 
+@pytest.mark.gpu
+def test_gpu_a_forked_cold_warm_leaves_every_key_loaded_with_its_fast_launch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """on the local GPU, the keys the children compiled are each loaded here with their fast launch as they come
+    back (``Stage.finish``), so a first launch after the warm skips Triton"""
+    import torch
+    from triton.runtime.jit import JITFunction
+
+    from warmreg.runtime.launch import FAST_TABLES
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    warmreg.reset_state()
+    report = warmreg.warm(CONFIG, plugins=[Plugin(Scale(block=64), Scale(block=128))], entry_points=False, workers=2)
+    assert report.stage("processes")["compiled"] == report.compiled == report.declared == 6
+    entries = FAST_TABLES[Scale.name]
+    assert len(entries) == 6 and all(entry.compiled.module is not None for entry in entries.values())
+    runs: list[int] = []
+    real_run = JITFunction.run
+    monkeypatch.setattr(JITFunction, "run", lambda self, *a, **k: runs.append(1) or real_run(self, *a, **k))
+    x = torch.randn(48, device="cuda", dtype=torch.float16)
+    with warmreg.monitor("error") as mon:
+        out = Scale()(x, 2.0, block=128)
+    torch.testing.assert_close(out, x * 2.0)
+    assert runs == [] and not mon.misses
+
+
 def test_nothing_is_forked_for_a_warm_cache_or_a_handful_of_misses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
