@@ -4,7 +4,7 @@ A warm installs packs (:class:`~warmreg.stages.pack.PackInstall`), shards the ke
 torch.distributed job (:class:`~warmreg.stages.distributed.Shard`), compiles the misses in forked
 processes (:class:`~warmreg.stages.processes.Processes`), chooses autotune candidates on the GPU
 (:class:`~warmreg.stages.tuning.Tune`), launches each key once there
-(:class:`~warmreg.stages.rehearsal.Rehearse`) and keeps what it specialized in its cache for the next process's
+(:class:`~warmreg.stages.rehearsal.Rehearse`: a key the forked compile finished early, at once) and keeps what it specialized in its cache for the next process's
 prefetch (:class:`~warmreg.stages.remember.Remember`); a build compiles (processes) and tunes, nothing else.
 """
 
@@ -38,10 +38,10 @@ def for_warm(
     plan: Plan, *, workers: int, pack: str | os.PathLike[str] | None, shard: Shard | None, rehearse: bool
 ) -> list[Stage]:
     """The stages of a warm of ``plan``, in the order they run."""
-    stages = (
-        PackInstall.for_plan(plan, pack), shard, Processes.for_plan(plan, workers), Tune.for_plan(plan),
-        Rehearse.for_plan(plan) if rehearse else None, Remember.for_plan(plan),
-    )  # fmt: skip
+    processes, rehearsal = Processes.for_plan(plan, workers), Rehearse.for_plan(plan) if rehearse else None
+    if processes is not None and rehearsal is not None:  # a key the forked compile finished early rehearses then
+        processes.on_finished = rehearsal.rehearse_now
+    stages = (PackInstall.for_plan(plan, pack), shard, processes, Tune.for_plan(plan), rehearsal, Remember.for_plan(plan))
     return [s for s in stages if s is not None]
 
 

@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from .. import _triton
@@ -90,6 +90,9 @@ class Processes(Stage):
         the stage does not wait for the children's exits once every key is back: a thread reaps them).
     :ivar seconds: wall time of the forked compile.
     :ivar timeline: where that time went, in seconds from its start (:meth:`section`).
+    :ivar on_finished: called with each key once :attr:`~warmreg.pipeline.stage.Stage.finish` has finished it here
+        (loaded, with its fast launch): a later stage's part of the key, taken early (the rehearsal; set by
+        :func:`warmreg.stages.compose.for_warm`).
     """
 
     name = "processes"
@@ -98,6 +101,7 @@ class Processes(Stage):
         self.workers = workers
         self.compiled = 0
         self.processes = 0
+        self.on_finished: Callable[[Task], None] | None = None
         self.started = 0
         self.seconds = 0.0
         self.timeline: dict[str, float] = {}
@@ -198,6 +202,8 @@ class Processes(Stage):
             self.compiled += 1
             if self.finish is not None:  # this process's part of the key (its hit, load, fast launch) now
                 self.finish(task)
+                if self.on_finished is not None:
+                    self.on_finished(task)
             elif self.progress is not None:
                 self.progress(task)
         if finished < len(misses):

@@ -10,6 +10,10 @@ into warm: each kernel's own launch code runs once per key on :meth:`~warmreg.Tr
 often as CPython needs before a function runs specialized bytecode (``_RUNS``), then the GPU is
 synchronized, so a kernel that faults on them fails the warm, not the first request.
 
+In a cold warm, a key the forked compile finished early (loaded, its fast launch prepared: see
+:attr:`~warmreg.pipeline.stage.Stage.finish`) is rehearsed right then (:meth:`Rehearse.rehearse_now`), while the
+other keys still compile, unless its kernel is tuned; the rest, and the synchronize, come after loading.
+
 The launches are warmreg's own (the monitor ignores them, as it does compiles in warm). A launch
 whose inputs would not give back the key is not made (a contract error, logged); a kernel whose
 launch is unsafe on zeros overrides ``tuning_inputs`` or sets ``rehearse = False``.
@@ -48,7 +52,8 @@ class Rehearse(Stage):
 
     :ivar launched: keys launched (a tuned kernel's tuning key counts once: its chosen candidate).
     :ivar skipped: ``(kernel, key, why)`` of keys not rehearsed.
-    :ivar seconds: time spent, the final synchronize included (``synchronize_seconds``: that alone).
+    :ivar seconds: time spent, the final synchronize included (``synchronize_seconds``: that alone; ``early``: the
+        keys rehearsed while the forked compile still ran, their time included).
     :ivar per_key: ``(kernel, key, seconds)`` of each key rehearsed: the host time of its inputs and launches
         (the GPU's share shows in the final synchronize); the report keeps the slowest (:data:`SLOWEST`).
     """
@@ -60,6 +65,9 @@ class Rehearse(Stage):
         self.skipped: list[tuple[str, str, str]] = []
         self.per_key: list[tuple[str, Any, float]] = []
         self.seconds = self.synchronize_seconds = 0.0
+        self.early = 0
+        self._done: set[tuple[str, Any]] = set()  # (kernel, key) rehearsed
+        self._device: Any = None
 
     @classmethod
     def for_plan(cls, plan: Plan) -> Rehearse | None:
@@ -70,29 +78,48 @@ class Rehearse(Stage):
         """The keys launched, those skipped with why, the time it took, and where the time went."""
         slowest = sorted(self.per_key, key=lambda row: -row[2])[:SLOWEST]
         return {
-            "launched": self.launched, "skipped": [list(s) for s in self.skipped], "seconds": self.seconds,
+            "launched": self.launched, "early": self.early, "skipped": [list(s) for s in self.skipped], "seconds": self.seconds,
             "synchronize_seconds": self.synchronize_seconds, "slowest": [[name, str(key), s] for name, key, s in slowest],
         }  # fmt: skip
+
+    def rehearse_now(self, task: Task) -> None:
+        """Rehearse one key the forked compile has just finished, if it is loaded with its fast launch and its
+        kernel is not tuned (a tuned kernel launches its chosen candidate, known after loading)."""
+        loaded = task.status != "failed" and getattr(task.compiled, "module", None) is not None and task.captured is None
+        kernel = task.kp.kernel_for(task.key) if loaded else None
+        if kernel is None or kernel.tune_configs or not getattr(kernel, "rehearse", True):
+            return
+        start, launched = time.perf_counter(), self.launched
+        if (task.kp.name, task.key) not in self._done:
+            self._done.add((task.kp.name, task.key))
+            self._rehearse(task.kp.name, kernel, task.key, self._ready())
+        self.early += self.launched - launched
+        self.seconds += time.perf_counter() - start
 
     def after_load(self, plan: Plan, tasks: list[Task]) -> None:
         import torch
 
-        start = time.perf_counter()
-        device = _triton.torch_device()
-        runtime_platform()  # launch code's defaults read it (launch_pdl): detected once, now
-        done: set[tuple[str, Any]] = set()
+        start, device = time.perf_counter(), self._ready()
         for task in tasks:
             if task.status == "failed" or task.compiled is None:
                 continue
             kernel = task.kp.kernel_for(task.key)
             key = attrs.evolve(task.key, config=None) if kernel.tune_configs else task.key  # type: ignore[call-arg]
-            if (task.kp.name, key) in done or not getattr(kernel, "rehearse", True):
+            if (task.kp.name, key) in self._done or not getattr(kernel, "rehearse", True):
                 continue
-            done.add((task.kp.name, key))
+            self._done.add((task.kp.name, key))
             self._rehearse(task.kp.name, kernel, key, device)
         synchronize = time.perf_counter()
         torch.cuda.synchronize(device)  # a kernel that faults on its rehearsal fails the warm here
-        self.seconds, self.synchronize_seconds = time.perf_counter() - start, time.perf_counter() - synchronize
+        self.seconds += time.perf_counter() - start
+        self.synchronize_seconds = time.perf_counter() - synchronize
+
+    def _ready(self) -> Any:
+        """The device the keys launch on, first making ready what launch code reads."""
+        if self._device is None:
+            self._device = _triton.torch_device()
+            runtime_platform()  # launch code's defaults read it (launch_pdl): detected once, now
+        return self._device
 
     def _rehearse(self, name: str, kernel: Any, key: Any, device: Any) -> None:
         """Launch one key on its tuning inputs: once captured (its inputs must give back the key), then ``_RUNS`` times."""
