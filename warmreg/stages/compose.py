@@ -4,8 +4,9 @@ A warm installs packs (:class:`~warmreg.stages.pack.PackInstall`), shards the ke
 torch.distributed job (:class:`~warmreg.stages.distributed.Shard`), compiles the misses in forked
 processes (:class:`~warmreg.stages.processes.Processes`), chooses autotune candidates on the GPU
 (:class:`~warmreg.stages.tuning.Tune`), launches each key once there
-(:class:`~warmreg.stages.rehearsal.Rehearse`: a key the forked compile finished early, at once) and keeps what it specialized in its cache for the next process's
-prefetch (:class:`~warmreg.stages.remember.Remember`); a build compiles (processes) and tunes, nothing else.
+(:class:`~warmreg.stages.rehearsal.Rehearse`: a key the forked compile finished early, at once) and keeps
+what it specialized in its cache for the next process's prefetch (:class:`~warmreg.stages.remember.Remember`);
+a build compiles (processes) and tunes, nothing else.
 """
 
 from __future__ import annotations
