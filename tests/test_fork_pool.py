@@ -4,8 +4,10 @@ once and in order, results that never interleave, and no worker that outlives th
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -14,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from warmreg.stages.fork_pool import ForkPool
+from warmreg.stages.fork_pool import ForkPool, remove_temporaries
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and PR_SET_PDEATHSIG: Linux")
 
@@ -100,6 +102,7 @@ def test_a_worker_that_cannot_start_leaves_its_share_to_the_others() -> None:
 
 
 def _sleeps(index: int) -> tuple[str | None, float, float]:
+    tempfile.mkstemp(suffix=".ptx")  # as Triton's make_cubin does before ptxas runs
     time.sleep(60)
     return None, 0.0, 0.0
 
@@ -164,9 +167,38 @@ def test_close_without_waiting_waits_where_a_result_is_missing() -> None:
     assert not _all_gone(pool.pids, timeout=0.5)
 
 
-def test_the_workers_die_with_the_warm() -> None:
+def _temporaries(index: int) -> tuple[str | None, float, float]:
+    """A result naming where this worker's temporary files go (a file is left there, as a killed compiler leaves it)."""
+    tempfile.mkstemp(suffix=".ptx")
+    return f"{tempfile.gettempdir()} {os.environ.get('TMPDIR')}", time.perf_counter(), 0.0
+
+
+@pytest.mark.parametrize("wait", [True, False], ids=["wait", "no-wait"])
+def test_the_workers_write_their_temporaries_in_the_pools_directory_which_goes_with_them(
+    wait: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tmp_path = tmp_path / "tmp"  # (the suite's Triton cache is in the test's own)
+    tmp_path.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    pool = ForkPool(3, 9, lambda: None, _temporaries)
+    pool.start()
+    assert pool.temp is not None
+    temp = Path(pool.temp)
+    assert temp.parent == tmp_path and temp.name.startswith(f"warmreg-fork-{socket.gethostname()}-{os.getpid()}-")
+    results = list(pool.results())
+    assert {r[1] for r in results} == {f"{temp} {temp}"} and len(list(temp.glob("*.ptx"))) == 9
+    pool.close(wait=wait)
+    assert not temp.exists() and pool.temp is None and not _all_gone(pool.pids)
+    assert tempfile.gettempdir() == str(tmp_path) and os.environ.get("TMPDIR") != str(temp), "this process's are its own"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_workers_die_with_the_warm(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """SIGKILL to the process that started the pool: every worker dies with it (the first with the warm, each
-    other with the worker that forked it)."""
+    other with the worker that forked it). What the workers had written in their temporary directory stays
+    there, and the next pool on this host removes that directory (not that of a live process)."""
+    tmp_path = tmp_path / "tmp"
+    tmp_path.mkdir()
     script = textwrap.dedent(
         """
         import time
@@ -178,10 +210,23 @@ def test_the_workers_die_with_the_warm() -> None:
         time.sleep(600)
         """
     )
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1],
+        env={**os.environ, "TMPDIR": str(tmp_path)},
+    )  # fmt: skip
     assert proc.stdout is not None
     pids = [int(p) for p in proc.stdout.readline().split()]
     assert len(pids) == 6 and all(_alive(p) for p in pids)
     proc.kill()
     proc.wait(timeout=30)
     assert not (alive := _all_gone(pids)), f"workers outlived the warm: {alive}"
+    (left,) = tmp_path.iterdir()
+    assert left.name.startswith(f"warmreg-fork-{socket.gethostname()}-{proc.pid}-") and len(list(left.glob("*.ptx"))) == 6
+    live = tmp_path / f"warmreg-fork-{socket.gethostname()}-{os.getpid()}-x"
+    live.mkdir()
+    other_host = tmp_path / f"warmreg-fork-elsewhere-{proc.pid}-x"
+    other_host.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert len(_run(ForkPool(2, 4, lambda: None, _whose))) == 4
+    assert sorted(tmp_path.iterdir()) == sorted([live, other_host])
+    assert remove_temporaries() == 0

@@ -31,11 +31,11 @@ def _whole_entries_only(cache: Path) -> int:
     return len(groups)
 
 
-def _start_warm(cache: Path) -> subprocess.Popen[str]:
+def _start_warm(cache: Path, temp: Path) -> subprocess.Popen[str]:
     cli = SIGINT_AS_IN_A_TERMINAL + "import sys\nfrom warmreg.cli.main import main\nsys.exit(main(sys.argv[1:]))\n"
     return subprocess.Popen(
         [sys.executable, "-c", cli, "warm", FLASH, "--target", "cuda:90", "--quiet", "--workers", "2"],
-        env={**os.environ, "TRITON_CACHE_DIR": str(cache)},
+        env={**os.environ, "TRITON_CACHE_DIR": str(cache), "TMPDIR": str(temp)},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -81,9 +81,11 @@ def _wait_for_some_entries(cache: Path, proc: subprocess.Popen[str], at_least: i
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["SIGINT", "SIGKILL"])
 def test_interrupted_warm_then_rerun(sig: signal.Signals, tmp_path: Path) -> None:
     """a warm interrupted half way (SIGINT, SIGKILL) leaves only whole entries and none of its
-    compile processes; a re-run completes"""
-    cache = tmp_path / "cache"
-    proc = _start_warm(cache)
+    compile processes; a re-run completes, and leaves nothing in the temporary directory (a SIGKILL can leave the
+    ptxas files of the compiles it cut short there, in the compile processes' own folder: the re-run removes it)"""
+    cache, temp = tmp_path / "cache", tmp_path / "tmp"
+    temp.mkdir()
+    proc = _start_warm(cache, temp)
     _wait_for_some_entries(cache, proc)
     children = _children(proc.pid)
     assert children, "the warm compiles its misses in forked processes"
@@ -99,12 +101,14 @@ def test_interrupted_warm_then_rerun(sig: signal.Signals, tmp_path: Path) -> Non
     assert 0 < partial < plan_keys + 5
     rerun = subprocess.run(
         [sys.executable, "-m", "warmreg", "warm", FLASH, "--target", "cuda:90", "--quiet", "--json", str(tmp_path / "r.json")],
-        env={**os.environ, "TRITON_CACHE_DIR": str(cache)}, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "TRITON_CACHE_DIR": str(cache), "TMPDIR": str(temp)}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert rerun.returncode == 0, rerun.stderr[-2000:]
     report = json.loads((tmp_path / "r.json").read_text())["summary"]
     assert report["failed"] == 0 and report["from_cache"] >= 1 and report["compiled"] + report["from_cache"] == plan_keys
     _whole_entries_only(cache)
+    assert json.loads((tmp_path / "r.json").read_text())["stages"]["processes"]["started"] > 0, "the re-run forks"
+    assert not (left := [str(p.relative_to(temp)) for p in temp.rglob("*")]), f"left in the temporary directory: {left}"
 
 
 @pytest.fixture

@@ -15,6 +15,12 @@ worker is gone; once every index's result is in, the warm need not wait for it (
 (``PR_SET_PDEATHSIG``): the warm's workers with the warm (SIGKILL, as before), a worker's workers with it (SIGTERM, so that a compiler's
 handler removes its temporary files). :meth:`ForkPool.terminate` sends SIGTERM to every worker that
 reported its pid; one that had not yet dies with its forker.
+
+The workers write their temporary files (Triton's ``.ptx`` and ptxas log, a launcher's build) into a directory of
+the pool's own under the system's (``warmreg-fork-<host>-<pid>-*``, as ``tempfile.tempdir`` and ``TMPDIR``):
+Triton removes those files only once ptxas returns, so a worker killed with the warm (SIGKILL) left them in the
+system's temporary directory. The pool removes its directory once every worker is gone, and a pool that starts
+removes those of warms on this host that died.
 """
 
 from __future__ import annotations
@@ -25,13 +31,18 @@ import mmap
 import multiprocessing
 import os
 import select
+import shutil
 import signal
+import socket
 import struct
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 
-__all__ = ["ForkPool", "Result"]
+from .._triton import cache as _triton_cache
+
+__all__ = ["ForkPool", "Result", "remove_temporaries"]
 
 #: A result: (index, error or None, start, seconds), ``start`` on the workers' and the warm's one clock.
 Result = tuple[int, str | None, float, float]
@@ -40,6 +51,7 @@ _PR_SET_PDEATHSIG = 1
 _HEADER = struct.Struct("<iIdd")  # index (or a worker's birth, its pid in the length field), error length, start, seconds
 _BIRTH, _INIT_FAILED = -1, -2
 _ATOMIC = getattr(select, "PIPE_BUF", 4096)
+_TEMP = f"warmreg-fork-{socket.gethostname()}-"  # then the warm's pid, "-" and mkdtemp's random part
 
 
 class ForkPool:
@@ -66,11 +78,15 @@ class ForkPool:
         self._firsts: list[int] = []  # without the tree: the other workers this process forked
         self._buffer = b""  # what was read of the pipe and not yet parsed
         self._complete = False  # every index's result came back
+        self.temp: str | None = None  # the workers' temporary directory, while they may write there
 
     def start(self) -> None:
         """Fork the first worker, which forks the others (call with SIGINT blocked: they are born so)."""
         self._read, self._write = os.pipe()
         self._warm = os.getpid()
+        remove_temporaries()
+        with contextlib.suppress(OSError):  # (none: the workers write where this process would)
+            self.temp = tempfile.mkdtemp(prefix=f"{_TEMP}{self._warm}-")
         try:
             self._root = self._spawn(0, self.workers if self.tree else 1)
             self.pids.add(self._root)
@@ -131,6 +147,7 @@ class ForkPool:
             self._read, read = -1, self._read
             for _ in self._messages(read, more=False):  # the births read with the last result
                 continue
+            self._remove_temp()  # (no worker compiles again)
             threading.Thread(target=self._reap, args=(read,), name="warmreg-fork-pool-reap", daemon=True).start()
             return
         read, self._read = self._read, -1
@@ -147,6 +164,12 @@ class ForkPool:
             for pid in [self._root, *self._firsts] if self._root else []:
                 with contextlib.suppress(ChildProcessError):
                     os.waitpid(pid, 0)
+            self._remove_temp()  # with what a worker's compiler left on SIGTERM
+
+    def _remove_temp(self) -> None:
+        temp, self.temp = self.temp, None
+        if temp:
+            shutil.rmtree(temp, ignore_errors=True)
 
     # -- in the workers ------------------------------------------------------------------------------
 
@@ -170,6 +193,8 @@ class ForkPool:
         if self._read >= 0:  # (a worker's workers inherit it closed)
             os.close(self._read)
             self._read = -1
+        if self.temp:
+            tempfile.tempdir = os.environ["TMPDIR"] = self.temp  # (and the compilers it runs)
         self._send(_HEADER.pack(_BIRTH, os.getpid(), time.perf_counter(), 0.0))
         try:
             self.init()
@@ -209,3 +234,16 @@ class ForkPool:
 
     def _send(self, message: bytes) -> None:
         os.write(self._write, message)  # at most PIPE_BUF bytes: one atomic write
+
+
+def remove_temporaries() -> int:
+    """Remove the workers' temporary directories that pools of warms on this host that died (SIGKILL) left in the
+    system's temporary directory; those of live processes stay. Returns how many were removed."""
+    removed = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(tempfile.gettempdir()):
+            pid = entry.name.removeprefix(_TEMP).partition("-")[0]
+            if entry.name.startswith(_TEMP) and pid.isdigit() and not _triton_cache.alive(int(pid)) and entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed += 1
+    return removed
