@@ -19,8 +19,8 @@ reported its pid; one that had not yet dies with its forker.
 The workers write their temporary files (Triton's ``.ptx`` and ptxas log, a launcher's build) into a directory of
 the pool's own under the system's (``warmreg-fork-<host>-<pid>-*``, as ``tempfile.tempdir`` and ``TMPDIR``):
 Triton removes those files only once ptxas returns, so a worker killed with the warm (SIGKILL) left them in the
-system's temporary directory. The pool removes its directory once every worker is gone, and a pool that starts
-removes those of warms on this host that died.
+system's temporary directory. The pool removes its directory once every worker is gone, and then those of warms on
+this host that died.
 """
 
 from __future__ import annotations
@@ -84,7 +84,6 @@ class ForkPool:
         """Fork the first worker, which forks the others (call with SIGINT blocked: they are born so)."""
         self._read, self._write = os.pipe()
         self._warm = os.getpid()
-        remove_temporaries()
         with contextlib.suppress(OSError):  # (none: the workers write where this process would)
             self.temp = tempfile.mkdtemp(prefix=f"{_TEMP}{self._warm}-")
         try:
@@ -170,6 +169,7 @@ class ForkPool:
         temp, self.temp = self.temp, None
         if temp:
             shutil.rmtree(temp, ignore_errors=True)
+            remove_temporaries()  # (here, not on a thread a process that ends may not wait for)
 
     # -- in the workers ------------------------------------------------------------------------------
 
