@@ -157,7 +157,9 @@ def test_stages_match_their_references() -> None:
     h, v_new, final = KDAChunkH()(kg, w, u, g, cu, offsets, b["initial_state"], chunks.shape[0])
     for got, want in zip((h, v_new, final), chunk_h_reference(kg, w, u, g, cu, b["initial_state"]), strict=True):
         torch.testing.assert_close(got, want, **FP32)
+    aqk = torch.where(_on_or_below_diagonal(cu), aqk, torch.nan)  # what the intra stage leaves unwritten: any bits
     o = KDAChunkO()(q, v_new, g, h, aqk, cu, chunks)
+    assert not o.isnan().any(), "the output stage reads A_qk above the diagonal"
     torch.testing.assert_close(o, chunk_o_reference(q, v_new, g, h, aqk, cu), **FP32)
 
 

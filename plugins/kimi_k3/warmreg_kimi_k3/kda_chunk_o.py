@@ -242,7 +242,8 @@ def chunk_o_reference(
     for chunk, rows in enumerate(chunk_rows(cu_seqlens)):
         n = rows.stop - rows.start
         qg = scale * q[rows].float() * torch.exp2(g[rows].float())
-        a = aqk[rows, :, :n].float() * torch.ones(n, n).tril()[:, None, :]  # [i, H, j]
+        lower = torch.ones(n, n, dtype=torch.bool).tril()[:, None, :]
+        a = torch.where(lower, aqk[rows, :, :n].float(), 0.0)  # [i, H, j]; above the diagonal unwritten (any bits)
         o[rows] = torch.einsum("thk,hvk->thv", qg, h[chunk].float()) + torch.einsum(
             "ihj,jhv->ihv", a, v_new[rows].float()
         )
