@@ -4,7 +4,6 @@ once and in order, results that never interleave, and no worker that outlives th
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from warmreg._triton.cache import HOST
 from warmreg.stages.fork_pool import ForkPool, remove_temporaries
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fork and PR_SET_PDEATHSIG: Linux")
@@ -184,7 +184,7 @@ def test_the_workers_write_their_temporaries_in_the_pools_directory_which_goes_w
     pool.start()
     assert pool.temp is not None
     temp = Path(pool.temp)
-    assert temp.parent == tmp_path and temp.name.startswith(f"warmreg-fork-{socket.gethostname()}-{os.getpid()}-")
+    assert temp.parent == tmp_path and temp.name.startswith(f"warmreg-fork-{HOST}-{os.getpid()}-")
     results = list(pool.results())
     assert {r[1] for r in results} == {f"{temp} {temp}"} and len(list(temp.glob("*.ptx"))) == 9
     pool.close(wait=wait)
@@ -221,8 +221,8 @@ def test_the_workers_die_with_the_warm(tmp_path: Path, monkeypatch: pytest.Monke
     proc.wait(timeout=30)
     assert not (alive := _all_gone(pids)), f"workers outlived the warm: {alive}"
     (left,) = tmp_path.iterdir()
-    assert left.name.startswith(f"warmreg-fork-{socket.gethostname()}-{proc.pid}-") and len(list(left.glob("*.ptx"))) == 6
-    live = tmp_path / f"warmreg-fork-{socket.gethostname()}-{os.getpid()}-x"
+    assert left.name.startswith(f"warmreg-fork-{HOST}-{proc.pid}-") and len(list(left.glob("*.ptx"))) == 6
+    live = tmp_path / f"warmreg-fork-{HOST}-{os.getpid()}-x"
     live.mkdir()
     other_host = tmp_path / f"warmreg-fork-elsewhere-{proc.pid}-x"
     other_host.mkdir()

@@ -104,10 +104,11 @@ def test_interrupted_warm_then_rerun(sig: signal.Signals, tmp_path: Path) -> Non
         env={**os.environ, "TRITON_CACHE_DIR": str(cache), "TMPDIR": str(temp)}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert rerun.returncode == 0, rerun.stderr[-2000:]
-    report = json.loads((tmp_path / "r.json").read_text())["summary"]
+    written = json.loads((tmp_path / "r.json").read_text())
+    report = written["summary"]
     assert report["failed"] == 0 and report["from_cache"] >= 1 and report["compiled"] + report["from_cache"] == plan_keys
     _whole_entries_only(cache)
-    assert json.loads((tmp_path / "r.json").read_text())["stages"]["processes"]["started"] > 0, "the re-run forks"
+    assert written["stages"]["processes"]["started"] > 0, "the re-run forks"
     assert not (left := [str(p.relative_to(temp)) for p in temp.rglob("*")]), f"left in the temporary directory: {left}"
 
 

@@ -8,9 +8,11 @@ how ``preload`` decodes serialized constants is not (:class:`warmreg._triton.rel
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -29,6 +31,7 @@ log = logging.getLogger("warmreg.pipeline.compile")
 
 __all__ = [
     "cache_knobs",
+    "HOST",
     "alive",
     "cache_dir",
     "check_cache_writable",
@@ -146,6 +149,11 @@ def remove_unfinished(jit: JITFunction, specialization_data: str, platform: Plat
     with contextlib.suppress(OSError):  # another process is writing there: its files are its own
         directory.rmdir()
     return removed
+
+
+#: This host in the names of temporary files and folders that a later process removes once their writer died
+#: (``alive``); another host sharing the directory keeps its own.
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
 
 
 def alive(pid: int) -> bool:

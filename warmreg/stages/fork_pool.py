@@ -17,7 +17,7 @@ handler removes its temporary files). :meth:`ForkPool.terminate` sends SIGTERM t
 reported its pid; one that had not yet dies with its forker.
 
 The workers write their temporary files (Triton's ``.ptx`` and ptxas log, a launcher's build) into a directory of
-the pool's own under the system's (``warmreg-fork-<host>-<pid>-*``, as ``tempfile.tempdir`` and ``TMPDIR``):
+the pool's own under the system's (``warmreg-fork-<host hash>-<pid>-*``, as ``tempfile.tempdir`` and ``TMPDIR``):
 Triton removes those files only once ptxas returns, so a worker killed with the warm (SIGKILL) left them in the
 system's temporary directory. The pool removes its directory once every worker is gone, and then those of warms on
 this host that died.
@@ -33,7 +33,6 @@ import os
 import select
 import shutil
 import signal
-import socket
 import struct
 import tempfile
 import threading
@@ -51,7 +50,7 @@ _PR_SET_PDEATHSIG = 1
 _HEADER = struct.Struct("<iIdd")  # index (or a worker's birth, its pid in the length field), error length, start, seconds
 _BIRTH, _INIT_FAILED = -1, -2
 _ATOMIC = getattr(select, "PIPE_BUF", 4096)
-_TEMP = f"warmreg-fork-{socket.gethostname()}-"  # then the warm's pid, "-" and mkdtemp's random part
+_TEMP = f"warmreg-fork-{_triton_cache.HOST}-"  # then the warm's pid, "-" and mkdtemp's random part
 
 
 class ForkPool:

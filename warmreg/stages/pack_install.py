@@ -9,10 +9,8 @@ joined; a Triton function is looked up in a given map, never imported.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
-import socket
 import uuid
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -147,7 +145,7 @@ def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash:
 
 #: Temporary files carry this host and the writing process, so a later install can tell those of a
 #: process that died (removed) from those of one still writing (left alone).
-_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+_HOST = _triton_cache.HOST
 
 
 def atomic_write(path: Path, data: bytes) -> None:
