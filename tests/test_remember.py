@@ -68,6 +68,36 @@ def test_the_prefetch_decodes_them_and_binding_takes_them(triton_cache: Path, mo
     assert [r.specialization_data for r in again.results] == [r.specialization_data for r in first.results]
 
 
+def test_the_prefetch_reads_their_cache_groups_and_the_hits_skip_tritons_read(triton_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each decoded specialization's group file is read by the prefetch (off the warm's path), so the warm's hits call
+    no ``get_group``; an entry in part removed since its warm is not taken, and its hit reads the group as Triton does."""
+    from triton.runtime.cache import FileCacheManager
+
+    from warmreg._triton import hits
+
+    _forget_decoded()  # as in a fresh process: the warm keeps its specializations
+    first = _warm()
+    _forget_decoded()
+    hits._published.clear()
+    meta = f"{_scale_kernel.fn.__name__}.json"  # the metadata file of each entry (named after the jit function)
+    one = first.results[0]
+    cubin = next(p for p in one.cache_files.values() if p.endswith(".cubin"))
+    os.rename(cubin, cubin + ".aside")  # one entry not whole: not remembered
+    created = sorted(str(p) for p in triton_cache.rglob("*"))
+    assert remember.decode({NAME: _scale_kernel}, [SM90], stop=lambda: False) == 3
+    assert sorted(str(p) for p in triton_cache.rglob("*")) == created  # the reads create nothing
+    remembered = {(h, n) for c, h, n in hits._published if c == str(triton_cache)}
+    assert remembered == {(r.binary_hash, meta) for r in first.results[1:]}
+    os.rename(cubin + ".aside", cubin)
+    reads: list[str] = []
+    real = FileCacheManager.get_group
+    monkeypatch.setattr(FileCacheManager, "get_group", lambda self, name: reads.append(name) or real(self, name))
+    again = _warm()
+    assert again.from_cache == 3 and len(reads) == 1  # only the entry the prefetch found in part removed
+    assert {r.binary_hash for r in again.results} == {r.binary_hash for r in first.results}
+    assert not hits._published  # each remembered group served its hit once
+
+
 def test_an_unreadable_file_is_ignored_and_written_anew(triton_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _forget_decoded()  # as in a fresh process
     path = remember.index_path(str(triton_cache))

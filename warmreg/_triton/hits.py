@@ -14,13 +14,14 @@ import triton
 from triton.compiler.compiler import AsmDict
 from triton.runtime.jit import JITFunction
 
+from ..support import bounded_json
 from ..values.platform import Platform
-from .cache import cache_dir, hashed_source, metadata_filename
+from .cache import cache_dir, cache_subdir, hashed_source, metadata_filename
 from .compiler import touch
 from .hooks import only_own_compile_hook
 from .target import current_device
 
-__all__ = ["load_hit", "remember_group"]
+__all__ = ["load_hit", "remember_found_group", "remember_group"]
 
 #: Cache entries a pack install published in this process, ``(cache directory, hash, metadata file) -> child paths``:
 #: a warm's hit of one reads its metadata and binary without Triton's ``get_group`` (its directory
@@ -33,6 +34,26 @@ def remember_group(cache: str, binary_hash: str, name: str, children: dict[str, 
     if len(_published) >= 4096:
         _published.clear()
     _published[(cache, binary_hash, name)] = dict(children)
+
+
+def remember_found_group(cache: str, binary_hash: str, name: str) -> dict[str, str] | None:
+    """Remember the child paths of a cache entry found whole under ``cache`` (its group file read, every child a
+    file), as :func:`remember_group` does for one just published: a pack install's entry already there, or a
+    disk-cache entry the prefetch finds for a kept specialization (:mod:`warmreg.stages.remember`), read here off
+    the warm's path. Nothing is created: an entry missing, damaged or in part removed is left to Triton's read.
+
+    :returns: the child paths, or ``None`` where the entry is not whole.
+    """
+    group = os.path.join(cache, cache_subdir(binary_hash), f"__grp__{name}")
+    try:
+        with open(group, "rb") as f:
+            children = bounded_json.loads(f.read(), max_depth=4, max_values=1024)["child_paths"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(children, dict) or not all(isinstance(p, str) and os.path.isfile(p) for p in children.values()):
+        return None
+    remember_group(str(Path(cache)), binary_hash, name, children)
+    return dict(children)
 
 
 def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str | None, platform: Platform) -> Any:

@@ -8,7 +8,6 @@ joined; a Triton function is looked up in a given map, never imported.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import uuid
@@ -19,7 +18,7 @@ from typing import Any
 
 from .. import _triton
 from .._triton import cache as _triton_cache
-from .._triton.hits import remember_group
+from .._triton.hits import remember_found_group, remember_group
 from ..support import bounded_json as _json
 from ..values.errors import CacheError, WarmregError
 from ..values.platform import Platform
@@ -113,12 +112,8 @@ def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash:
     group = directory / f"__grp__{meta_name}"
     if directory.is_dir():
         sweep_temporaries(directory)
-    if group.exists():
-        with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):  # a damaged group file is replaced below
-            existing = _json.loads(group.read_bytes())["child_paths"]
-            if all(Path(p).is_file() for p in existing.values()):
-                remember_group(str(cache), local_hash, meta_name, existing)
-                return False  # already installed (by us, another installer, or Triton itself)
+    if group.exists() and remember_found_group(str(cache), local_hash, meta_name) is not None:
+        return False  # already installed (by us, another installer, or Triton itself); a damaged one is replaced below
     directory.mkdir(parents=True, exist_ok=True)
     writer = uuid.uuid4().hex[:12]
     children: dict[str, str] = {}

@@ -6,7 +6,7 @@ argument packing, serialize each key's specialization and hash it on the warm's 
 keeps each key's specialization in ``<cache>/warmreg/specializations.json`` (by target and jit function; not
 those it took from a pack or from this file, decoded in this process: the pack holds them), and
 :func:`warmreg.prefetch` decodes those of the local GPUs' targets on its thread (:func:`decode`), where binding
-finds them. Binding takes a decoded specialization only where Triton's in-memory key and the parsed options it
+finds them, and reads the group file of each one's cache entry, where the warm's hit finds it. Binding takes a decoded specialization only where Triton's in-memory key and the parsed options it
 computes agree with it, so a stale entry (a changed kernel, another environment) costs its decode and nothing
 else; an unreadable file is ignored and written anew. The file is written whole (as a pack install writes:
 :func:`~warmreg.stages.pack_install.atomic_write`) and only when a warm specialized something it does not hold.
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from .. import _triton
 from .._triton import cache as _triton_cache
+from .._triton.hits import remember_found_group
 from ..pipeline.stage import Stage
 from ..support import bounded_json
 from ..values.platform import Platform
@@ -134,8 +135,10 @@ def _keep(directory: str, found: list[_Entry]) -> bool:
 
 def decode(jits: Mapping[str, Any], targets: list[Any], *, stop: Callable[[], bool]) -> int:
     """Decode and hash the current cache's specializations for ``targets`` (``GPUTarget``) of ``jits`` (functions by
-    full name), for binding to find (:func:`warmreg._triton.cache.local_cache_hash`); stops once ``stop()`` says
-    so. Returns how many were decoded; an entry that does not decode is skipped."""
+    full name), for binding to find (:func:`warmreg._triton.cache.local_cache_hash`), and read the group file of
+    each one's cache entry, for its hit to find (:func:`warmreg._triton.hits.remember_found_group`: the warm skips
+    Triton's ``get_group``, as after a pack install); stops once ``stop()`` says so. Returns how many were decoded;
+    an entry that does not decode is skipped."""
     directory = _triton_cache.cache_dir()
     entries = _read(directory)
     _known.setdefault(directory, set()).update(entries)
@@ -154,8 +157,9 @@ def decode(jits: Mapping[str, Any], targets: list[Any], *, stop: Callable[[], bo
         if jit is None or platform is None:
             continue
         try:
-            _triton_cache.local_cache_hash(jit, data, platform)
+            binary_hash, src = _triton_cache.hashed_source(jit, data, platform)
             decoded += 1
+            remember_found_group(directory, binary_hash, _triton_cache.metadata_filename(src))  # the hit's group read
         except Exception as exc:
             log.debug("could not decode a specialization of %s: %r", name, exc)
     return decoded
