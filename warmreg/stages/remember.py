@@ -6,9 +6,10 @@ argument packing, serialize each key's specialization and hash it on the warm's 
 keeps each key's specialization in ``<cache>/warmreg/specializations.json`` (by target and jit function; not
 those it took from a pack or from this file, decoded in this process: the pack holds them), and
 :func:`warmreg.prefetch` decodes those of the local GPUs' targets on its thread (:func:`decode`), where binding
-finds them, and reads the group file of each one's cache entry, where the warm's hit finds it. Binding takes a decoded specialization only where Triton's in-memory key and the parsed options it
-computes agree with it, so a stale entry (a changed kernel, another environment) costs its decode and nothing
-else; an unreadable file is ignored and written anew. The file is written whole (as a pack install writes:
+finds them, and reads the group file of each one's cache entry, where the warm's hit finds it. Binding takes a
+decoded specialization only where Triton's in-memory key and the parsed options it computes agree with it, so a
+stale entry (a changed kernel, another environment) costs its decode and nothing else; an unreadable file is
+ignored and written anew. The file is written whole (as a pack install writes:
 :func:`~warmreg.stages.pack_install.atomic_write`) and only when a warm specialized something it does not hold.
 """
 
