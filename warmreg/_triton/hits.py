@@ -23,7 +23,8 @@ from .target import current_device
 
 __all__ = ["load_hit", "remember_found_group", "remember_group"]
 
-#: Cache entries a pack install published in this process, ``(cache directory, hash, metadata file) -> child paths``:
+#: Cache entries a pack install published (or found whole) in this process, or the prefetch found whole for a kept
+#: specialization, ``(cache directory, hash, metadata file) -> child paths``:
 #: a warm's hit of one reads its metadata and binary without Triton's ``get_group`` (its directory
 #: created again, the group file read, every child's existence checked: 0.08 ms a key on the CPU machine).
 _published: dict[tuple[str, str, str], dict[str, str]] = {}
@@ -36,24 +37,24 @@ def remember_group(cache: str, binary_hash: str, name: str, children: dict[str, 
     _published[(cache, binary_hash, name)] = dict(children)
 
 
-def remember_found_group(cache: str, binary_hash: str, name: str) -> dict[str, str] | None:
+def remember_found_group(cache: str, binary_hash: str, name: str) -> bool:
     """Remember the child paths of a cache entry found whole under ``cache`` (its group file read, every child a
     file), as :func:`remember_group` does for one just published: a pack install's entry already there, or a
     disk-cache entry the prefetch finds for a kept specialization (:mod:`warmreg.stages.remember`), read here off
     the warm's path. Nothing is created: an entry missing, damaged or in part removed is left to Triton's read.
 
-    :returns: the child paths, or ``None`` where the entry is not whole.
+    :returns: whether the entry is whole (and now remembered).
     """
     group = os.path.join(cache, cache_subdir(binary_hash), f"__grp__{name}")
     try:
         with open(group, "rb") as f:
             children = bounded_json.loads(f.read(), max_depth=4, max_values=1024)["child_paths"]
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return False
     if not isinstance(children, dict) or not all(isinstance(p, str) and os.path.isfile(p) for p in children.values()):
-        return None
+        return False
     remember_group(str(Path(cache)), binary_hash, name, children)
-    return dict(children)
+    return True
 
 
 def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str | None, platform: Platform) -> Any:
@@ -65,8 +66,9 @@ def load_hit(jit: JITFunction, triton_key: str | None, specialization_data: str 
     A warm already bound the launch and hashed its specialization; ``warmup`` would bind and hash it
     again (0.5 ms a key on the H200 host). The kernel reads its metadata and binary now, and the text of
     each intermediate representation (``kernel.asm["ptx"]`` and the like, which a launch never reads)
-    from the entry when first asked for (:class:`_LazyAsm`). An entry a pack install of this process published
-    (:func:`remember_group`) is read without Triton's ``get_group``; one removed since, as Triton reads it.
+    from the entry when first asked for (:class:`_LazyAsm`). An entry a pack install of this process published or the
+    prefetch found (:func:`remember_group`, :func:`remember_found_group`) is read without Triton's ``get_group``; one
+    removed since, as Triton reads it.
 
     ``None`` where Triton's own path must run: no entry, a pre- or post-compile hook other than warmreg's
     own monitor (which ignores a warm's compiles), or a knob that changes what a hit does

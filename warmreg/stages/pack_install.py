@@ -112,7 +112,7 @@ def _publish(cache: Path, entry: PackEntry, blobs: dict[str, bytes], local_hash:
     group = directory / f"__grp__{meta_name}"
     if directory.is_dir():
         sweep_temporaries(directory)
-    if group.exists() and remember_found_group(str(cache), local_hash, meta_name) is not None:
+    if remember_found_group(str(cache), local_hash, meta_name):
         return False  # already installed (by us, another installer, or Triton itself); a damaged one is replaced below
     directory.mkdir(parents=True, exist_ok=True)
     writer = uuid.uuid4().hex[:12]
